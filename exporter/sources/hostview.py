@@ -1,0 +1,38 @@
+"""What the exporter needs to know about the host's processes and memory.
+
+Two implementations: `exporter.sources.host.LocalHost` reads the real /proc through psutil;
+`exporter.sim.host.SimulatedHost` answers for a scenario's made-up processes. Everything
+else takes a HostView and never knows which one it has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..model import HostMemory
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    name: str  # comm
+    rss_bytes: int | None
+    start_time: float | None  # Unix seconds
+    ppid: int | None = None
+    cgroup: str = ""  # raw text of /proc/<pid>/cgroup
+    ns_pid: int | None = None  # innermost PID from NSpid
+    cmdline: str = ""  # only read when asked for
+
+
+class HostView(Protocol):
+    def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
+        """The process's identity, or None when it no longer exists (a normal race)."""
+
+    def descendants(self, pid: int) -> list[int]:
+        """PIDs of all children, grandchildren, ... of `pid` (empty when it is gone)."""
+
+    def pid_listening_on(self, port: int) -> int | None:
+        """The PID of the process with a TCP socket listening on `port`, if any is visible."""
+
+    def memory(self) -> HostMemory | None:
+        """Host memory (MemTotal/MemAvailable, PSI, oom_kill count); None if unreadable."""
