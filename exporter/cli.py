@@ -1,0 +1,215 @@
+"""Command line: `gpu-memory-exporter run|snapshot|explain|analyze|scenarios|check-config`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+
+import click
+
+from . import __version__
+from .config import Config, ConfigError
+from .config import load as load_config
+
+log = logging.getLogger("exporter")
+
+_COMMON_ENV = {"auto_envvar_prefix": "GPUMEM"}
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _load(config_file, **overrides) -> Config:
+    try:
+        return load_config(config_file, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from exc
+
+
+def make_analyzer(config: Config):
+    from .analysis.engine import AnalysisConfig, Analyzer
+
+    return Analyzer(AnalysisConfig(admission_close_above=config.admission.close_above,
+                                   admission_open_below=config.admission.open_below,
+                                   history_raw_seconds=config.history_raw_seconds,
+                                   history_retention_seconds=config.history_retention_seconds))
+
+
+def _build_runtime(config: Config, simulate, speed=1.0, at=None):
+    from .runtime import build
+    from .sim.scenario import ScenarioError
+
+    try:
+        return build(config, simulate=simulate, speed=speed, at=at)
+    except (ConfigError, ScenarioError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], **_COMMON_ENV})
+@click.version_option(__version__, prog_name="gpu-memory-exporter")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """Prometheus exporter and alerting daemon for GPU memory on LLM serving hosts."""
+    _setup_logging(log_level)
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML configuration file.")
+@click.option("--listen", help="HOST:PORT to serve on (default 0.0.0.0:9842).")
+@click.option("--interval", type=float, help="Seconds between samples (default 5).")
+@click.option("--simulate", metavar="SCENARIO", help="Run against a built-in simulated host (see `scenarios`).")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="With --simulate: how many times faster than real time the scenario runs.")
+@click.option("--vllm-endpoint", "vllm_endpoints", multiple=True, metavar="URL",
+              help="A vLLM /metrics URL to scrape; repeatable.")
+@click.option("--web-config", "web_config_file", type=click.Path(dir_okay=False),
+              help="TLS and basic auth, in Prometheus exporter-toolkit's web config format.")
+def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_config_file) -> None:
+    """Run the daemon: sample, analyse and serve /metrics."""
+    from .config import parse_listen
+    from .daemon import Daemon
+    from .exposition import build_registry
+    from .web import BasicAuth, HttpServer, load_web_config, make_app
+
+    overrides = dict(listen=listen, interval_seconds=interval, web_config_file=web_config_file,
+                     vllm_endpoints=vllm_endpoints)
+    config = _load(config_file, **overrides)
+    web = None
+    if config.web_config_file:
+        try:
+            web = load_web_config(config.web_config_file)
+        except ConfigError as exc:
+            raise click.ClickException(f"invalid web config: {exc}") from exc
+    runtime = _build_runtime(config, simulate, speed=speed)
+    daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds, analyze=make_analyzer(config).update)
+    registry = build_registry(lambda: daemon.state, runtime.clock.now)
+    app = make_app(registry, lambda: daemon.state, runtime.clock.now, config.effective_stale_after,
+                   auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
+    host, port = parse_listen(config.listen)
+    try:
+        server = HttpServer(app, host, port, web).start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+    log.info("serving on %s://%s:%d/metrics (%s host, every %.1f s)", "https" if server.tls else "http",
+             host, server.port, f"simulated '{simulate}' x{speed:g}" if simulate else "real",
+             config.interval_seconds)
+
+    stopping = threading.Event()
+    state = {"runtime": runtime}
+
+    def reload(*_):
+        """SIGHUP: re-read the configuration; a bad file keeps the running one."""
+        try:
+            new_config = _load(config_file, **overrides)
+            new_runtime = _build_runtime(new_config, simulate, speed=speed)
+        except click.ClickException as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc.message)
+            return
+        if new_config.listen != config.listen or new_config.web_config_file != config.web_config_file:
+            log.warning("listen address and web config change only on restart")
+        old, state["runtime"] = state["runtime"], new_runtime
+        daemon.sampler, daemon.interval = new_runtime.sampler, new_config.interval_seconds
+        old.close()
+        log.info("configuration reloaded")
+
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, reload)
+    daemon.start()
+    try:
+        while not stopping.wait(0.5):
+            pass
+    finally:
+        log.info("stopping")
+        daemon.stop()
+        server.stop()
+        state["runtime"].close()
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False))
+@click.option("--simulate", metavar="SCENARIO", help="Sample a built-in simulated host.")
+@click.option("--at", "at", type=float, default=0.0, show_default=True,
+              help="With --simulate: the scenario time (seconds) to sample at.")
+@click.option("--vllm-endpoint", "vllm_endpoints", multiple=True, metavar="URL")
+@click.option("--format", "fmt", type=click.Choice(["prometheus", "json"]), default="prometheus",
+              show_default=True)
+def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
+    """Sample once and print the result."""
+    from prometheus_client import generate_latest
+
+    from .daemon import Daemon
+    from .exposition import build_registry
+
+    config = _load(config_file, vllm_endpoints=vllm_endpoints)
+    runtime = _build_runtime(config, simulate, at=at if simulate else None)
+    try:
+        daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds,
+                        analyze=make_analyzer(config).update)
+        state = daemon.tick()
+    finally:
+        runtime.close()
+    if fmt == "json":
+        out = {"snapshot": dataclasses.asdict(state.snapshot),
+               "analysis": dataclasses.asdict(state.analysis) if state.analysis else None}
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        click.echo(generate_latest(build_registry(lambda: state, runtime.clock.now)).decode(), nl=False)
+
+
+@main.command()
+@click.argument("logfiles", nargs=-1, required=True, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def explain(logfiles, fmt) -> None:
+    """Find every out-of-memory event in server logs and explain it."""
+    from .explain import ExplainError
+    from .explain import explain as do_explain
+
+    try:
+        click.echo(do_explain(list(logfiles), fmt), nl=False)
+    except ExplainError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.argument("traces", nargs=-1, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def analyze(traces, fmt) -> None:
+    """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
+    from .analyze import analyze as do_analyze
+    from .trace import TraceError
+
+    if not traces:
+        raise click.UsageError("give at least one TRACE file")
+    try:
+        click.echo(do_analyze(list(traces), fmt), nl=False)
+    except TraceError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+def scenarios() -> None:
+    """List the built-in simulation scenarios."""
+    from .sim.scenario import builtin
+
+    items = builtin()
+    width = max(len(name) for name, _ in items)
+    for name, description in items:
+        click.echo(f"{name.ljust(width)}  {description}")
+
+
+@main.command("check-config")
+@click.argument("file", type=click.Path(dir_okay=False))
+def check_config(file) -> None:
+    """Validate a configuration file and print it as understood."""
+    config = _load(file)
+    click.echo(f"{file}: OK")
+    out = dataclasses.asdict(config)
+    click.echo(json.dumps(out, indent=2, default=str))

@@ -1,0 +1,91 @@
+"""Wires sources to a host: the real one (pynvml + /proc), or a simulated scenario.
+
+This is the only place that knows whether the host is simulated; everything downstream gets
+the same NVML module shape, the same HostView and plain vLLM endpoint URLs.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from .clock import FixedClock, SystemClock, VirtualClock
+from .config import Config, EndpointConfig, read_secret_file
+from .daemon import Sampler
+from .sources.nvml import NvmlSource
+
+log = logging.getLogger("exporter.runtime")
+
+
+@dataclass
+class Runtime:
+    sampler: Sampler
+    clock: object
+    simulated: bool = False
+    _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def close(self) -> None:
+        self.sampler.nvml.close()
+        if self.sampler.vllm is not None:
+            self.sampler.vllm.close()
+        self._cleanup.close()
+
+
+def _endpoint(ep: EndpointConfig, where: str):
+    from .sources.vllm import VllmEndpoint
+
+    token = read_secret_file(ep.bearer_token_file, f"{where}.bearer_token_file") if ep.bearer_token_file else None
+    return VllmEndpoint(url=ep.url, name=ep.name, bearer_token=token, timeout_seconds=ep.timeout_seconds,
+                        max_response_bytes=ep.max_response_bytes, pid_file=ep.pid_file or None,
+                        container_id=ep.container_id or None, process_pattern=ep.process_pattern or None,
+                        log_file=ep.log_file or None)
+
+
+def build(config: Config, simulate: str | None = None, speed: float = 1.0,
+          at: float | None = None) -> Runtime:
+    """`simulate`: a scenario name or file. `at`: freeze the simulated clock at that scenario
+    time (for `snapshot`). Raises ConfigError / ScenarioError on bad input."""
+    stack = contextlib.ExitStack()
+    endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm_endpoints)]
+    if simulate:
+        import time
+
+        from .sim import fake_nvml
+        from .sim.fake_vllm import FakeVllmServer
+        from .sim.host import SimulatedHost
+        from .sim.scenario import load as load_scenario
+
+        scenario = load_scenario(simulate)
+        clock = FixedClock(time.time(), at) if at is not None else VirtualClock(speed=speed)
+        fake_nvml.configure(scenario, clock)
+        stack.callback(fake_nvml.configure, None, None)
+        nvml_module = fake_nvml
+        host = SimulatedHost(scenario, clock)
+        from .sources.vllm import VllmEndpoint
+        for i in range(len(scenario.vllm_servers)):
+            server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
+            endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}"))
+    else:
+        import pynvml as nvml_module
+
+        from .sources.host import LocalHost
+
+        clock = SystemClock()
+        host = LocalHost(config.proc_root)
+
+    nvml = NvmlSource(nvml_module, host.memory, now=clock.now,
+                      retry_initial_seconds=config.nvml_retry_initial_seconds,
+                      retry_max_seconds=config.nvml_retry_max_seconds)
+    vllm = assign_roles = None
+    if endpoints:
+        from .sources.vllm import VllmSource
+        from .sources.vllm_procs import assign_roles
+        vllm = VllmSource(endpoints)
+    logs = None
+    log_files = list(config.log_files) + [ep.log_file for ep in config.vllm_endpoints if ep.log_file]
+    if log_files:
+        from .sources.logs import LogSource
+        logs = LogSource(log_files)
+    sampler = Sampler(nvml, host, now=clock.now, read_cmdline=config.read_cmdline, vllm=vllm,
+                      logs=logs, assign_roles=assign_roles)
+    return Runtime(sampler, clock, simulated=bool(simulate), _cleanup=stack)

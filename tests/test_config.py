@@ -1,0 +1,100 @@
+import pytest
+import yaml
+
+from exporter.config import ConfigError, build, load, parse_listen, parse_size
+
+
+def write(tmp_path, data):
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def test_defaults_are_valid():
+    config = build()
+    assert config.interval_seconds == 5.0
+    assert config.read_cmdline is False
+    assert config.effective_stale_after == 15.0
+
+
+def test_file_sections_map_onto_fields(tmp_path):
+    config = load(write(tmp_path, {
+        "listen": "127.0.0.1:9999", "interval_seconds": 2,
+        "history": {"raw_seconds": 600, "retention_seconds": 7200},
+        "host": {"read_cmdline": True},
+        "logs": {"files": ["/var/log/vllm.log"]},
+        "admission": {"close_above": 0.95, "open_below": 0.7},
+        "vllm": {"endpoints": ["http://127.0.0.1:8000/metrics",
+                               {"url": "http://127.0.0.1:8001/metrics", "name": "b",
+                                "max_response_bytes": "1MiB", "timeout_seconds": 0.5}]},
+    }))
+    assert config.listen == "127.0.0.1:9999"
+    assert config.interval_seconds == 2.0
+    assert config.history_raw_seconds == 600
+    assert config.read_cmdline is True
+    assert config.log_files == ("/var/log/vllm.log",)
+    assert config.admission.close_above == 0.95
+    assert [e.url for e in config.vllm_endpoints] == ["http://127.0.0.1:8000/metrics",
+                                                      "http://127.0.0.1:8001/metrics"]
+    assert config.vllm_endpoints[1].max_response_bytes == 1 << 20
+
+
+def test_overrides_beat_the_file(tmp_path):
+    config = load(write(tmp_path, {"interval_seconds": 2}), {"interval_seconds": 7.0, "listen": None})
+    assert config.interval_seconds == 7.0
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"intervall_seconds": 5}, "intervall_seconds: unknown key (did you mean 'interval_seconds'?)"),
+    ({"history": {"raw": 5}}, "history.raw: unknown key"),
+    ({"interval_seconds": "fast"}, "interval_seconds: expected a number"),
+    ({"interval_seconds": 0}, "interval_seconds: must be positive"),
+    ({"host": {"read_cmdline": "yes"}}, "host.read_cmdline: expected true or false"),
+    ({"listen": "nowhere"}, "listen: expected HOST:PORT"),
+    ({"vllm": {"endpoints": [{"name": "x"}]}}, "vllm.endpoints[0]: missing required key url"),
+    ({"vllm": {"endpoints": [{"url": "ftp://x"}]}}, "vllm.endpoints[0].url: expected http(s)://"),
+    ({"vllm": {"endpoints": [{"url": "http://x:1/m", "timeout": 1}]}},
+     "vllm.endpoints[0].timeout: unknown key (did you mean 'timeout_seconds'?)"),
+    ({"vllm": {"endpoints": [{"url": "http://x:1/m", "max_response_bytes": "lots"}]}},
+     "vllm.endpoints[0].max_response_bytes: expected a size"),
+    ({"vllm": {"endpoints": [{"url": "http://x:1/m", "process_pattern": "("}]}},
+     "vllm.endpoints[0].process_pattern: not a valid regex"),
+    ({"admission": {"close_above": 0.7, "open_below": 0.8}}, "admission: need 0 < open_below < close_above"),
+    ({"history": {"raw_seconds": 9000, "retention_seconds": 60}}, "history.raw_seconds: must not exceed"),
+    ({"logs": {"files": "one.log"}}, "logs.files: expected a list"),
+    ("- a list\n", "the top level must be a mapping"),
+    ("key: [unclosed\n", "not valid YAML"),
+])
+def test_errors_name_the_key_and_the_problem(tmp_path, data, message):
+    with pytest.raises(ConfigError) as err:
+        load(write(tmp_path, data))
+    assert message in str(err.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load(str(tmp_path / "absent.yml"))
+
+
+def test_oversized_file_is_refused(tmp_path):
+    path = tmp_path / "big.yml"
+    path.write_text("# " + "x" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        load(str(path))
+
+
+@pytest.mark.parametrize("text, expected", [("8MiB", 8 << 20), ("1.5GiB", 3 << 29), (1024, 1024),
+                                            ("10 kb", 10_000), ("512", 512)])
+def test_sizes(text, expected):
+    assert parse_size(text, "x") == expected
+
+
+@pytest.mark.parametrize("text, expected", [("0.0.0.0:9842", ("0.0.0.0", 9842)), (":80", ("0.0.0.0", 80)),
+                                            ("[::1]:9000", ("::1", 9000))])
+def test_listen(text, expected):
+    assert parse_listen(text) == expected
+
+
+def test_listen_rejects_bad_port():
+    with pytest.raises(ConfigError):
+        parse_listen("host:99999")
