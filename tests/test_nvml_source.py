@@ -1,0 +1,187 @@
+"""The real NVML code path (exporter/sources/nvml.py) against the simulator's pynvml module:
+every fall-back and error path, driven by scenario faults."""
+import textwrap
+
+import pynvml
+import pytest
+
+from exporter.clock import FixedClock
+from exporter.model import HostMemory
+from exporter.sim import fake_nvml
+from exporter.sim.scenario import load
+from exporter.sources.nvml import NvmlSource
+
+GiB = 1 << 30
+BASE = """
+name: t
+description: test host
+duration: 1h
+gpus:
+  - {name: NVIDIA H100 80GB HBM3, memory: 80GiB, reserved: 512MiB, count: 2}
+host: {memory: 512GiB, available: 400GiB}
+processes:
+  - {pid: 100, name: vllm, gpu: 0, memory: 30GiB, rss: 2GiB}
+  - {pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}
+"""
+HOST = HostMemory(total_bytes=128 * GiB, available_bytes=100 * GiB)
+
+
+@pytest.fixture
+def make(tmp_path):
+    """Scenario text (+ faults) → (NvmlSource over fake_nvml, clock)."""
+    def build(extra="", base=BASE, at=0.0):
+        path = tmp_path / "s.yaml"
+        path.write_text(textwrap.dedent(base) + textwrap.dedent(extra))
+        clock = FixedClock(1_700_000_000.0, at)
+        build.scenario = load(str(path))
+        fake_nvml.configure(build.scenario, clock)
+        source = NvmlSource(fake_nvml, lambda: HOST, now=clock.now, retry_initial_seconds=5, retry_max_seconds=40)
+        return source, clock
+    yield build
+    fake_nvml.configure(None, None)
+
+
+def kinds(reading):
+    return [e.kind for e in reading.errors]
+
+
+def test_reads_gpus_and_processes(make):
+    source, _ = make()
+    r = source.sample()
+    assert r.status.up and not r.errors
+    assert [g.index for g in r.gpus] == ["0", "1"]
+    g0 = r.gpus[0]
+    assert g0.total_bytes == 80 * GiB and g0.reserved_bytes == 512 << 20
+    assert g0.used_bytes + g0.free_bytes + g0.reserved_bytes == g0.total_bytes
+    assert [(p.pid, p.used_bytes) for p in g0.processes] == [(100, 30 * GiB)]
+    assert g0.uuid.startswith("GPU-") and g0.name == "NVIDIA H100 80GB HBM3"
+    assert r.driver_version
+
+
+def test_no_driver_is_source_down_and_retried_with_backoff(make):
+    source, clock = make()
+    fake_nvml.configure(None, None)  # a host with no NVIDIA driver
+    r = source.sample()
+    assert not r.status.up and r.gpus == () and kinds(r) == ["library_not_found"]
+    clock.advance(1)
+    assert kinds(source.sample()) == []  # waiting for the back-off, not hammering the library
+    clock.advance(5)
+    assert kinds(source.sample()) == ["library_not_found"]  # retried; next wait doubles to 10 s
+    clock.advance(6)
+    assert kinds(source.sample()) == []
+    # The driver appears (installed, or the container got the GPU): recovered without restart.
+    fake_nvml.configure(make.scenario, clock)
+    clock.advance(10)
+    r = source.sample()
+    assert r.status.up and len(r.gpus) == 2
+
+
+def test_init_failure_window_then_recovery(make):
+    source, clock = make("faults:\n  - {kind: init_failure, error: driver_not_loaded, at: 0, until: 30}\n")
+    r = source.sample()
+    assert not r.status.up and kinds(r) == ["driver_not_loaded"]
+    clock.advance(40)
+    r = source.sample()
+    assert r.status.up and len(r.gpus) == 2
+
+
+def test_driver_upgrade_under_us_reinitialises(make):
+    source, clock = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetCount, error: LibRmVersionMismatch, at: 10, until: 20}\n")
+    assert source.sample().status.up
+    clock.advance(10)
+    r = source.sample()
+    assert not r.status.up and kinds(r) == ["lib_rm_version_mismatch"]
+    clock.advance(15)
+    assert source.sample().status.up
+
+
+def test_lost_gpu_is_down_while_the_other_reports(make):
+    source, clock = make("faults:\n  - {kind: gpu_lost, gpu: 1, at: 10, until: 20}\n")
+    uuid1 = source.sample().gpus[1].uuid
+    clock.advance(10)
+    r = source.sample()
+    g0, g1 = r.gpus
+    assert g0.up and g0.used_bytes > 0
+    assert not g1.up and g1.error == "gpu_is_lost" and g1.uuid == uuid1 and g1.used_bytes is None
+    assert "gpu_is_lost" in kinds(r) and r.status.up
+    clock.advance(10)
+    assert source.sample().gpus[1].up
+
+
+def test_reset_required(make):
+    source, _ = make("faults:\n  - {kind: reset_required, gpu: 0, at: 0}\n")
+    r = source.sample()
+    assert r.gpus[0].error == "reset_required" and r.gpus[1].up
+
+
+def test_memory_info_v2_missing_falls_back_to_v1(make):
+    source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound, at: 0}\n")
+    r = source.sample()
+    g0 = r.gpus[0]
+    assert g0.up and g0.total_bytes == 80 * GiB and g0.reserved_bytes is None
+    assert g0.used_bytes is not None and not r.errors
+
+
+@pytest.mark.parametrize("missing", ["nvmlDeviceGetComputeRunningProcesses_v3",
+                                     "nvmlDeviceGetComputeRunningProcesses_v2"])
+def test_process_list_falls_back(make, missing):
+    extra = f"faults:\n  - {{kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 0}}\n"
+    if missing.endswith("_v2"):
+        extra += "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v2, error: FunctionNotFound, at: 0}\n"
+    source, _ = make(extra)
+    r = source.sample()
+    assert [(p.pid, p.used_bytes) for p in r.gpus[0].processes] == [(100, 30 * GiB)]
+    assert not r.errors
+
+
+def test_no_permission_on_processes_keeps_gpu_up(make):
+    source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: NoPermission, at: 0}\n")
+    r = source.sample()
+    assert r.gpus[0].up and r.gpus[0].processes == () and r.gpus[0].used_bytes is not None
+    assert "no_permission" in kinds(r)
+
+
+def test_unified_memory_device_reads_host_memory(make):
+    source, _ = make(base="""
+        name: spark
+        description: GB10
+        duration: 1h
+        gpus: [{name: NVIDIA GB10, memory: 128GiB, unified: true}]
+        host: {memory: 128GiB, available: 100GiB}
+        processes:
+          - {pid: 100, name: vllm, gpu: 0, memory: 20GiB, rss: 1GiB}
+        """)
+    g = source.sample().gpus[0]
+    assert g.unified and g.total_bytes == HOST.total_bytes and g.free_bytes == HOST.available_bytes
+    assert g.used_bytes == HOST.total_bytes - HOST.available_bytes
+    assert [(p.pid, p.used_bytes) for p in g.processes] == [(100, 20 * GiB)]
+
+
+def test_used_memory_not_available(make):
+    source, _ = make(base=BASE.replace("{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}",
+                                       "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB, memory_not_available: true}"))
+    procs = source.sample().gpus[1].processes
+    assert [(p.pid, p.used_bytes) for p in procs] == [(200, None)]
+
+
+def test_process_vanishing_is_normal(make):
+    source, clock = make(base=BASE.replace("{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}",
+                                           "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB, stop: 60}"))
+    assert source.sample().gpus[1].processes
+    clock.advance(61)
+    r = source.sample()
+    assert r.gpus[1].processes == () and not r.errors
+
+
+def test_mig_instances(make):
+    source, _ = make(base=open(__import__("exporter.sim.scenario", fromlist=["x"]).SCENARIO_DIR / "mig.yaml").read(), at=600)
+    gpus = source.sample().gpus
+    assert [g.index for g in gpus] == ["0", "0/0", "0/1"]
+    parent, a, b = gpus
+    assert not parent.mig and a.mig and b.mig
+    assert a.total_bytes < parent.total_bytes and a.uuid.startswith("MIG-")
+    assert [p.pid for p in a.processes] == [1150] and [p.pid for p in b.processes] == [1250]
+
+
+def test_errors_are_the_real_pynvml_classes():
+    assert fake_nvml.NVMLError_GpuIsLost is pynvml.NVMLError_GpuIsLost
