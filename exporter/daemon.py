@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from .analysis.budget import memory_budgets
 from .model import Analysis, Snapshot, SourceError, SourceStatus
 from .sources.host import enrich
 from .sources.hostview import HostView
@@ -33,6 +34,7 @@ class State:
     errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (source, kind)
     vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
+    budgets: tuple = ()  # analysis.budget.Budget per (vLLM server, GPU)
     samples_total: int = 0
     last_sample_at: float | None = None  # clock time the last tick completed
     sample_duration_seconds: float = 0.0
@@ -43,7 +45,7 @@ class Sampler:
 
     def __init__(self, nvml: NvmlSource, host: HostView, now: Callable[[], float] = time.time,
                  read_cmdline: bool = False, vllm=None, logs=None,
-                 assign_roles: Callable | None = None):
+                 assign_roles: Callable | None = None, profiles=None):
         self.nvml = nvml
         self.host = host
         self.now = now
@@ -51,6 +53,7 @@ class Sampler:
         self.vllm = vllm  # has .sample() -> tuple[VllmSample, ...]
         self.logs = logs  # has .sample() -> (tuple[OomEvent, ...], tuple[SourceError, ...])
         self.assign_roles = assign_roles  # (gpus, vllm_samples, host) -> gpus
+        self.profiles = profiles  # has .attach(vllm_samples) -> vllm_samples with memory_profile
 
     def sample(self) -> Snapshot:
         timestamp = self.now()
@@ -69,7 +72,9 @@ class Sampler:
         vllm = ()
         if self.vllm is not None:
             started = time.perf_counter()
-            vllm = self.vllm.sample()
+            vllm = self.vllm.sample(candidates=[p.pid for g in gpus for p in g.processes])
+            if self.profiles is not None:
+                vllm = self.profiles.attach(vllm)
             if self.assign_roles is not None:
                 gpus = self.assign_roles(gpus, vllm, self.host)
             sources.append(SourceStatus("vllm", all(v.up for v in vllm), time.perf_counter() - started))
@@ -130,7 +135,7 @@ class Daemon:
         for ev in snapshot.log_events:
             _bounded_add(self._ooms, (ev.kind, ev.klass))
         self.state = State(
-            snapshot=snapshot, analysis=analysis,
+            snapshot=snapshot, analysis=analysis, budgets=memory_budgets(snapshot),
             errors_total=MappingProxyType(dict(self._errors)),
             vllm_errors_total=MappingProxyType(dict(self._vllm_errors)),
             oom_events_total=MappingProxyType(dict(self._ooms)),

@@ -150,6 +150,16 @@ class StateCollector(Collector):
             "prefix_cache_hits_total": CounterMetricFamily("gpumem_vllm_prefix_cache_hits",
                                                            "Prefix cache hits (tokens).", labels=eng),
         }
+        budget = _gauge("gpumem_vllm_memory_budget_bytes",
+                        "What the server may use on the GPU: gpu_memory_utilization x total.", ["endpoint", *GPU])
+        budget_used = _gauge("gpumem_vllm_memory_used_bytes", "What the server's processes use on the GPU.",
+                             ["endpoint", *GPU])
+        for b in state.budgets:
+            if b.budget_bytes is not None:
+                budget.add_metric([b.endpoint, b.gpu, b.uuid], b.budget_bytes)
+            budget_used.add_metric([b.endpoint, b.gpu, b.uuid], b.used_bytes)
+        profile = _gauge("gpumem_vllm_memory_profile_bytes",
+                         "The server's start-up memory profile from its log, by component.", ["endpoint", "component"])
         cfg = _gauge("gpumem_vllm_cache_config_info", "The server's KV cache configuration; always 1.",
                      ["endpoint", "block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks"])
         for v in snap.vllm:
@@ -165,6 +175,8 @@ class StateCollector(Collector):
                     value = getattr(e, attr)
                     if value is not None:
                         fam.add_metric(labels, value)
+            for component, value in v.memory_profile:
+                profile.add_metric([v.endpoint, component], value)
             c = v.cache_config
             if c is not None:
                 cfg.add_metric([v.endpoint, _str(c.block_size), c.cache_dtype,
@@ -173,7 +185,7 @@ class StateCollector(Collector):
                                      labels=["endpoint", "kind"])
         for (endpoint, kind), n in sorted(state.vllm_errors_total.items()):
             errors.add_metric([endpoint, kind], n)
-        yield from (up, dur, kv, running, waiting, *counters.values(), cfg, errors)
+        yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile, errors)
         ooms = CounterMetricFamily("gpumem_oom_events", "Out-of-memory events found in the watched logs.",
                                    labels=["kind", "class"])
         for (kind, klass), n in sorted(state.oom_events_total.items()):

@@ -100,6 +100,7 @@ class VllmSample:
     engines: tuple[VllmEngineStats, ...] = ()
     cache_config: CacheConfig | None = None
     pids: tuple[int, ...] = ()  # the server's processes (listener and descendants)
+    memory_profile: tuple[tuple[str, int], ...] = ()  # (component, bytes) from its start-up log
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
         nvml_module = fake_nvml
         host = SimulatedHost(scenario, clock)
         from .sources.vllm import VllmEndpoint
-        for i in range(len(scenario.vllm_servers)):
+        for i in range(len(scenario.vllm)):
             server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
             endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}"))
     else:
@@ -76,16 +76,18 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
     nvml = NvmlSource(nvml_module, host.memory, now=clock.now,
                       retry_initial_seconds=config.nvml_retry_initial_seconds,
                       retry_max_seconds=config.nvml_retry_max_seconds)
-    vllm = assign_roles = None
+    vllm = assign_roles = profiles = None
     if endpoints:
         from .sources.vllm import VllmSource
+        from .sources.vllm_log import ProfileCache
         from .sources.vllm_procs import assign_roles
-        vllm = VllmSource(endpoints)
+        vllm = VllmSource(endpoints, host=host)
+        profiles = ProfileCache({ep.label: ep.log_file for ep in endpoints if ep.log_file})
     logs = None
     log_files = list(config.log_files) + [ep.log_file for ep in config.vllm_endpoints if ep.log_file]
     if log_files:
         from .sources.logs import LogSource
         logs = LogSource(log_files)
     sampler = Sampler(nvml, host, now=clock.now, read_cmdline=config.read_cmdline, vllm=vllm,
-                      logs=logs, assign_roles=assign_roles)
+                      logs=logs, assign_roles=assign_roles, profiles=profiles)
     return Runtime(sampler, clock, simulated=bool(simulate), _cleanup=stack)

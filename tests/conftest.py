@@ -2,6 +2,7 @@ import subprocess
 
 import pytest
 
+from exporter.analysis.budget import Budget
 from exporter.clock import FixedClock
 from exporter.daemon import State
 from exporter.model import (Analysis, CacheConfig, Finding, GpuAnalysis, GpuSample, HostMemory,
@@ -23,7 +24,8 @@ def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
                                                 requests_running=3, requests_waiting=1, preemptions_total=5,
                                                 prefix_cache_queries_total=1000, prefix_cache_hits_total=250),),
                        cache_config=CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=27000, block_size=16,
-                                                cache_dtype="auto"), pids=(pids[0],)),
+                                                cache_dtype="auto"), pids=(pids[0],),
+                       memory_profile=(("kv_cache", 60 * GiB), ("weights", 15 * GiB))),
             VllmSample(endpoint="down", up=False, error_kind="refused", error="connection refused"))
     snap = Snapshot(timestamp=t, gpus=(gpu,), host=HostMemory(512 * GiB, 400 * GiB, 1.5, 0.0, 3), vllm=vllm,
                     sources=(SourceStatus("nvml", True, 0.01), SourceStatus("host", True, 0.002)))
@@ -35,6 +37,7 @@ def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
                                              for i, p in enumerate(procs)),
                         gpus=(GpuAnalysis("0", "GPU-aaaa", 0.5, admission_open, 3600.0, 37 * GiB),))
     return State(snapshot=snap, analysis=analysis, errors_total={("nvml", "timeout"): 2},
+                 budgets=(Budget("llama", "0", "GPU-aaaa", int(0.9 * 80 * GiB), GiB),),
                  vllm_errors_total={("down", "refused"): 4}, oom_events_total={("torch_cuda_oom", "fragmentation"): 1},
                  samples_total=7, last_sample_at=t, sample_duration_seconds=0.02)
 

@@ -1,0 +1,140 @@
+"""Turn a vLLM `/metrics` page, whatever the vLLM version, into VllmEngineStats and CacheConfig.
+
+vLLM renamed its metrics over time (V0 `gpu_cache_usage_perc` became V1 `kv_cache_usage_perc`,
+`gpu_prefix_cache_*` became `prefix_cache_*`), added an `engine` label for data-parallel engines,
+and its counters come out of prometheus_client as `<name>_total` plus a `<name>_created` gauge.
+We key on sample names with `_total` stripped, so typed, untyped and renamed families all land
+in the same place, and prefer the current name when a release exposes both.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..model import CacheConfig, VllmEngineStats
+
+# Field of VllmEngineStats -> metric base names, preferred first.
+FIELD_METRICS: dict[str, tuple[str, ...]] = {
+    "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "requests_running": ("vllm:num_requests_running",),
+    "requests_waiting": ("vllm:num_requests_waiting",),
+    "preemptions_total": ("vllm:num_preemptions",),
+    "prefix_cache_queries_total": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "prefix_cache_hits_total": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+}
+_WANTED = {name: field for field, names in FIELD_METRICS.items() for name in names}
+_PREFERENCE = {name: rank for names in FIELD_METRICS.values() for rank, name in enumerate(names)}
+CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+
+# A hostile or broken server must not blow up our own label cardinality or memory.
+MAX_ENGINES = 64
+MAX_LABEL_CHARS = 256
+
+
+class ParseError(ValueError):
+    """The body is not Prometheus text exposition, or holds no vLLM metrics."""
+
+
+@dataclass(frozen=True)
+class NormalisedMetrics:
+    engines: tuple[VllmEngineStats, ...]
+    cache_config: CacheConfig | None
+
+
+def normalise(text: str) -> NormalisedMetrics:
+    """Parse exposition text; raise ParseError when it is not a vLLM metrics page."""
+    values: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
+    cache_labels: list[dict[str, str]] = []
+    saw_vllm = False
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name
+                if not name.startswith("vllm:") or name.endswith("_created"):
+                    continue
+                saw_vllm = True
+                if name == CACHE_CONFIG_METRIC:
+                    cache_labels.append(dict(sample.labels))
+                    continue
+                base = name[: -len("_total")] if name.endswith("_total") else name
+                field = _WANTED.get(base)
+                if field is None or not _finite(sample.value):
+                    continue
+                key = (_label(sample.labels, "model_name"), _label(sample.labels, "engine"))
+                fields = values.get(key)
+                if fields is None:
+                    if len(values) >= MAX_ENGINES:
+                        continue
+                    fields = values[key] = {}
+                _merge(fields, field, _PREFERENCE[base], float(sample.value))
+    except ParseError:
+        raise
+    except Exception as exc:  # the parser raises ValueError, IndexError, ... on bad text
+        raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
+    if not saw_vllm:
+        raise ParseError("no vllm: metrics in the response")
+    engines = tuple(
+        VllmEngineStats(model=model, engine=engine, **{f: v for f, (_, v) in fields.items()})
+        for (model, engine), fields in sorted(values.items())
+    )
+    return NormalisedMetrics(engines=engines, cache_config=_cache_config(cache_labels))
+
+
+def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: float) -> None:
+    """Keep the preferred name's value; for duplicate series of one name (extra labels such
+    as prometheus multiprocess `pid`) keep the largest, the conservative reading."""
+    old = fields.get(field)
+    if old is None or rank < old[0] or (rank == old[0] and value > old[1]):
+        fields[field] = (rank, value)
+
+
+def _cache_config(candidates: list[dict[str, str]]) -> CacheConfig | None:
+    if not candidates:
+        return None
+    # Data-parallel engines each report the same config; engine "0" (or the unlabelled V0
+    # series) is the canonical one.
+    labels = min(candidates, key=lambda lb: (lb.get("engine", "") not in ("", "0"), lb.get("engine", "")))
+    utilization = _opt_float(labels.get("gpu_memory_utilization"))
+    if utilization is not None and not 0 < utilization <= 1:
+        utilization = None
+    block_size = _opt_int(labels.get("block_size"))
+    dtype = labels.get("cache_dtype", "")
+    return CacheConfig(
+        gpu_memory_utilization=utilization,
+        num_gpu_blocks=_opt_int(labels.get("num_gpu_blocks")),
+        block_size=block_size if block_size else None,
+        cache_dtype="" if dtype in ("None", "") else dtype[:64],
+        kv_cache_memory_bytes=_opt_int(labels.get("kv_cache_memory_bytes")),
+    )
+
+
+def _opt_float(text: str | None) -> float | None:
+    """vLLM stringifies every CacheConfig field, so "None", "" and "auto" mean unknown."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _opt_int(text: str | None) -> int | None:
+    value = _opt_float(text)
+    if value is None or value < 0 or value != int(value):
+        return None
+    return int(value)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _label(labels: dict[str, str], name: str) -> str:
+    return labels.get(name, "")[:MAX_LABEL_CHARS]
+
+
+def _short(exc: Exception) -> str:
+    return str(exc)[:200]

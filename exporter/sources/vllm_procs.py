@@ -1,0 +1,170 @@
+"""Which host processes belong to which vLLM server, and tagging GPU processes with it.
+
+A vLLM server is the process listening on the endpoint's port plus its descendants: V1 runs
+the API server, a `VLLM::EngineCore` child and, with tensor parallelism, `VLLM::Worker_TP*`
+grandchildren, and it is those children that hold GPU memory. Operators can override the
+look-up with a PID file, a container id or a process-name pattern.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+import psutil
+
+from ..model import GpuSample, VllmSample
+from .hostview import HostView
+from .vllm import VllmEndpoint
+
+log = logging.getLogger(__name__)
+
+MAX_PID_FILE_BYTES = 64
+MAX_ANCESTOR_DEPTH = 32
+_PID_MAX = 2 ** 22  # Linux pid_max ceiling
+_warned: set[tuple[str, str]] = set()
+
+
+class PidFileError(ValueError):
+    pass
+
+
+def read_pid_file(path: str, max_bytes: int = MAX_PID_FILE_BYTES) -> int:
+    """The PID in `path`; PidFileError with a clear reason when it is missing or not a PID."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise PidFileError(f"cannot read PID file {path}: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise PidFileError(f"PID file {path} is longer than {max_bytes} bytes")
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise PidFileError(f"PID file {path} does not hold a PID")
+    pid = int(text)
+    if not 1 <= pid <= _PID_MAX:
+        raise PidFileError(f"PID file {path} holds an out-of-range PID {pid}")
+    return pid
+
+
+def server_pids(endpoint: VllmEndpoint, host: HostView,
+                candidates: Sequence[int] = ()) -> tuple[int, ...]:
+    """The server's PIDs, sorted. The first configured override wins: pid_file, then
+    container_id, then process_pattern (the last two pick from `candidates`, usually the
+    PIDs NVML reports); without one, the listener on the endpoint's port when it is local."""
+    if endpoint.pid_file:
+        try:
+            root = read_pid_file(endpoint.pid_file)
+        except PidFileError as exc:
+            _warn_once(endpoint.label, str(exc))
+            return ()
+        return _with_descendants(host, [root])
+    if endpoint.container_id:
+        wanted = endpoint.container_id.strip()
+        return _sorted(pid for pid in candidates if wanted in _cgroup(host, pid))
+    if endpoint.process_pattern:
+        pattern = re.compile(endpoint.process_pattern)
+        return _sorted(pid for pid in candidates if pattern.search(_name(host, pid)))
+    if not is_local_host(endpoint.hostname):
+        return ()  # a remote server's processes are not on our GPUs
+    listener = host.pid_listening_on(endpoint.port)
+    if listener is None:
+        return ()
+    return _with_descendants(host, [listener])
+
+
+def assign_roles(gpus: Iterable[GpuSample], vllm_samples: Iterable[VllmSample],
+                 host: HostView) -> tuple[GpuSample, ...]:
+    """New GpuSamples whose processes say role="vllm" and endpoint=<label> when they belong
+    to a server (they are in its PIDs, or descend from one of them), else role="other"."""
+    owner: dict[int, str] = {}
+    for sample in vllm_samples:
+        for pid in sample.pids:
+            owner.setdefault(pid, sample.endpoint)
+    parents: dict[int, int | None] = {}
+    result = []
+    for gpu in gpus:
+        processes = []
+        for proc in gpu.processes:
+            endpoint = _owning_endpoint(proc.pid, owner, host, parents)
+            processes.append(replace(proc, role="vllm" if endpoint else "other", endpoint=endpoint))
+        result.append(replace(gpu, processes=tuple(processes)))
+    return tuple(result)
+
+
+def _owning_endpoint(pid: int, owner: dict[int, str], host: HostView,
+                     parents: dict[int, int | None]) -> str:
+    # Walk up the parents: a worker spawned after the PIDs were listed still belongs.
+    current: int | None = pid
+    for _ in range(MAX_ANCESTOR_DEPTH):
+        if current is None or current <= 1:
+            return ""
+        if current in owner:
+            return owner[current]
+        if current not in parents:
+            info = _safe_process(host, current)
+            parents[current] = info.ppid if info else None
+        current = parents[current]
+    return ""
+
+
+def is_local_host(hostname: str) -> bool:
+    """True when `hostname` names this machine: loopback, its hostname, or one of its
+    interface addresses. Names are not resolved (no DNS in the sampling path)."""
+    name = hostname.strip("[]").lower()
+    if name in ("localhost", "localhost.localdomain", ""):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return name == socket.gethostname().lower()
+    if address.is_loopback or address.is_unspecified:
+        return True
+    try:
+        local = {a.address.split("%")[0].lower() for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except (OSError, psutil.Error):
+        return False
+    return str(address) in local
+
+
+def _with_descendants(host: HostView, roots: list[int]) -> tuple[int, ...]:
+    pids = set(roots)
+    for root in roots:
+        try:
+            pids.update(host.descendants(root))
+        except Exception as exc:  # a vanished process is a normal race
+            log.debug("descendants of %d: %s", root, exc)
+    return _sorted(pids)
+
+
+def _safe_process(host: HostView, pid: int):
+    try:
+        return host.process(pid)
+    except Exception as exc:
+        log.debug("process %d: %s", pid, exc)
+        return None
+
+
+def _cgroup(host: HostView, pid: int) -> str:
+    info = _safe_process(host, pid)
+    return info.cgroup if info else ""
+
+
+def _name(host: HostView, pid: int) -> str:
+    info = _safe_process(host, pid)
+    return info.name if info else ""
+
+
+def _sorted(pids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(pids)))
+
+
+def _warn_once(label: str, message: str) -> None:
+    """Sampling runs every few seconds: say each distinct problem once, not every tick."""
+    key = (label, message)
+    if key not in _warned and len(_warned) < 1000:
+        _warned.add(key)
+        log.warning("vLLM endpoint %s: %s", label, message)

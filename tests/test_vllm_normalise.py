@@ -1,0 +1,152 @@
+"""Normalising vLLM /metrics pages from every release shape into one set of numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.model import CacheConfig, VllmEngineStats
+from exporter.sources.vllm_normalise import MAX_ENGINES, ParseError, normalise
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def load(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def test_every_fixture_names_the_vllm_source_it_follows():
+    for path in FIXTURES.glob("*"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# Fixture: vLLM"), path.name
+
+
+def test_v0_6_engine_metrics():
+    result = normalise(load("v0_6_engine_metrics.prom"))
+    assert result.engines == (
+        VllmEngineStats(model="meta-llama/Llama-3.1-8B-Instruct", engine="",
+                        kv_cache_usage_ratio=0.4215, requests_running=7.0, requests_waiting=3.0,
+                        preemptions_total=12.0, prefix_cache_queries_total=None,
+                        prefix_cache_hits_total=None),
+    )
+    assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=27910,
+                                              block_size=16, cache_dtype="auto",
+                                              kv_cache_memory_bytes=None)
+
+
+def test_v0_8_early_v1_uses_old_names():
+    result = normalise(load("v0_8_v1_early.prom"))
+    assert result.engines == (
+        VllmEngineStats(model="Qwen/Qwen2.5-7B-Instruct", engine="", kv_cache_usage_ratio=0.1875,
+                        requests_running=5.0, requests_waiting=0.0, preemptions_total=4.0,
+                        prefix_cache_queries_total=96000.0, prefix_cache_hits_total=40960.0),
+    )
+    assert result.cache_config.gpu_memory_utilization == 0.85
+    assert result.cache_config.num_gpu_blocks == 30615
+
+
+def test_v0_10_with_deprecated_names_alongside():
+    result = normalise(load("v0_10_deprecated_alongside.prom"))
+    assert result.engines == (
+        VllmEngineStats(model="mistralai/Mistral-7B-Instruct-v0.3", engine="0",
+                        kv_cache_usage_ratio=0.6630859375, requests_running=12.0,
+                        requests_waiting=2.0, preemptions_total=9.0,
+                        prefix_cache_queries_total=1048576.0, prefix_cache_hits_total=524288.0),
+    )
+    assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=28672,
+                                              block_size=16, cache_dtype="auto")
+
+
+def test_current_v1_two_engines_created_series_ignored():
+    result = normalise(load("current_v1_engines.prom"))
+    model = "deepseek-ai/DeepSeek-R1-Distill-Llama-70B"
+    assert result.engines == (
+        VllmEngineStats(model=model, engine="0", kv_cache_usage_ratio=0.9134, requests_running=31.0,
+                        requests_waiting=6.0, preemptions_total=118.0,
+                        prefix_cache_queries_total=88_000_000.0, prefix_cache_hits_total=61_000_000.0),
+        VllmEngineStats(model=model, engine="1", kv_cache_usage_ratio=0.8871, requests_running=29.0,
+                        requests_waiting=4.0, preemptions_total=97.0,
+                        prefix_cache_queries_total=86_500_000.0, prefix_cache_hits_total=59_250_000.0),
+    )
+    assert result.cache_config == CacheConfig(gpu_memory_utilization=0.92, num_gpu_blocks=21846,
+                                              block_size=16, cache_dtype="fp8_e4m3",
+                                              kv_cache_memory_bytes=None)
+
+
+def test_new_name_wins_over_deprecated_one_when_they_differ():
+    text = (
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.10\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.55\n'
+        'vllm:prefix_cache_hits_total{model_name="m"} 7\n'
+        'vllm:gpu_prefix_cache_hits_total{model_name="m"} 99\n'
+    )
+    (engine,) = normalise(text).engines
+    assert engine.kv_cache_usage_ratio == 0.55
+    assert engine.prefix_cache_hits_total == 7.0
+
+
+def test_untyped_counter_without_total_suffix_and_unknown_labels():
+    text = 'vllm:num_preemptions{model_name="m",replica="a",zone="x"} 5\nvllm:brand_new_metric 3\n'
+    (engine,) = normalise(text).engines
+    assert engine.preemptions_total == 5.0
+    assert engine.kv_cache_usage_ratio is None
+
+
+def test_duplicate_series_keep_the_largest_value():
+    # prometheus multiprocess mode adds a pid label per process
+    text = ('vllm:num_requests_running{model_name="m",pid="10"} 0\n'
+            'vllm:num_requests_running{model_name="m",pid="11"} 4\n')
+    assert normalise(text).engines[0].requests_running == 4.0
+
+
+def test_non_finite_values_are_unknown_not_numbers():
+    text = 'vllm:kv_cache_usage_perc{model_name="m"} NaN\nvllm:num_requests_running{model_name="m"} +Inf\n'
+    assert normalise(text).engines == ()
+
+
+def test_cache_config_strings_like_none_and_bad_numbers():
+    text = ('vllm:cache_config_info{block_size="None",gpu_memory_utilization="1.7",'
+            'num_gpu_blocks="-3",cache_dtype="None",kv_cache_memory_bytes="8589934592"} 1\n')
+    config = normalise(text).cache_config
+    assert config == CacheConfig(gpu_memory_utilization=None, num_gpu_blocks=None, block_size=None,
+                                 cache_dtype="", kv_cache_memory_bytes=8589934592)
+
+
+def test_cache_config_only_page_is_still_vllm():
+    result = normalise('vllm:cache_config_info{gpu_memory_utilization="0.5"} 1.0\n')
+    assert result.engines == ()
+    assert result.cache_config.gpu_memory_utilization == 0.5
+
+
+def test_engine_count_is_bounded():
+    text = "".join(f'vllm:num_requests_running{{engine="{i}"}} 1\n' for i in range(MAX_ENGINES + 20))
+    assert len(normalise(text).engines) == MAX_ENGINES
+
+
+@pytest.mark.parametrize("text", [
+    "<html><body>Not Found</body></html>",
+    '{"detail": "Not Found"}',
+    "hello world",
+    'vllm:x{a="b} 1',
+])
+def test_not_exposition_format(text):
+    with pytest.raises(ParseError, match="not Prometheus text format"):
+        normalise(text)
+
+
+@pytest.mark.parametrize("text", ["", "node_load1 0.5\n# HELP x y\n"])
+def test_valid_text_without_vllm_metrics(text):
+    with pytest.raises(ParseError, match="no vllm: metrics"):
+        normalise(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_arbitrary_text_only_ever_raises_parse_error(text):
+    try:
+        result = normalise(text)
+    except ParseError:
+        return
+    assert all(isinstance(e, VllmEngineStats) for e in result.engines)

@@ -1,0 +1,328 @@
+"""Scraping through a real HTTP server on 127.0.0.1: every failure mode, bounded in time."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from exporter.sources.vllm import VllmEndpoint, VllmSource, public_url, scrape
+
+FIXTURE = (Path(__file__).parent / "fixtures" / "vllm" / "current_v1_engines.prom").read_bytes()
+TOKEN = "s3cret-t0ken-for-tests"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_GET(self):
+        server = self.server
+        server.seen.append((self.path, self.headers.get("Authorization")))
+        route = getattr(self, "route_" + self.path.strip("/").split("?")[0].replace("/", "_"), None)
+        if route is None:
+            self.reply(404, b"not found")
+        else:
+            route()
+
+    def reply(self, status, body, content_type="text/plain; version=0.0.4"):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def route_metrics(self):
+        self.reply(200, FIXTURE)
+
+    def route_auth_metrics(self):
+        if self.headers.get("Authorization") == f"Bearer {TOKEN}":
+            self.reply(200, FIXTURE)
+        else:
+            self.reply(401, b'{"error": "Unauthorized"}', "application/json")
+
+    def route_redirect(self):
+        # some vLLM releases answer /metrics with a 307 to /metrics/
+        self.send_response(307)
+        self.send_header("Location", "/auth/metrics")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def route_error(self):
+        self.reply(500, b"Internal Server Error")
+
+    def route_html(self):
+        self.reply(200, b"<html><body><h1>Welcome</h1></body></html>", "text/html")
+
+    def route_slow(self):
+        self.server.release.wait(5)  # answers only when the test tears down
+        self.reply(200, FIXTURE)
+
+    def route_truncated(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(FIXTURE)))
+        self.end_headers()
+        self.wfile.write(FIXTURE[:200])
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_WR)
+
+    def route_huge(self):
+        self.reply(200, FIXTURE * 4)
+
+    def route_huge_chunked(self):
+        # no Content-Length: only counting what arrives can catch it
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for _ in range(8):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(FIXTURE), FIXTURE))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def route_chunked(self):
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for start in range(0, len(FIXTURE), 1000):
+            piece = FIXTURE[start:start + 1000]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def route_drip(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(FIXTURE)))
+        self.end_headers()
+        for i in range(len(FIXTURE)):
+            self.wfile.write(FIXTURE[i:i + 1])
+            self.wfile.flush()
+            if self.server.release.wait(0.2):
+                return
+
+    def route_late_then_silent(self):
+        # headers near the deadline, then nothing: one blocking read must not outlive it
+        if self.server.release.wait(0.4):
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(FIXTURE)))
+        self.end_headers()
+        self.wfile.write(FIXTURE[:100])
+        self.wfile.flush()
+        self.server.release.wait(5)
+
+    def route_drip_headers(self):
+        # the status line itself arrives one byte at a time: below the HTTP client's reach
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello":
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            if self.server.release.wait(0.1):
+                return
+
+
+@pytest.fixture()
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.block_on_close = False
+    httpd.release = threading.Event()
+    httpd.seen = []
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.release.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def url(server, path):
+    return f"http://127.0.0.1:{server.server_address[1]}{path}"
+
+
+def closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def timed_scrape(endpoint):
+    with requests.Session() as session:
+        started = time.monotonic()
+        sample = scrape(endpoint, session)
+        return sample, time.monotonic() - started
+
+
+def test_success_normalises_the_page(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/metrics"), name="llama"))
+    assert sample.up and sample.error_kind == "" and sample.endpoint == "llama"
+    assert [e.engine for e in sample.engines] == ["0", "1"]
+    assert sample.engines[0].kv_cache_usage_ratio == 0.9134
+    assert sample.cache_config.gpu_memory_utilization == 0.92
+    assert sample.scrape_duration_seconds > 0
+
+
+def test_bare_base_url_gets_metrics_path(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "")))
+    assert sample.up
+    assert server.seen[-1][0] == "/metrics"
+
+
+def test_chunked_body_is_read_whole(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/chunked")))
+    assert sample.up and len(sample.engines) == 2
+
+
+def test_refused():
+    endpoint = VllmEndpoint(f"http://127.0.0.1:{closed_port()}/metrics", bearer_token=TOKEN)
+    sample, elapsed = timed_scrape(endpoint)
+    assert (sample.up, sample.error_kind) == (False, "refused")
+    assert TOKEN not in sample.error and elapsed < 2
+
+
+def test_timeout_when_server_does_not_answer(server):
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/slow"), timeout_seconds=0.3))
+    assert sample.error_kind == "timeout"
+    assert elapsed < 0.3 + 0.5
+
+
+def test_http_500(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/error")))
+    assert sample.error_kind == "http_status" and "500" in sample.error
+
+
+def test_body_not_exposition_format(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/html")))
+    assert sample.error_kind == "parse" and not sample.up
+
+
+def test_truncated_body(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/truncated")))
+    assert sample.error_kind == "truncated"
+    assert "200 bytes" in sample.error
+
+
+def test_declared_size_over_limit(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/huge"), max_response_bytes=len(FIXTURE)))
+    assert sample.error_kind == "too_large"
+
+
+def test_streamed_size_over_limit(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/huge_chunked"), max_response_bytes=len(FIXTURE) * 2))
+    assert sample.error_kind == "too_large"
+
+
+def test_slow_drip_is_cut_at_the_deadline(server):
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/drip"), timeout_seconds=1.0))
+    assert sample.error_kind == "timeout"
+    assert elapsed < 1.0 + 0.4
+
+
+def test_silent_body_after_late_headers_is_cut_at_the_deadline(server):
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/late_then_silent"), timeout_seconds=0.6))
+    assert sample.error_kind == "timeout"
+    assert elapsed < 0.6 + 0.25
+
+
+def test_bearer_token_is_sent_and_never_shown(server):
+    good, _ = timed_scrape(VllmEndpoint(url(server, "/auth/metrics"), bearer_token=TOKEN))
+    assert good.up
+    assert server.seen[-1][1] == f"Bearer {TOKEN}"
+    bad_endpoint = VllmEndpoint(url(server, "/auth/metrics"), bearer_token="wrong-" + TOKEN)
+    bad, _ = timed_scrape(bad_endpoint)
+    assert bad.error_kind == "http_status" and "401" in bad.error
+    assert TOKEN not in bad.error and TOKEN not in repr(bad_endpoint) and TOKEN not in repr(bad)
+
+
+def test_redirect_on_the_same_host_is_followed_with_the_token(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/redirect"), bearer_token=TOKEN))
+    assert sample.up
+    assert server.seen[-1] == ("/auth/metrics", f"Bearer {TOKEN}")
+
+
+def test_label_hides_credentials_and_query():
+    endpoint = VllmEndpoint("http://user:pa55@10.0.0.7:8000/metrics?token=abc#x")
+    assert endpoint.label == "http://10.0.0.7:8000/metrics"
+    assert public_url("http://[::1]:8000/metrics") == "http://[::1]:8000/metrics"
+    assert VllmEndpoint("http://h:1/metrics", name="chat").label == "chat"
+
+
+def test_url_password_never_reaches_the_error():
+    endpoint = VllmEndpoint(f"http://admin:hunter2@127.0.0.1:{closed_port()}/metrics")
+    sample, _ = timed_scrape(endpoint)
+    assert "hunter2" not in sample.error and "hunter2" not in sample.endpoint
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"url": "ftp://host/metrics"}, "http"),
+    ({"url": "http://host:99999/metrics"}, "port"),
+    ({"url": "http://host/metrics", "timeout_seconds": 0}, "timeout"),
+    ({"url": "http://host/metrics", "max_response_bytes": -1}, "max_response_bytes"),
+    ({"url": "http://host/metrics", "process_pattern": "("}, "process_pattern"),
+])
+def test_bad_endpoint_config_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VllmEndpoint(**kwargs)
+
+
+def test_source_does_not_let_a_slow_endpoint_delay_the_others(server):
+    source = VllmSource([VllmEndpoint(url(server, "/slow"), name="slow", timeout_seconds=0.5),
+                         VllmEndpoint(url(server, "/metrics"), name="fast")])
+    try:
+        started = time.monotonic()
+        slow, fast = source.sample()
+        elapsed = time.monotonic() - started
+    finally:
+        source.close()
+    assert (slow.endpoint, slow.error_kind) == ("slow", "timeout")
+    assert fast.up and fast.scrape_duration_seconds < 0.5
+    assert elapsed < 0.5 + 0.5
+
+
+def test_source_bounds_the_caller_even_when_headers_drip(server):
+    source = VllmSource([VllmEndpoint(url(server, "/drip_headers"), name="drip", timeout_seconds=0.3)])
+    try:
+        started = time.monotonic()
+        (first,) = source.sample()
+        first_elapsed = time.monotonic() - started
+        (second,) = source.sample()  # the first request is still being dripped
+    finally:
+        source.close()
+    assert first.error_kind == "timeout" and first_elapsed < 0.3 + 0.5
+    assert second.error_kind == "timeout" and "still running" in second.error
+    assert [path for path, _ in server.seen].count("/drip_headers") == 1
+
+
+class FakeHost:
+    def __init__(self, listeners):
+        self.listeners = listeners
+
+    def process(self, pid, with_cmdline=False):
+        return None
+
+    def descendants(self, pid):
+        return [pid + 1, pid + 2]
+
+    def pid_listening_on(self, port):
+        return self.listeners.get(port)
+
+    def memory(self):
+        return None
+
+
+def test_source_resolves_server_pids_even_when_down(server):
+    down_port = closed_port()
+    host = FakeHost({server.server_address[1]: 100, down_port: 200})
+    source = VllmSource([VllmEndpoint(url(server, "/metrics")),
+                         VllmEndpoint(f"http://127.0.0.1:{down_port}/metrics")], host=host)
+    try:
+        up, down = source.sample()
+    finally:
+        source.close()
+    assert up.pids == (100, 101, 102)
+    assert not down.up and down.pids == (200, 201, 202)
