@@ -7,6 +7,7 @@ turns that GPU down while the others keep reporting, and an unsupported field is
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -133,7 +134,11 @@ class NvmlSource:
             errors.append(SourceError("nvml", kind, f"GPU {index}: {exc}"))
             uuid, name = self._identity.get(index, ("", ""))
             return [GpuSample(index=str(index), uuid=uuid, name=name, up=False, error=kind)]
-        return [gpu, *self._mig_instances(index, handle, gpu, errors)]
+        instances = self._mig_instances(index, handle, gpu, errors)
+        if instances:
+            # The parent lists every instance's processes too: attribute them to instances only.
+            gpu = dataclasses.replace(gpu, processes=())
+        return [gpu, *instances]
 
     def _read(self, index: str, uuid: str, name: str, handle, errors: list[SourceError],
               mig: bool = False) -> GpuSample:

@@ -1,0 +1,668 @@
+"""A pynvml-compatible module driven by a scenario: the exporter's real NVML code runs against it.
+
+Use it wherever the real `pynvml` module (nvidia-ml-py) would go:
+
+    from exporter.sim import fake_nvml
+    fake_nvml.configure(scenario, clock)      # scenario time = clock.elapsed()
+    sys.modules["pynvml"] = fake_nvml         # optional: for third-party tools
+
+Functions have the names, signatures, return shapes and errors of nvidia-ml-py. The error
+classes, constants and ctypes structures are the real module's own objects, so
+`except pynvml.NVMLError_GpuIsLost` catches this module's errors and vice versa.
+
+Faithful details worth knowing:
+- The plain (unversioned) process queries call the `_v3` variant and turn FunctionNotFound
+  into `NVMLLibraryMismatchError` (not an NVMLError), exactly like nvidia-ml-py.
+- A lost GPU (fault `gpu_lost`/`reset_required`) raises on every call that takes its handle,
+  and on `nvmlDeviceGetHandleByIndex`/`ByUUID` for it, as the real driver does.
+- A unified-memory GPU (GB10) raises NotSupported from nvmlDeviceGetMemoryInfo (both versions)
+  and reports addressing mode ATS.
+- Functions of the real module that this one does not implement exist as stubs raising
+  NVMLError_FunctionNotFound (a library without that symbol).
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+import pynvml as _real
+
+from .scenario import GpuState, Scenario, ScenarioError, State
+
+# ---- Re-exports: the real module's errors, constants and structures -------------------------
+
+NVMLError = _real.NVMLError
+NVMLLibraryMismatchError = _real.NVMLLibraryMismatchError
+nvmlExceptionClass = _real.nvmlExceptionClass
+nvmlFriendlyObject = _real.nvmlFriendlyObject
+nvmlStructToFriendlyObject = _real.nvmlStructToFriendlyObject
+_PrintableStructure = _real._PrintableStructure  # noqa: SLF001 (tools test for it)
+
+
+def _reexport() -> None:
+    g = globals()
+    for name, value in vars(_real).items():
+        if name in g or name == "nvmlLib" or isinstance(value, (types.FunctionType, types.ModuleType)):
+            continue
+        if name.startswith(("NVML", "nvml", "c_nvml", "struct_c_nvml")):
+            g[name] = value
+
+
+_reexport()
+
+_UNAVAILABLE_ID = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG mode
+_INIT_ERRORS = {
+    "library_not_found": _real.NVML_ERROR_LIBRARY_NOT_FOUND,
+    "driver_not_loaded": _real.NVML_ERROR_DRIVER_NOT_LOADED,
+    "lib_rm_version_mismatch": _real.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+}
+_MAX_MIG_DEVICES = 7  # an H100/A100 can be split into at most 7 instances
+
+# ---- Module state ------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_scenario: Scenario | None = None
+_clock = None
+_refcount = 0
+_handles: dict[tuple[int, int | None], "_Handle"] = {}
+_calls: dict[str, int] = {}
+
+
+class _Handle:
+    """An opaque device handle: a physical GPU (mig None) or one of its MIG instances."""
+
+    __slots__ = ("gpu", "mig")
+
+    def __init__(self, gpu: int, mig: int | None):
+        self.gpu = gpu
+        self.mig = mig
+
+    def __repr__(self) -> str:
+        where = f"{self.gpu}" if self.mig is None else f"{self.gpu}/{self.mig}"
+        return f"<fake nvmlDevice {where}>"
+
+
+def configure(scenario: Scenario | None, clock) -> None:
+    """Bind the module to a scenario and a clock; (None, None) is a host without a driver.
+
+    Also drops any NVML initialisation, as if the process had restarted.
+    """
+    global _scenario, _clock, _refcount
+    if scenario is not None:
+        for i, fault in enumerate(scenario.faults):
+            if fault.kind == "call_error" and not callable(globals().get(fault.call)):
+                raise ScenarioError(f"faults[{i}].call: the simulated NVML has no {fault.call}")
+    with _lock:
+        _scenario, _clock = scenario, clock
+        _refcount = 0
+        _handles.clear()
+        _calls.clear()
+
+
+def call_counts() -> dict[str, int]:
+    """How many times each NVML function was called since configure() (for tests)."""
+    with _lock:
+        return dict(_calls)
+
+
+def _raise(code: int):
+    raise NVMLError(code)
+
+
+def _count(name: str) -> None:
+    with _lock:
+        _calls[name] = _calls.get(name, 0) + 1
+
+
+def _state(name: str) -> State:
+    """Count the call, check initialisation and global faults; return the state now."""
+    with _lock:
+        _calls[name] = _calls.get(name, 0) + 1
+        if _refcount == 0 or _scenario is None:
+            _raise(_real.NVML_ERROR_UNINITIALIZED)
+        scenario, clock = _scenario, _clock
+    state = scenario.state_for(clock)
+    _check_call_fault(state, name, None)
+    return state
+
+
+def _check_call_fault(state: State, name: str, gpu: int | None, version: int | None = None) -> None:
+    for f in state.faults:
+        if f.kind != "call_error" or f.call != name:
+            continue
+        if f.gpu is not None and f.gpu != gpu:
+            continue
+        if f.version is not None and version is not None and f.version != version:
+            continue
+        raise getattr(_real, "NVMLError_" + f.error)()
+
+
+def _device(name: str, handle, version: int | None = None) -> tuple[State, GpuState, _Handle]:
+    """Resolve a handle for a device call: lost/reset GPUs and per-call faults raise here."""
+    if not isinstance(handle, _Handle):
+        _count(name)
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    with _lock:
+        _calls[name] = _calls.get(name, 0) + 1
+        if _refcount == 0 or _scenario is None:
+            _raise(_real.NVML_ERROR_UNINITIALIZED)
+        scenario, clock = _scenario, _clock
+    state = scenario.state_for(clock)
+    if handle.gpu >= len(state.gpus):
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    gpu = state.gpus[handle.gpu]
+    if handle.mig is not None and handle.mig >= len(gpu.mig):
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    _check_lost(state, handle.gpu)
+    _check_call_fault(state, name, handle.gpu, version)
+    return state, gpu, handle
+
+
+def _check_lost(state: State, gpu: int) -> None:
+    for f in state.faults:
+        if f.gpu == gpu and f.kind == "gpu_lost":
+            _raise(_real.NVML_ERROR_GPU_IS_LOST)
+        if f.gpu == gpu and f.kind == "reset_required":
+            _raise(_real.NVML_ERROR_RESET_REQUIRED)
+
+
+def _handle(gpu: int, mig: int | None = None) -> _Handle:
+    with _lock:
+        h = _handles.get((gpu, mig))
+        if h is None:
+            h = _handles[(gpu, mig)] = _Handle(gpu, mig)
+        return h
+
+
+# ---- Initialisation ----------------------------------------------------------------------------
+
+
+def nvmlInitWithFlags(flags):
+    global _refcount
+    _count("nvmlInitWithFlags")
+    with _lock:
+        scenario, clock = _scenario, _clock
+    if scenario is None:
+        _raise(_real.NVML_ERROR_LIBRARY_NOT_FOUND)
+    for f in scenario.faults_at(clock.elapsed()):
+        if f.kind == "init_failure":
+            _raise(_INIT_ERRORS[f.error])
+    with _lock:
+        _refcount += 1
+
+
+def nvmlInit():
+    nvmlInitWithFlags(0)
+
+
+def nvmlShutdown():
+    global _refcount
+    _count("nvmlShutdown")
+    with _lock:
+        if _refcount == 0:
+            _raise(_real.NVML_ERROR_UNINITIALIZED)
+        _refcount -= 1
+
+
+def nvmlErrorString(result):
+    return str(NVMLError(result))
+
+
+# ---- System ------------------------------------------------------------------------------------
+
+
+def nvmlSystemGetDriverVersion():
+    _state("nvmlSystemGetDriverVersion")
+    return _scenario.driver_version
+
+
+def nvmlSystemGetNVMLVersion():
+    _state("nvmlSystemGetNVMLVersion")
+    return f"{_scenario.cuda_driver_version // 1000}.{_scenario.driver_version}"
+
+
+def nvmlSystemGetCudaDriverVersion():
+    _state("nvmlSystemGetCudaDriverVersion")
+    return _scenario.cuda_driver_version
+
+
+def nvmlSystemGetCudaDriverVersion_v2():
+    _state("nvmlSystemGetCudaDriverVersion_v2")
+    return _scenario.cuda_driver_version
+
+
+def nvmlSystemGetProcessName(pid):
+    state = _state("nvmlSystemGetProcessName")
+    proc = state.process(int(pid))
+    if proc is None:
+        _raise(_real.NVML_ERROR_NOT_FOUND)
+    # NVML reports the executable path when it knows it, else the short name.
+    return proc.cmdline.split(" ", 1)[0] if proc.cmdline else proc.name
+
+
+# ---- Devices -----------------------------------------------------------------------------------
+
+
+def nvmlDeviceGetCount():
+    return len(_state("nvmlDeviceGetCount").gpus)
+
+
+def nvmlDeviceGetHandleByIndex(index):
+    state = _state("nvmlDeviceGetHandleByIndex")
+    if not isinstance(index, int) or not 0 <= index < len(state.gpus):
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    _check_lost(state, index)
+    return _handle(index)
+
+
+def nvmlDeviceGetHandleByUUID(uuid):
+    state = _state("nvmlDeviceGetHandleByUUID")
+    if isinstance(uuid, bytes):
+        uuid = uuid.decode(errors="replace")
+    for g in state.gpus:
+        if g.uuid == uuid:
+            _check_lost(state, g.index)
+            return _handle(g.index)
+        for m in g.mig:
+            if m.uuid == uuid:
+                _check_lost(state, g.index)
+                return _handle(g.index, m.index)
+    _raise(_real.NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetIndex(handle):
+    _, gpu, _ = _device("nvmlDeviceGetIndex", handle)
+    return gpu.index
+
+
+def nvmlDeviceGetMinorNumber(handle):
+    _, gpu, _ = _device("nvmlDeviceGetMinorNumber", handle)
+    return gpu.index
+
+
+def nvmlDeviceGetUUID(handle):
+    _, gpu, h = _device("nvmlDeviceGetUUID", handle)
+    return gpu.uuid if h.mig is None else gpu.mig[h.mig].uuid
+
+
+def nvmlDeviceGetName(handle):
+    _, gpu, h = _device("nvmlDeviceGetName", handle)
+    return gpu.name if h.mig is None else f"{gpu.name} MIG {gpu.mig[h.mig].profile}"
+
+
+def nvmlDeviceGetBrand(handle):
+    _device("nvmlDeviceGetBrand", handle)
+    return _real.NVML_BRAND_NVIDIA
+
+
+def nvmlDeviceGetSerial(handle):
+    _, gpu, _ = _device("nvmlDeviceGetSerial", handle)
+    return f"16523{gpu.index:08d}"
+
+
+def nvmlDeviceGetArchitecture(handle):
+    _, gpu, _ = _device("nvmlDeviceGetArchitecture", handle)
+    return _real.NVML_DEVICE_ARCH_BLACKWELL if gpu.unified else _real.NVML_DEVICE_ARCH_HOPPER
+
+
+def nvmlDeviceGetCudaComputeCapability(handle):
+    _, gpu, _ = _device("nvmlDeviceGetCudaComputeCapability", handle)
+    return (12, 1) if gpu.unified else (9, 0)
+
+
+def nvmlDeviceGetMemoryInfo(handle, version=None):
+    v = 2 if version else 1
+    _, gpu, h = _device("nvmlDeviceGetMemoryInfo", handle, version=v)
+    if version and version != _real.nvmlMemory_v2:
+        _raise(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    if gpu.unified:
+        _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+    if h.mig is None:
+        total, reserved, used = gpu.total_bytes, gpu.reserved_bytes, gpu.used_bytes
+    else:
+        m = gpu.mig[h.mig]
+        total, reserved, used = m.total_bytes, 0, m.used_bytes
+    free = total - reserved - used
+    if version:
+        mem = _real.c_nvmlMemory_v2_t()
+        mem.version = version
+        mem.total, mem.reserved, mem.free, mem.used = total, reserved, free, used
+    else:
+        # v1 counts the driver-reserved memory as used.
+        mem = _real.c_nvmlMemory_t()
+        mem.total, mem.free, mem.used = total, free, used + reserved
+    return mem
+
+
+def nvmlDeviceGetBAR1MemoryInfo(handle):
+    _, gpu, _ = _device("nvmlDeviceGetBAR1MemoryInfo", handle)
+    if gpu.unified:
+        _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+    bar1 = _real.c_nvmlBAR1Memory_t()
+    bar1.bar1Total, bar1.bar1Used = 128 * 2**30, 64 * 2**20
+    bar1.bar1Free = bar1.bar1Total - bar1.bar1Used
+    return bar1
+
+
+def nvmlDeviceGetAddressingMode(device):
+    _, gpu, _ = _device("nvmlDeviceGetAddressingMode", device)
+    return _real.NVML_DEVICE_ADDRESSING_MODE_ATS if gpu.unified else _real.NVML_DEVICE_ADDRESSING_MODE_NONE
+
+
+# ---- Processes ---------------------------------------------------------------------------------
+
+
+def _processes(name: str, handle, kind: str) -> list:
+    state, gpu, h = _device(name, handle)
+    out = []
+    mig_ids = {m.index: m for m in gpu.mig}
+    for proc in state.processes:
+        if proc.kind != kind:
+            continue
+        for key, used in proc.gpu_bytes.items():
+            g, _, inst = key.partition("/")
+            if int(g) != gpu.index:
+                continue
+            if h.mig is not None and (not inst or int(inst) != h.mig):
+                continue
+            m = mig_ids.get(int(inst)) if inst else None
+            out.append(nvmlFriendlyObject({
+                "pid": proc.pid,
+                "usedGpuMemory": None if proc.memory_not_available else used,
+                "gpuInstanceId": m.gpu_instance_id if m else _UNAVAILABLE_ID,
+                "computeInstanceId": m.compute_instance_id if m else _UNAVAILABLE_ID,
+            }))
+    return out
+
+
+def nvmlDeviceGetComputeRunningProcesses_v3(handle):
+    return _processes("nvmlDeviceGetComputeRunningProcesses_v3", handle, "compute")
+
+
+def nvmlDeviceGetComputeRunningProcesses_v2(handle):
+    return _processes("nvmlDeviceGetComputeRunningProcesses_v2", handle, "compute")
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle):
+    _plain_check("nvmlDeviceGetComputeRunningProcesses", handle)
+    try:
+        return nvmlDeviceGetComputeRunningProcesses_v3(handle)
+    except _real.NVMLError_FunctionNotFound:
+        raise _mismatch("nvmlDeviceGetComputeRunningProcesses") from None
+
+
+def nvmlDeviceGetGraphicsRunningProcesses_v3(handle):
+    return _processes("nvmlDeviceGetGraphicsRunningProcesses_v3", handle, "graphics")
+
+
+def nvmlDeviceGetGraphicsRunningProcesses_v2(handle):
+    return _processes("nvmlDeviceGetGraphicsRunningProcesses_v2", handle, "graphics")
+
+
+def nvmlDeviceGetGraphicsRunningProcesses(handle):
+    _plain_check("nvmlDeviceGetGraphicsRunningProcesses", handle)
+    try:
+        return nvmlDeviceGetGraphicsRunningProcesses_v3(handle)
+    except _real.NVMLError_FunctionNotFound:
+        raise _mismatch("nvmlDeviceGetGraphicsRunningProcesses") from None
+
+
+def nvmlDeviceGetMPSComputeRunningProcesses_v3(handle):
+    _device("nvmlDeviceGetMPSComputeRunningProcesses_v3", handle)
+    return []
+
+
+def nvmlDeviceGetMPSComputeRunningProcesses(handle):
+    return nvmlDeviceGetMPSComputeRunningProcesses_v3(handle)
+
+
+def _plain_check(name: str, handle) -> None:
+    """A fault aimed at the unversioned function itself raises its own error."""
+    _count(name)
+    with _lock:
+        scenario, clock = _scenario, _clock
+    if scenario is not None and _refcount > 0:
+        _check_call_fault(scenario.state_for(clock), name, getattr(handle, "gpu", None))
+
+
+def _mismatch(name: str) -> NVMLLibraryMismatchError:
+    return NVMLLibraryMismatchError(
+        "Unversioned function called and the pyNVML version does not match the NVML lib version. "
+        "Either use matching pyNVML and NVML lib versions or use a versioned function such as "
+        f"{name}_v2")
+
+
+# ---- MIG ---------------------------------------------------------------------------------------
+
+
+def nvmlDeviceGetMigMode(device):
+    _, gpu, h = _device("nvmlDeviceGetMigMode", device)
+    if gpu.unified or h.mig is not None:
+        _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+    mode = _real.NVML_DEVICE_MIG_ENABLE if gpu.mig else _real.NVML_DEVICE_MIG_DISABLE
+    return [mode, mode]
+
+
+def nvmlDeviceGetMaxMigDeviceCount(device):
+    _, gpu, h = _device("nvmlDeviceGetMaxMigDeviceCount", device)
+    if gpu.unified or h.mig is not None:
+        _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+    return _MAX_MIG_DEVICES
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(device, index):
+    _, gpu, h = _device("nvmlDeviceGetMigDeviceHandleByIndex", device)
+    if h.mig is not None or not isinstance(index, int) or not 0 <= index < _MAX_MIG_DEVICES:
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    if index >= len(gpu.mig):
+        _raise(_real.NVML_ERROR_NOT_FOUND)
+    return _handle(gpu.index, index)
+
+
+def nvmlDeviceIsMigDeviceHandle(device):
+    _, _, h = _device("nvmlDeviceIsMigDeviceHandle", device)
+    # nvidia-ml-py returns the c_uint itself here, not its value; so do we.
+    return _real.c_uint(0 if h.mig is None else 1)
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice):
+    _, gpu, h = _device("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice)
+    if h.mig is None:
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    return _handle(gpu.index)
+
+
+def nvmlDeviceGetGpuInstanceId(device):
+    _, gpu, h = _device("nvmlDeviceGetGpuInstanceId", device)
+    if h.mig is None:
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    return gpu.mig[h.mig].gpu_instance_id
+
+
+def nvmlDeviceGetComputeInstanceId(device):
+    _, gpu, h = _device("nvmlDeviceGetComputeInstanceId", device)
+    if h.mig is None:
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    return gpu.mig[h.mig].compute_instance_id
+
+
+# ---- Plausible constants for tools that ask more (nvitop, gpustat, exporters) ------------------
+
+
+def nvmlDeviceGetUtilizationRates(handle):
+    state, gpu, _ = _device("nvmlDeviceGetUtilizationRates", handle)
+    busy = any(str(gpu.index) == k.partition("/")[0] for p in state.processes for k in p.gpu_bytes)
+    util = _real.c_nvmlUtilization_t()
+    util.gpu, util.memory = (87, 41) if busy else (0, 0)
+    return util
+
+
+def nvmlDeviceGetTemperature(handle, sensor):
+    _device("nvmlDeviceGetTemperature", handle)
+    if sensor != _real.NVML_TEMPERATURE_GPU:
+        _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+    return 46
+
+
+def nvmlDeviceGetTemperatureThreshold(handle, threshold):
+    _device("nvmlDeviceGetTemperatureThreshold", handle)
+    return 92
+
+
+def nvmlDeviceGetFanSpeed(handle):
+    _device("nvmlDeviceGetFanSpeed", handle)
+    _raise(_real.NVML_ERROR_NOT_SUPPORTED)  # data-centre cards are passively cooled
+
+
+def nvmlDeviceGetNumFans(device):
+    _device("nvmlDeviceGetNumFans", device)
+    return 0
+
+
+def nvmlDeviceGetPowerUsage(handle):
+    _device("nvmlDeviceGetPowerUsage", handle)
+    return 312_000  # milliwatts
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle):
+    state, _, _ = _device("nvmlDeviceGetTotalEnergyConsumption", handle)
+    return int(312 * 1000 * max(state.t, 0.0))  # millijoules, grows with time
+
+
+def nvmlDeviceGetPowerManagementLimit(handle):
+    _device("nvmlDeviceGetPowerManagementLimit", handle)
+    return 700_000
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle):
+    _device("nvmlDeviceGetEnforcedPowerLimit", handle)
+    return 700_000
+
+
+def nvmlDeviceGetPowerManagementLimitConstraints(handle):
+    _device("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+    return [200_000, 700_000]
+
+
+def nvmlDeviceGetClockInfo(handle, type):  # noqa: A002 (nvidia-ml-py's parameter name)
+    _device("nvmlDeviceGetClockInfo", handle)
+    return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
+
+
+def nvmlDeviceGetMaxClockInfo(handle, type):  # noqa: A002
+    _device("nvmlDeviceGetMaxClockInfo", handle)
+    return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
+
+
+def nvmlDeviceGetPerformanceState(handle):
+    _device("nvmlDeviceGetPerformanceState", handle)
+    return 0
+
+
+def nvmlDeviceGetPersistenceMode(handle):
+    _device("nvmlDeviceGetPersistenceMode", handle)
+    return _real.NVML_FEATURE_ENABLED
+
+
+def nvmlDeviceGetComputeMode(handle):
+    _device("nvmlDeviceGetComputeMode", handle)
+    return _real.NVML_COMPUTEMODE_DEFAULT
+
+
+def nvmlDeviceGetDisplayMode(handle):
+    _device("nvmlDeviceGetDisplayMode", handle)
+    return _real.NVML_FEATURE_DISABLED
+
+
+def nvmlDeviceGetDisplayActive(handle):
+    _device("nvmlDeviceGetDisplayActive", handle)
+    return _real.NVML_FEATURE_DISABLED
+
+
+def nvmlDeviceGetEccMode(handle):
+    _device("nvmlDeviceGetEccMode", handle)
+    return [_real.NVML_FEATURE_ENABLED, _real.NVML_FEATURE_ENABLED]
+
+
+def nvmlDeviceGetTotalEccErrors(handle, errorType, counterType):
+    _device("nvmlDeviceGetTotalEccErrors", handle)
+    return 0
+
+
+def nvmlDeviceGetCurrentClocksThrottleReasons(handle):
+    _device("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+    return 0
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle):
+    _device("nvmlDeviceGetCurrentClocksEventReasons", handle)
+    return 0
+
+
+def nvmlDeviceGetEncoderUtilization(handle):
+    _device("nvmlDeviceGetEncoderUtilization", handle)
+    return [0, 167_000]
+
+
+def nvmlDeviceGetDecoderUtilization(handle):
+    _device("nvmlDeviceGetDecoderUtilization", handle)
+    return [0, 167_000]
+
+
+def nvmlDeviceGetCurrPcieLinkGeneration(handle):
+    _device("nvmlDeviceGetCurrPcieLinkGeneration", handle)
+    return 5
+
+
+def nvmlDeviceGetMaxPcieLinkGeneration(handle):
+    _device("nvmlDeviceGetMaxPcieLinkGeneration", handle)
+    return 5
+
+
+def nvmlDeviceGetCurrPcieLinkWidth(handle):
+    _device("nvmlDeviceGetCurrPcieLinkWidth", handle)
+    return 16
+
+
+def nvmlDeviceGetMaxPcieLinkWidth(handle):
+    _device("nvmlDeviceGetMaxPcieLinkWidth", handle)
+    return 16
+
+
+def nvmlDeviceGetPcieThroughput(device, counter):
+    _device("nvmlDeviceGetPcieThroughput", device)
+    return 1024  # KB/s
+
+
+def nvmlDeviceGetVbiosVersion(handle):
+    _device("nvmlDeviceGetVbiosVersion", handle)
+    return "96.00.99.00.01"
+
+
+def nvmlDeviceGetPciInfo_v3(handle):
+    _, gpu, _ = _device("nvmlDeviceGetPciInfo_v3", handle)
+    info = _real.nvmlPciInfo_t()
+    bus = 0x18 + 0x10 * gpu.index
+    info.busIdLegacy = (_real.NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT % (0, bus, 0)).encode()
+    info.busId = (_real.NVML_DEVICE_PCI_BUS_ID_FMT % (0, bus, 0)).encode()
+    info.domain, info.bus, info.device = 0, bus, 0
+    info.pciDeviceId, info.pciSubSystemId = 0x233010DE, 0x16C110DE
+    return info
+
+
+def nvmlDeviceGetPciInfo(handle):
+    return nvmlDeviceGetPciInfo_v3(handle)
+
+
+# ---- Everything else the real module has: a library without that symbol ----------------------
+
+
+def __getattr__(name: str):
+    real = getattr(_real, name, None)
+    if name.startswith("nvml") and isinstance(real, types.FunctionType):
+        def missing(*args, **kwargs):
+            _count(name)
+            _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+        missing.__name__ = name
+        return missing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,158 @@
+"""The command line, end to end: real subprocesses, real HTTP on loopback, real signals."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.sim.scenario import load
+
+EXE = [sys.executable, "-m", "exporter"]
+
+
+def cli(*args, check=True):
+    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def series(text):
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+class Daemon:
+    def __init__(self, *args, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*EXE, "run", "--listen", f"127.0.0.1:{self.port}", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_healthy(self, timeout=20):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("daemon never became healthy")
+
+    def metrics(self):
+        return series(requests.get(self.url + "/metrics", timeout=5).text)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=15)
+        return self.proc.returncode, out
+
+
+def test_scenarios_lists_the_builtin_ones():
+    out = cli("scenarios").stdout
+    for name in ("steady", "leak", "contention", "unified-memory", "stale-memory", "pressure", "gpu-lost"):
+        assert any(line.split()[0] == name and len(line.split()) > 2 for line in out.splitlines()), name
+
+
+def test_snapshot_of_the_leak_scenario_matches_it():
+    out = cli("snapshot", "--simulate", "leak", "--at", "3600").stdout
+    got = series(out)
+    state = load("leak").state_at(3600)
+    for gpu in state.gpus:
+        key = ("gpumem_gpu_memory_used_bytes", (("gpu", str(gpu.index)), ("uuid", gpu.uuid)))
+        assert got[key] == gpu.used_bytes
+    procs = {dict(labels)["pid"]: v for (name, labels), v in got.items() if name == "gpumem_process_memory_used_bytes"}
+    expected = {str(p.pid): b for p in state.processes for b in p.gpu_bytes.values()}
+    assert procs == expected and procs
+
+
+def test_snapshot_json():
+    out = json.loads(cli("snapshot", "--simulate", "steady", "--at", "600", "--format", "json").stdout)
+    assert out["snapshot"]["gpus"] and out["snapshot"]["gpus"][0]["processes"]
+
+
+def test_check_config(tmp_path):
+    good = tmp_path / "good.yml"
+    good.write_text("interval_seconds: 2\n")
+    assert "OK" in cli("check-config", str(good)).stdout
+    bad = tmp_path / "bad.yml"
+    bad.write_text("interval_secs: 2\n")
+    proc = cli("check-config", str(bad), check=False)
+    assert proc.returncode != 0 and "interval_secs: unknown key (did you mean 'interval_seconds'?)" in proc.stderr
+
+
+def test_unknown_scenario_is_a_clear_error():
+    proc = cli("snapshot", "--simulate", "no-such-scenario", check=False)
+    assert proc.returncode != 0 and "no-such-scenario" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
+    d = Daemon("--interval", "0.2")
+    try:
+        d.wait_healthy()
+        m = d.metrics()
+        assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 0
+        assert m[("gpumem_exporter_source_up", (("source", "host"),))] == 1
+        assert any(n == "gpumem_exporter_errors_total" and dict(l)["source"] == "nvml" for n, l in m)
+    finally:
+        code, out = d.stop()
+    assert code == 0
+    assert "NVML unavailable" in out and "retrying" in out
+    assert out.count("NVML unavailable") == 1  # said once, not at every retry
+
+
+def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
+    d = Daemon("--simulate", "steady", "--interval", "0.2", "--speed", "600")
+    try:
+        d.wait_healthy()
+        m = d.metrics()
+        assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 1
+        assert any(n == "gpumem_process_memory_used_bytes" for n, _ in m)
+        assert requests.get(d.url + "/admission", timeout=5).status_code in (200, 503)
+    finally:
+        code, out = d.stop()
+    assert code == 0 and "stopping" in out
+
+
+def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("interval_seconds: 0.2\n")
+    d = Daemon("--config", str(cfg), "--simulate", "steady")
+    try:
+        d.wait_healthy()
+        cfg.write_text("interval_seconds: [broken\n")
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        cfg.write_text("interval_seconds: 0.3\n")
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        d.wait_healthy()
+    finally:
+        code, out = d.stop()
+    assert code == 0
+    assert "reload failed, keeping the running configuration" in out
+    assert "configuration reloaded" in out
+
+
+def test_env_vars_configure_run():
+    d = Daemon("--simulate", "steady", env={"GPUMEM_RUN_INTERVAL": "0.2"})
+    try:
+        d.wait_healthy()
+    finally:
+        code, out = d.stop()
+    assert "every 0.2 s" in out

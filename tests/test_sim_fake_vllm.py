@@ -1,0 +1,177 @@
+"""The fake vLLM server over real loopback HTTP, parsed back with prometheus_client's parser."""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.clock import FixedClock
+from exporter.sim import scenario as sc
+from exporter.sim.fake_vllm import FakeVllmServer
+
+START = 1_700_000_000.0
+DOC = {
+    "name": "vllm-test", "description": "fake vLLM test", "duration": 3600,
+    "gpus": [{"memory": "80GiB"}],
+    "host": {"memory": "256GiB"},
+    "processes": [
+        {"pid": 100, "name": "vllm", "start": 20, "stop": 3000},
+        {"pid": 200, "name": "vllm"},
+    ],
+    "vllm": [
+        {"port": 8000, "pid": 100, "model": "meta-llama/Llama-3.1-8B-Instruct",
+         "kv_cache_usage": [{"constant": 0.25}, {"linear": {"from": 100, "rate": "0.01/min"}}],
+         "running": 7, "waiting": {"step": {"at": 600, "by": 3}},
+         "preemptions": {"linear": {"from": 120, "rate": "6/min"}},
+         "prefix_cache_queries": {"linear": {"rate": "60/s"}}, "prefix_cache_hit_ratio": 0.5,
+         "cache_config": {"gpu_memory_utilization": 0.9, "num_gpu_blocks": 26368,
+                          "block_size": 16, "cache_dtype": "fp8"}},
+        {"port": 8001, "pid": 200, "model": "other",
+         "cache_config": {"gpu_memory_utilization": 0.5, "num_gpu_blocks": 100}},
+    ],
+    "faults": [
+        {"kind": "vllm_http_error", "server": 0, "status": 500, "at": 1000, "until": 1100},
+        {"kind": "vllm_garbage", "server": 0, "at": 1100, "until": 1200},
+        {"kind": "vllm_slow", "server": 0, "delay": 0.3, "at": 1200, "until": 1300},
+    ],
+}
+
+
+def parse(text: str) -> dict[str, list]:
+    """{sample name: [(labels, value)]} of an exposition."""
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+@pytest.fixture
+def served():
+    clock = FixedClock(START, 700)
+    with FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), clock) as server:
+        yield server, clock
+
+
+def test_exposition_matches_the_scenario(served):
+    server, clock = served
+    r = requests.get(server.url, timeout=5)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    samples = parse(r.text)
+    labels = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "engine": "0"}
+    expected = server.scenario.state_at(700).vllm[0]
+    assert samples["vllm:kv_cache_usage_perc"] == [(labels, pytest.approx(0.25 + 0.1))]
+    assert samples["vllm:num_requests_running"] == [(labels, 7)]
+    assert samples["vllm:num_requests_waiting"] == [(labels, 3)]
+    assert samples["vllm:num_preemptions_total"] == [(labels, 58)]  # (700 - 120) s at 6/min
+    assert samples["vllm:num_preemptions_created"] == [(labels, START + 20)]
+    assert samples["vllm:prefix_cache_queries_total"] == [(labels, expected.prefix_cache_queries_total)]
+    assert samples["vllm:prefix_cache_hits_total"] == [(labels, 42000 / 2)]
+    [(info, value)] = samples["vllm:cache_config_info"]
+    assert value == 1
+    assert {k: info[k] for k in ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "engine")} == {
+        "block_size": "16", "cache_dtype": "fp8", "gpu_memory_utilization": "0.9",
+        "num_gpu_blocks": "26368", "engine": "0"}
+
+
+def test_metric_types_are_vllms(served):
+    server, _ = served
+    types = {f.name: f.type for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)}
+    assert types["vllm:num_preemptions"] == "counter"
+    assert types["vllm:prefix_cache_queries"] == "counter"
+    assert types["vllm:kv_cache_usage_perc"] == "gauge"
+    assert types["vllm:cache_config_info"] == "gauge"
+
+
+def test_values_follow_the_clock(served):
+    server, clock = served
+    before = parse(requests.get(server.url, timeout=5).text)["vllm:num_preemptions_total"][0][1]
+    clock.advance(600)
+    after = parse(requests.get(server.url, timeout=5).text)["vllm:num_preemptions_total"][0][1]
+    assert after - before == 60
+
+
+def test_down_server_answers_503(served):
+    server, clock = served
+    clock.at = 10
+    assert requests.get(server.url, timeout=5).status_code == 503
+    clock.at = 3000
+    assert requests.get(server.url, timeout=5).status_code == 503
+
+
+def test_faults(served):
+    server, clock = served
+    clock.at = 1050
+    assert requests.get(server.url, timeout=5).status_code == 500
+    clock.at = 1150
+    r = requests.get(server.url, timeout=5)
+    assert r.status_code == 200
+    with pytest.raises(ValueError):
+        list(text_string_to_metric_families(r.text))
+    clock.at = 1250
+    t0 = time.monotonic()
+    assert requests.get(server.url, timeout=5).status_code == 200
+    assert time.monotonic() - t0 >= 0.3
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.get(server.url, timeout=0.05)
+
+
+def test_faults_only_hit_their_server():
+    clock = FixedClock(START, 1050)
+    with FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), clock, server_index=1) as other:
+        r = requests.get(other.url, timeout=5)
+        assert r.status_code == 200
+        assert parse(r.text)["vllm:num_requests_running"] == [({"model_name": "other", "engine": "0"}, 0)]
+
+
+def test_other_paths(served):
+    server, _ = served
+    base = server.url.rsplit("/", 1)[0]
+    assert requests.get(base + "/health", timeout=5).status_code == 200
+    assert requests.get(base + "/v1/models", timeout=5).status_code == 404
+
+
+def test_restart_on_the_same_port_serves_the_live_server():
+    clock = FixedClock(START, 300)
+    with FakeVllmServer(sc.load("stale-memory"), clock) as server:
+        first = parse(requests.get(server.url, timeout=5).text)["vllm:cache_config_info"][0][0]
+        clock.at = 700
+        assert requests.get(server.url, timeout=5).status_code == 503
+        clock.at = 1000
+        second = parse(requests.get(server.url, timeout=5).text)["vllm:cache_config_info"][0][0]
+    assert (first["gpu_memory_utilization"], second["gpu_memory_utilization"]) == ("0.9", "0.6")
+
+
+def test_concurrent_scrapes(served):
+    server, _ = served
+    statuses = []
+
+    def scrape():
+        statuses.append(requests.get(server.url, timeout=5).status_code)
+
+    threads = [threading.Thread(target=scrape) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 16
+
+
+def test_stop_closes_the_port():
+    server = FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START, 700)).start()
+    url = server.url
+    assert requests.get(url, timeout=5).status_code == 200
+    server.stop()
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(url, timeout=2)
+    with pytest.raises(RuntimeError):
+        server.url  # noqa: B018
+
+
+def test_unknown_server_index():
+    with pytest.raises(ValueError, match="no vLLM server 5"):
+        FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START), server_index=5)
