@@ -64,6 +64,7 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sources.vllm import VllmEndpoint
         for i in range(len(scenario.vllm)):
             server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
+            host.alias_port(server.port, scenario.vllm[i].port)
             endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}"))
     else:
         import pynvml as nvml_module

@@ -156,3 +156,11 @@ def test_env_vars_configure_run():
     finally:
         code, out = d.stop()
     assert "every 0.2 s" in out
+
+
+def test_simulated_vllm_processes_are_tied_to_their_server():
+    got = series(cli("snapshot", "--simulate", "contention", "--at", "3000").stdout)
+    roles = {dict(l)["process"]: dict(l)["role"] for n, l in got if n == "gpumem_process_memory_used_bytes"}
+    assert roles and "vllm" in roles.values() and "other" in roles.values()
+    assert all(role == "vllm" for name, role in roles.items() if name.startswith("VLLM::"))
+    assert any(n == "gpumem_vllm_memory_budget_bytes" for n, _ in got)

@@ -32,6 +32,11 @@ class SimulatedHost:
     def __init__(self, scenario: Scenario, clock):
         self.scenario = scenario
         self.clock = clock
+        self._ports: dict[int, int] = {}  # port a fake vLLM server really bound -> the scenario's port
+
+    def alias_port(self, bound: int, scenario_port: int) -> None:
+        """The fake vLLM server binds a free port; answer for it as for the scenario's port."""
+        self._ports[bound] = scenario_port
 
     def _state(self):
         return self.scenario.state_for(self.clock)
@@ -68,6 +73,7 @@ class SimulatedHost:
         return sorted(out)
 
     def pid_listening_on(self, port: int) -> int | None:
+        port = self._ports.get(port, port)
         for server in self._state().vllm:
             if server.port == port and server.up:
                 return server.pid
