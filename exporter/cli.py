@@ -34,10 +34,13 @@ def _load(config_file, **overrides) -> Config:
 def make_analyzer(config: Config):
     from .analysis.engine import AnalysisConfig, Analyzer
 
-    return Analyzer(AnalysisConfig(admission_close_above=config.admission.close_above,
-                                   admission_open_below=config.admission.open_below,
-                                   history_raw_seconds=config.history_raw_seconds,
-                                   history_retention_seconds=config.history_retention_seconds))
+    try:
+        return Analyzer(AnalysisConfig(admission_close_above=config.admission.close_above,
+                                       admission_open_below=config.admission.open_below,
+                                       history_raw_seconds=config.history_raw_seconds,
+                                       history_retention_seconds=config.history_retention_seconds))
+    except ValueError as exc:  # settings that conflict with what the detectors need
+        raise click.ClickException(f"invalid configuration: {exc}") from exc
 
 
 def _build_runtime(config: Config, simulate, speed=1.0, at=None):
@@ -87,7 +90,7 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
         except ConfigError as exc:
             raise click.ClickException(f"invalid web config: {exc}") from exc
     runtime = _build_runtime(config, simulate, speed=speed)
-    daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds, analyze=make_analyzer(config).update)
+    daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds, analyzer=make_analyzer(config))
     registry = build_registry(lambda: daemon.state, runtime.clock.now)
     app = make_app(registry, lambda: daemon.state, runtime.clock.now, config.effective_stale_after,
                    auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
@@ -152,7 +155,7 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
     runtime = _build_runtime(config, simulate, at=at if simulate else None)
     try:
         daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds,
-                        analyze=make_analyzer(config).update)
+                        analyzer=make_analyzer(config))
         state = daemon.tick()
     finally:
         runtime.close()
@@ -210,6 +213,7 @@ def scenarios() -> None:
 def check_config(file) -> None:
     """Validate a configuration file and print it as understood."""
     config = _load(file)
+    make_analyzer(config)  # the detectors' own constraints (e.g. how much raw history they need)
     click.echo(f"{file}: OK")
     out = dataclasses.asdict(config)
     click.echo(json.dumps(out, indent=2, default=str))

@@ -99,12 +99,11 @@ def _bounded_add(counter: Counter, key, n: int = 1) -> None:
 
 
 class Daemon:
-    def __init__(self, sampler: Sampler, clock, interval_seconds: float,
-                 analyze: Callable[[Snapshot], Analysis] | None = None):
+    def __init__(self, sampler: Sampler, clock, interval_seconds: float, analyzer=None):
         self.sampler = sampler
         self.clock = clock
         self.interval = interval_seconds
-        self.analyze = analyze
+        self.analyzer = analyzer  # has .update(snapshot) -> Analysis and .detector_errors
         self.state = State()
         self._errors: Counter = Counter()
         self._vllm_errors: Counter = Counter()
@@ -121,12 +120,14 @@ class Daemon:
             _bounded_add(self._errors, ("sampler", "exception"))
             return self.state
         analysis = None
-        if self.analyze is not None:
+        if self.analyzer is not None:
             try:
-                analysis = self.analyze(snapshot)
+                analysis = self.analyzer.update(snapshot)
             except Exception:
                 log.exception("analysis failed")
                 _bounded_add(self._errors, ("analysis", "exception"))
+            for detector, n in self.analyzer.detector_errors.items():
+                self._errors[("analysis", detector)] = n  # the analyzer keeps the running count
         for e in snapshot.errors:
             _bounded_add(self._errors, (e.source, e.kind))
         for v in snapshot.vllm:

@@ -1,0 +1,259 @@
+"""Fragmentation: allocations fail (or vLLM behaves as if memory were short) while memory
+is, on paper, there.
+
+Three signals, one finding per (GPU, endpoint):
+- an out-of-memory event (from the logs) where PyTorch held a large share reserved but
+  unallocated, or NVML/the message showed enough free memory for the request;
+- vLLM preemptions rising while KV-cache usage stayed low or the GPU had free memory;
+- a vLLM server using far more than its planned budget (gpu_memory_utilization x total)
+  for a sustained time: memory outside what vLLM sized for (allocator cache, NCCL buffers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from ..model import Finding, GpuSample, OomEvent, Snapshot, VllmEngineStats
+from .budget import memory_budgets
+
+if TYPE_CHECKING:
+    from .history import History
+
+GIB = 1 << 30
+GPU_OOM_KINDS = frozenset({"torch_cuda_oom", "cuda_runtime_oom", "nccl_oom"})
+_SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+
+
+@dataclass(frozen=True)
+class FragmentationConfig:
+    reserved_unallocated_share: float = 0.20  # of PyTorch's reserved memory at the OOM
+    free_ratio: float = 0.20  # GPU free share that makes an OOM or preemption suspicious
+    kv_low_ratio: float = 0.50  # KV usage peak below this while preempting is suspicious
+    window_seconds: float = 300.0  # how long OOM events and preemptions count
+    budget_excess_bytes: int = GIB  # "far above budget": by this much ...
+    budget_excess_ratio: float = 0.05  # ... and this share of the GPU's total
+    budget_sustain_seconds: float = 60.0  # ... for this long
+
+    def __post_init__(self) -> None:
+        for name in ("reserved_unallocated_share", "free_ratio", "kv_low_ratio",
+                     "budget_excess_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"fragmentation: {name} must be within 0-1")
+        if self.window_seconds <= 0 or self.budget_sustain_seconds < 0:
+            raise ValueError("fragmentation: window_seconds > 0, budget_sustain_seconds >= 0")
+
+
+def recent_events(history: "History", snapshot: Snapshot,
+                  window: float) -> Iterator[tuple[Snapshot, OomEvent]]:
+    """OOM events that arrived within `window` seconds, with the snapshot they came in."""
+    now = snapshot.timestamp
+    for snap in history.recent(now - window):
+        if snap.timestamp < now:
+            for event in snap.log_events:
+                yield snap, event
+    for event in snapshot.log_events:
+        yield snapshot, event
+
+
+def detect_fragmentation(history: "History", snapshot: Snapshot,
+                         config: FragmentationConfig) -> list[Finding]:
+    found: dict[tuple, Finding] = {}
+    for finding in (*_from_ooms(history, snapshot, config),
+                    *_from_preemptions(history, snapshot, config),
+                    *_from_budgets(history, snapshot, config)):
+        found[finding.key] = _merge(found[finding.key], finding) if finding.key in found \
+            else finding
+    return list(found.values())
+
+
+def _merge(a: Finding, b: Finding) -> Finding:
+    worse = a if _SEVERITY.get(a.severity, 0) >= _SEVERITY.get(b.severity, 0) else b
+    return Finding(
+        kind=a.kind, severity=worse.severity, first_detected_at=a.first_detected_at, gpu=a.gpu,
+        uuid=a.uuid or b.uuid, pid=a.pid, endpoint=a.endpoint,
+        summary=f"{a.summary}; {b.summary}", evidence=a.evidence + b.evidence,
+        advice=tuple(dict.fromkeys(a.advice + b.advice)))
+
+
+def _advice(tensor_parallel: bool) -> tuple[str, ...]:
+    advice = ["Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the server's environment "
+              "so freed blocks can be reused for larger requests (on PyTorch without expandable "
+              "segments, PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512)."]
+    if tensor_parallel:
+        advice.append("With tensor parallelism set NCCL_CUMEM_ENABLE=0: NCCL's cuMem buffers "
+                      "live outside PyTorch's allocator and add to fragmentation.")
+    return tuple(advice)
+
+
+def _gpu(snapshot: Snapshot, index: str | None) -> GpuSample | None:
+    return next((g for g in snapshot.gpus if g.index == index), None)
+
+
+def _from_ooms(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+    per_gpu: dict[str | None, list[tuple[OomEvent, str]]] = {}
+    for snap, event in recent_events(history, snapshot, config.window_seconds):
+        if event.kind not in GPU_OOM_KINDS:
+            continue
+        reason = _oom_reason(event, _gpu(snap, event.gpu), config)
+        if reason:
+            per_gpu.setdefault(event.gpu, []).append((event, reason))
+    findings = []
+    for gpu_index, events in per_gpu.items():
+        event, reason = events[-1]
+        gpu = _gpu(snapshot, gpu_index)
+        evidence: list[tuple[str, float | int | str]] = [
+            ("oom_events", len(events)), ("oom_kind", event.kind), ("oom_class", event.klass),
+            ("log", f"{event.source}:{event.line}")]
+        for name in ("requested_bytes", "free_bytes", "total_bytes", "reserved_bytes",
+                     "reserved_unallocated_bytes"):
+            if getattr(event, name) is not None:
+                evidence.append((name, getattr(event, name)))
+        findings.append(Finding(
+            kind="fragmentation", severity="critical", first_detected_at=snapshot.timestamp,
+            gpu=gpu_index, uuid=gpu.uuid if gpu else "",
+            summary=f"GPU {gpu_index if gpu_index is not None else '?'}: out of memory "
+                    f"{reason} ({len(events)} event(s) in {config.window_seconds / 60:.0f} min)",
+            evidence=tuple(evidence),
+            advice=_advice(_tensor_parallel(snapshot, None))))
+    return findings
+
+
+def _oom_reason(event: OomEvent, gpu: GpuSample | None, config: FragmentationConfig) -> str:
+    """Why this OOM looks like fragmentation, or "" when it looks like a real shortage."""
+    ru, reserved, requested = (event.reserved_unallocated_bytes, event.reserved_bytes,
+                               event.requested_bytes)
+    if ru is not None and ((reserved and ru >= config.reserved_unallocated_share * reserved)
+                           or (requested is not None and ru >= requested)):
+        return f"with {ru / GIB:.1f} GiB reserved by PyTorch but unallocated"
+    free, total = event.free_bytes, event.total_bytes
+    if free is None and gpu is not None:  # the message did not say: what NVML saw then
+        free, total = gpu.free_bytes, gpu.total_bytes
+    if free is not None and requested is not None and free >= requested:
+        return f"although {free / GIB:.1f} GiB was free for a {requested / GIB:.2f} GiB request"
+    if free is not None and total and free >= config.free_ratio * total:
+        return f"although {free / total:.0%} of the GPU was free"
+    if event.klass == "fragmentation":
+        return "classified as fragmentation from its message"
+    return ""
+
+
+def _tensor_parallel(snapshot: Snapshot, endpoint: str | None) -> bool:
+    """True when a server (this endpoint, or any) has processes on more than one GPU."""
+    gpus_by_endpoint: dict[str, set[str]] = {}
+    for b in memory_budgets(snapshot):
+        gpus_by_endpoint.setdefault(b.endpoint, set()).add(b.gpu)
+    if endpoint is not None:
+        return len(gpus_by_endpoint.get(endpoint, ())) > 1
+    return any(len(g) > 1 for g in gpus_by_endpoint.values())
+
+
+def _engine_stats(snap: Snapshot, endpoint: str) -> dict[tuple[str, str], VllmEngineStats]:
+    for v in snap.vllm:
+        if v.endpoint == endpoint and v.up:
+            return {(e.model, e.engine): e for e in v.engines}
+    return {}
+
+
+def _from_preemptions(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+    now = snapshot.timestamp
+    past = [s for s in history.recent(now - config.window_seconds) if s.timestamp < now]
+    budgets = memory_budgets(snapshot)
+    findings = []
+    for server in snapshot.vllm:
+        if not server.up:
+            continue
+        preempted, kv_peak = 0.0, None
+        for key, current in _engine_stats(snapshot, server.endpoint).items():
+            series = [e for s in past if (e := _engine_stats(s, server.endpoint).get(key))]
+            series.append(current)
+            preempted += _counter_increase([e.preemptions_total for e in series])
+            kvs = [e.kv_cache_usage_ratio for e in series if e.kv_cache_usage_ratio is not None]
+            if kvs:
+                kv_peak = max(kvs) if kv_peak is None else max(kv_peak, *kvs)
+        if preempted <= 0:
+            continue
+        gpus = [_gpu(snapshot, b.gpu) for b in budgets if b.endpoint == server.endpoint]
+        free_ratios = [g.free_bytes / g.total_bytes for g in gpus
+                       if g is not None and g.free_bytes is not None and g.total_bytes]
+        kv_low = kv_peak is not None and kv_peak < config.kv_low_ratio
+        free = bool(free_ratios) and min(free_ratios) >= config.free_ratio
+        if not (kv_low or free):
+            continue
+        evidence: list[tuple[str, float | int | str]] = [
+            ("preemptions_in_window", preempted), ("window_seconds", config.window_seconds)]
+        if kv_peak is not None:
+            evidence.append(("kv_cache_usage_peak_ratio", round(kv_peak, 4)))
+        if free_ratios:
+            evidence.append(("gpu_free_ratio_min", round(min(free_ratios), 4)))
+        evidence.append(("gpus", ",".join(g.index for g in gpus if g is not None)))
+        why = (f"KV-cache usage peaked at {kv_peak:.0%}" if kv_low
+               else f"{min(free_ratios):.0%} of the GPU free")
+        advice = _advice(len(gpus) > 1)
+        if free:
+            advice += ("The GPU has memory vLLM does not use: raise --gpu-memory-utilization "
+                       "for a larger KV cache, or lower --max-num-seqs / --max-model-len.",)
+        findings.append(Finding(
+            kind="fragmentation", severity="warning", first_detected_at=now,
+            gpu=gpus[0].index if len(gpus) == 1 and gpus[0] else None,
+            uuid=gpus[0].uuid if len(gpus) == 1 and gpus[0] else "", endpoint=server.endpoint,
+            summary=f"{server.endpoint}: {preempted:.0f} request(s) preempted in "
+                    f"{config.window_seconds / 60:.0f} min with {why}",
+            evidence=tuple(evidence), advice=advice))
+    return findings
+
+
+def _counter_increase(values: list[float | None]) -> float:
+    """Total increase of a counter over samples, counting a drop as a restart from zero."""
+    total, last = 0.0, None
+    for v in values:
+        if v is None:
+            continue
+        if last is not None:
+            total += v - last if v >= last else v
+        last = v
+    return total
+
+
+def _from_budgets(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+    now = snapshot.timestamp
+    over = {(b.endpoint, b.gpu): b for b in memory_budgets(snapshot) if _excess(snapshot, b, config)}
+    if not over:
+        return []
+    # Sustained: every snapshot of the last budget_sustain_seconds over as well, and the
+    # history reaching back that far.
+    since = now
+    for snap in reversed([s for s in history.recent(now - 2 * config.budget_sustain_seconds - 1)
+                          if s.timestamp < now]):
+        if now - since >= config.budget_sustain_seconds:
+            break
+        still = {(b.endpoint, b.gpu) for b in memory_budgets(snap) if _excess(snap, b, config)}
+        over = {k: b for k, b in over.items() if k in still}
+        if not over:
+            return []
+        since = snap.timestamp
+    if now - since < config.budget_sustain_seconds:
+        return []
+    findings = []
+    for (endpoint, gpu_index), b in over.items():
+        excess = b.used_bytes - b.budget_bytes
+        findings.append(Finding(
+            kind="fragmentation", severity="warning", first_detected_at=now, gpu=gpu_index,
+            uuid=b.uuid, endpoint=endpoint,
+            summary=f"{endpoint} uses {b.used_bytes / GIB:.1f} GiB on GPU {gpu_index}, "
+                    f"{excess / GIB:.1f} GiB above its budget of {b.budget_bytes / GIB:.1f} GiB",
+            evidence=(("used_bytes", b.used_bytes), ("budget_bytes", b.budget_bytes),
+                      ("excess_bytes", excess),
+                      ("sustained_seconds", round(now - since, 1))),
+            advice=_advice(_tensor_parallel(snapshot, endpoint)) + (
+                "vLLM did not plan for this memory: check CUDA graph capture sizes "
+                "(--cuda-graph-sizes, or --enforce-eager to confirm) and NCCL buffers.",)))
+    return findings
+
+
+def _excess(snapshot: Snapshot, b, config: FragmentationConfig) -> bool:
+    if b.budget_bytes is None or b.used_bytes is None:
+        return False
+    gpu = _gpu(snapshot, b.gpu)
+    total = gpu.total_bytes if gpu and gpu.total_bytes else 0
+    return b.used_bytes - b.budget_bytes >= max(config.budget_excess_bytes,
+                                                config.budget_excess_ratio * total)

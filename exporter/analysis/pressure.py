@@ -1,0 +1,86 @@
+"""Memory pressure per GPU: utilisation thresholds and admission with hysteresis.
+
+(The time-to-full forecast itself is leak.time_to_full over the GPU's used series; the
+engine puts it in GpuAnalysis and this detector quotes it.)
+
+Admission is a gate a router or autoscaler can read (`/admission`, `gpumem_admission_open`):
+it closes when a GPU goes above the close threshold (0.90) and reopens only below the open
+threshold (0.80), so a GPU hovering at the threshold does not flap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import Finding, GpuAnalysis, GpuSample, HostMemory
+
+
+@dataclass(frozen=True)
+class PressureConfig:
+    warning_ratio: float = 0.85  # used/total that raises a warning (the paging threshold)
+    critical_ratio: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not 0 < self.warning_ratio <= self.critical_ratio <= 1:
+            raise ValueError("pressure: need 0 < warning_ratio <= critical_ratio <= 1")
+
+
+def memory_ratio(gpu: GpuSample, host: HostMemory | None) -> float | None:
+    """used/total; on unified memory without NVML memory info, the host's share in use."""
+    if gpu.total_bytes and gpu.used_bytes is not None:
+        return min(1.0, max(0.0, gpu.used_bytes / gpu.total_bytes))
+    if gpu.unified and host is not None and host.total_bytes > 0:
+        return min(1.0, max(0.0, 1 - host.available_bytes / host.total_bytes))
+    return None
+
+
+def admission_open(previous: bool | None, ratio: float | None, close_above: float,
+                   open_below: float) -> bool:
+    """Hysteresis: close above `close_above`, reopen below `open_below`, else keep the last
+    state. Unknown utilisation keeps the last state (open at the very start)."""
+    if ratio is not None:
+        if ratio > close_above:
+            return False
+        if ratio < open_below:
+            return True
+    return True if previous is None else previous
+
+
+def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnalysis],
+                    now: float, config: PressureConfig) -> list[Finding]:
+    """One pressure finding per GPU at or above the warning ratio."""
+    by_uuid = {g.uuid: g for g in snapshot_gpus}
+    findings = []
+    for a in analyses:
+        ratio = a.utilization_ratio
+        if ratio is None or ratio < config.warning_ratio:
+            continue
+        gpu = by_uuid.get(a.uuid)
+        critical = ratio >= config.critical_ratio
+        evidence: list[tuple[str, float | int | str]] = [("utilization_ratio", round(ratio, 4))]
+        if gpu is not None and gpu.used_bytes is not None and gpu.total_bytes is not None:
+            evidence += [("used_bytes", gpu.used_bytes), ("total_bytes", gpu.total_bytes)]
+        if a.time_to_full_seconds is not None:
+            evidence.append(("time_to_full_seconds", round(a.time_to_full_seconds, 1)))
+        evidence.append(("admission_open", int(a.admission_open)))
+        summary = f"GPU {a.gpu} memory {ratio:.0%} used"
+        if a.time_to_full_seconds is not None:
+            summary += f", full in about {a.time_to_full_seconds / 60:.0f} min at the current rate"
+        findings.append(Finding(
+            kind="pressure", severity="critical" if critical else "warning",
+            first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
+            evidence=tuple(evidence), advice=_advice(gpu)))
+    return findings
+
+
+def _advice(gpu: GpuSample | None) -> tuple[str, ...]:
+    advice = [
+        "Check which processes hold the memory (gpumem_process_memory_used_bytes) and "
+        "whether one is growing (gpumem_process_memory_growth_bytes_per_second).",
+        "Stop routing new work to this GPU until it drains (gpumem_admission_open).",
+        "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
+        "spread the model over more GPUs (tensor parallelism).",
+    ]
+    if gpu is not None and gpu.unified:
+        advice.append("This GPU shares memory with the host: host processes count against it; "
+                      "check gpumem_host_memory_available_bytes.")
+    return tuple(advice)

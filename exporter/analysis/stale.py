@@ -1,0 +1,163 @@
+"""Stale memory: GPU memory in use that no live process accounts for.
+
+Two patterns, reported as one finding per GPU so the finding does not flap when the
+explanation changes:
+- a serving (vLLM) process exited and, `exit_grace_seconds` later, most of what it held is
+  still in use with no owner (a zombie worker, a leaked IPC handle, a hung context);
+- used minus the sum of live processes' used stays above a threshold for `seconds`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..model import Finding, GpuSample, ProcessSample, Snapshot
+
+if TYPE_CHECKING:
+    from .history import History
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StaleConfig:
+    min_bytes: int = GIB  # unattributed memory must be at least this ...
+    min_ratio: float = 0.05  # ... and this share of the GPU's total
+    seconds: float = 120.0  # ... for this long
+    exit_grace_seconds: float = 60.0  # time a serving process's memory gets to come back
+    exit_min_bytes: int = 256 << 20  # ignore exits of processes that held less
+    exit_returned_share: float = 0.5  # "did not come back": this share of it still unowned
+    lookback_seconds: float = 900.0  # how far back exited processes are remembered
+
+    def __post_init__(self) -> None:
+        if self.min_bytes < 0 or not 0 <= self.min_ratio <= 1 or self.seconds < 0:
+            raise ValueError("stale: min_bytes, min_ratio (0-1) and seconds must be >= 0")
+        if self.exit_grace_seconds < 0 or not 0 < self.exit_returned_share <= 1:
+            raise ValueError("stale: exit_grace_seconds >= 0, 0 < exit_returned_share <= 1")
+        if self.lookback_seconds < max(self.seconds, self.exit_grace_seconds):
+            raise ValueError("stale: lookback_seconds must cover seconds and exit_grace_seconds")
+
+
+def unattributed_bytes(gpu: GpuSample) -> int | None:
+    """Used minus what live processes account for; None where that cannot be known
+    (unified memory, used unknown, a process whose usage NVML does not report)."""
+    if gpu.unified or gpu.used_bytes is None or any(p.used_bytes is None for p in gpu.processes):
+        return None
+    return max(0, gpu.used_bytes - gpu.process_used_bytes)
+
+
+def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
+    return max(config.min_bytes, int(config.min_ratio * (gpu.total_bytes or 0)))
+
+
+def detect_stale(history: "History", snapshot: Snapshot, config: StaleConfig) -> list[Finding]:
+    now = snapshot.timestamp
+    past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
+    exited = _exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED), now)
+    findings = []
+    for gpu in snapshot.gpus:
+        unowned = unattributed_bytes(gpu)
+        if unowned is None:
+            continue
+        finding = (_exited_server(gpu, unowned, exited.get(gpu.uuid, ()), now, config)
+                   or _persistent(gpu, unowned, past, now, config))
+        if finding is not None:
+            findings.append(finding)
+    return findings
+
+
+_MAX_SCANNED = 120  # snapshots scanned for exited servers, whatever the sampling interval
+
+
+def _thin(snaps: list[Snapshot], min_gap: float) -> list[Snapshot]:
+    """At most about _MAX_SCANNED snapshots, evenly spread, always keeping the newest: exit
+    times are then late by at most min_gap, far below the grace period."""
+    out: list[Snapshot] = []
+    for snap in snaps:
+        if not out or snap.timestamp - out[-1].timestamp >= min_gap:
+            out.append(snap)
+    if snaps and out[-1] is not snaps[-1]:
+        out.append(snaps[-1])
+    return out
+
+
+def _exited_servers(snapshot: Snapshot, past: list[Snapshot],
+                    now: float) -> dict[str, list[tuple[float, ProcessSample]]]:
+    """GPU uuid -> (exit time, last sample) of each serving process seen before, gone now."""
+    live = {(g.uuid, p.identity) for g in snapshot.gpus for p in g.processes}
+    last_seen: dict[tuple, tuple[int, ProcessSample]] = {}
+    for i, snap in enumerate(past):
+        for g in snap.gpus:
+            for p in g.processes:
+                if p.role == "vllm" and (g.uuid, p.identity) not in live:
+                    last_seen[(g.uuid, p.identity)] = (i, p)
+    exited: dict[str, list[tuple[float, ProcessSample]]] = {}
+    for (uuid, _), (i, p) in last_seen.items():
+        gone_at = past[i + 1].timestamp if i + 1 < len(past) else now
+        exited.setdefault(uuid, []).append((gone_at, p))
+    return exited
+
+
+def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
+                config: StaleConfig) -> Finding | None:
+    threshold = _threshold(gpu, config)
+    if unowned < threshold:
+        return None
+    since = now
+    for snap in reversed(past):  # walk back while every sample is over the threshold
+        old = next((g for g in snap.gpus if g.uuid == gpu.uuid), None)
+        value = unattributed_bytes(old) if old is not None else None
+        if value is None or value < threshold:
+            break
+        since = snap.timestamp
+    if now - since < config.seconds:
+        return None
+    return Finding(
+        kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
+        uuid=gpu.uuid,
+        summary=(f"GPU {gpu.index}: {unowned / GIB:.1f} GiB in use by no live process for "
+                 f"{(now - since) / 60:.0f} min"),
+        evidence=(("unattributed_bytes", unowned), ("threshold_bytes", threshold),
+                  ("for_seconds", round(now - since, 1)), ("used_bytes", gpu.used_bytes or 0),
+                  ("process_used_bytes", gpu.process_used_bytes),
+                  ("live_processes", len(gpu.processes))),
+        advice=_ADVICE)
+
+
+def _exited_server(gpu: GpuSample, unowned: int, exited, now: float,
+                   config: StaleConfig) -> Finding | None:
+    """The largest serving process that left this GPU while its memory stayed behind."""
+    best = None
+    for gone_at, proc in exited:
+        held = proc.used_bytes or 0
+        if (held < config.exit_min_bytes or now - gone_at < config.exit_grace_seconds
+                or unowned < config.exit_returned_share * held):
+            continue
+        if best is None or held > (best[1].used_bytes or 0):
+            best = (gone_at, proc)
+    if best is None:
+        return None
+    gone_at, proc = best
+    name = proc.name or "?"
+    where = f" serving {proc.endpoint}" if proc.endpoint else ""
+    return Finding(
+        kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
+        uuid=gpu.uuid, endpoint="",
+        summary=(f"GPU {gpu.index}: vLLM process {proc.pid} ({name}){where} exited "
+                 f"{(now - gone_at) / 60:.0f} min ago and {unowned / GIB:.1f} GiB of the "
+                 f"{(proc.used_bytes or 0) / GIB:.1f} GiB it held is still in use by no process"),
+        evidence=(("unattributed_bytes", unowned), ("exited_pid", proc.pid),
+                  ("exited_process", name), ("exited_endpoint", proc.endpoint),
+                  ("exited_at", gone_at), ("held_bytes", proc.used_bytes or 0),
+                  ("used_bytes", gpu.used_bytes or 0)),
+        advice=(("Look for leftover vLLM workers of the exited server (ps -ef | grep -i vllm, "
+                 "`fuser -v /dev/nvidia*`) and kill them; with tensor parallelism a worker "
+                 "can outlive its engine.",) + _ADVICE))
+
+
+_ADVICE = (
+    "Find the holder: `nvidia-smi --query-compute-apps=pid,used_memory --format=csv` and "
+    "`fuser -v /dev/nvidia*`; defunct or zombie processes and containers without hostPID "
+    "keep memory NVML cannot attribute.",
+    "If no process holds it, drain the GPU and reset it (`nvidia-smi -r`) or restart the node.",
+)

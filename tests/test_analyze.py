@@ -1,0 +1,144 @@
+"""Offline replay: deterministic, causal, the same as live, and the analyze output formats."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from exporter.analysis.engine import Analyzer
+from exporter.analyze import analyze, replay
+from exporter.trace import TraceError, read_trace, write_csv
+
+from test_detectors import GiB, MiB, T0, gpu, leaking_server, proc, snap, timeline, vllm_proc
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traces"
+LEAK_CSV = str(FIXTURES / "vllm_leak.csv")
+NORMAL_CSV = str(FIXTURES / "normal.csv")
+
+
+def incident():
+    """A leak on GPU 0, a notebook crowding GPU 1, and memory left behind on GPU 2."""
+    def make(e):
+        leak = vllm_proc(10, 30 * GiB + max(0, e - 600) / 60 * 12 * MiB, start=T0 - 60)
+        crowd = [vllm_proc(20, 60 * GiB, endpoint="http://b")]
+        if e >= 1200:
+            crowd.append(proc(777, min(14 * GiB, (e - 1190) * 200 * MiB), name="python",
+                              pod="notebook-1", namespace="research"))
+        stale = [vllm_proc(30, 25 * GiB, endpoint="http://c")] if e < 1500 else []
+        return snap(T0 + e, [gpu([leak], index="0"), gpu(crowd, index="1"),
+                             gpu(stale, index="2", used=25 * GiB + 400 * MiB)])
+    return timeline(2700, 15, make)
+
+
+def test_replay_finds_each_incident_in_time_order():
+    findings = replay(incident())
+    by_kind = {(f.kind, f.gpu) for f in findings}
+    assert {("leak", "0"), ("contention", "1"), ("stale_memory", "2")} <= by_kind
+    times = [f.first_detected_at for f in findings]
+    assert times == sorted(times)
+
+
+def test_replay_is_deterministic_and_independent_of_input_order():
+    snaps = incident()
+    first = replay(snaps)
+    shuffled = snaps[:]
+    random.Random(7).shuffle(shuffled)
+    assert replay(snaps) == first
+    assert replay(shuffled) == first
+
+
+def test_replay_is_causal_each_finding_appears_from_its_prefix():
+    """Replaying only the samples up to a finding's first_detected_at already raises it then:
+    no later sample was needed."""
+    snaps = incident()
+    for f in replay(snaps):
+        prefix = [s for s in snaps if s.timestamp <= f.first_detected_at]
+        again = [g for g in replay(prefix) if g.key == f.key]
+        assert again and again[-1].first_detected_at == f.first_detected_at
+
+
+def test_replay_matches_the_live_engine():
+    snaps = incident()
+    live = Analyzer(log_findings=False)
+    raised = {}
+    for s in snaps:
+        for f in live.update(s).findings:
+            raised.setdefault((f.key, f.first_detected_at), f.first_detected_at)
+    assert sorted({(f.key, f.first_detected_at) for f in replay(snaps)}) == sorted(raised)
+
+
+def test_flight_recorder_csv_replays_to_the_same_findings(tmp_path):
+    snaps = incident()
+    path = str(tmp_path / "flight.csv")
+    write_csv(snaps, path)
+    assert replay(read_trace(path)) == replay(snaps)
+
+
+def test_analyze_json_on_a_recorded_leak():
+    doc = json.loads(analyze([LEAK_CSV], fmt="json"))
+    (leak,) = [f for f in doc["findings"] if f["kind"] == "leak"]
+    assert leak["pid"] == 4711 and leak["gpu"] == "0" and leak["process"] == "VLLM::EngineCor"
+    for key in ("kind", "gpu", "pid", "process", "first_detected_at", "severity", "evidence",
+                "advice"):
+        assert key in leak
+    # The leak starts 10 min in; it is found after start-up settled, well before the end.
+    start = doc["trace"]["start"]
+    assert start + 600 < leak["first_detected_at"] < doc["trace"]["end"]
+    assert leak["evidence"]["slope_bytes_per_second"] == pytest.approx(8 * MiB / 60, rel=0.2)
+    assert doc["trace"]["samples"] == 181
+
+
+def test_analyze_normal_trace_has_no_findings():
+    """vLLM start-up, a plateau with allocator noise and a short job that returns its memory."""
+    assert json.loads(analyze([NORMAL_CSV], fmt="json"))["findings"] == []
+    assert "No findings." in analyze([NORMAL_CSV])
+
+
+def test_analyze_json_pid_is_null_for_gpu_findings(tmp_path):
+    path = str(tmp_path / "full.csv")
+    write_csv(timeline(60, 15, lambda e: snap(T0 + e, [gpu([proc(1, 78 * GiB)])])), path)
+    (f,) = json.loads(analyze([path], fmt="json"))["findings"]
+    assert f["kind"] == "pressure" and f["pid"] is None and f["severity"] == "critical"
+    assert f["first_detected_at"] == T0 and f["cleared_at"] is None
+
+
+def test_analyze_text_is_a_readable_list():
+    text = analyze([LEAK_CSV])
+    assert text.startswith("Replayed 181 samples of 1 GPU(s)")
+    assert "[warning] leak - GPU 0, pid 4711 (VLLM::EngineCor)" in text
+    assert "first detected 2024-11-22" in text and "  - " in text
+
+
+def test_analyze_reads_prometheus_json():
+    doc = json.loads(analyze([str(FIXTURES / "prometheus_range.json")], fmt="json"))
+    assert doc["trace"]["samples"] == 3 and doc["trace"]["gpus"] == ["0"]
+
+
+def test_analyze_bad_trace_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("timestamp,gpu,pid,process,used_bytes\n1,0,1,a,5\n2,0,1,a,lots\n")
+    with pytest.raises(TraceError, match=rf"^{path}:3: used_bytes is not a number"):
+        analyze([str(path)])
+    with pytest.raises(ValueError, match="unknown format"):
+        analyze([LEAK_CSV], fmt="yaml")
+
+
+def test_analyze_escapes_control_characters_in_text(tmp_path):
+    path = str(tmp_path / "t.csv")
+    evil = vllm_proc(1, 20 * GiB)
+    evil = type(evil)(**{**evil.__dict__, "name": "x\x1b[31mred\nfake"})
+    # The server exits at t=30 and leaves its memory behind: a finding that names it.
+    write_csv(timeline(150, 10, lambda e: snap(T0 + e, [gpu([evil] if e < 30 else [],
+                                                             used=20 * GiB)])), path)
+    out = analyze([path])
+    assert "stale_memory" in out and "red" in out
+    assert "\x1b" not in out and not any(line.startswith("fake") for line in out.splitlines())
+    doc = json.loads(analyze([path], fmt="json"))
+    assert doc["findings"][0]["evidence"]["exited_process"] == "x\x1b[31mred\nfake"
+
+
+def test_replay_of_leaking_server_matches_process_role_and_endpoint():
+    (f,) = [f for f in replay(leaking_server(3600, 8 * MiB)) if f.kind == "leak"]
+    assert (f.pid, f.role, f.endpoint) == (10, "vllm", "http://127.0.0.1:8000")

@@ -1,0 +1,455 @@
+"""Each detector fires on its failure pattern and stays silent on the normal ones.
+
+Detectors are pure functions over a real History and a Snapshot; the snapshots are built by
+the small timeline helpers below (also used by test_engine.py and test_analyze.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from exporter.analysis.contention import ContentionConfig, detect_contention
+from exporter.analysis.engine import Analyzer
+from exporter.analysis.fragmentation import FragmentationConfig, detect_fragmentation
+from exporter.analysis.history import History
+from exporter.analysis.pressure import PressureConfig, admission_open, detect_pressure, memory_ratio
+from exporter.analysis.stale import StaleConfig, detect_stale, unattributed_bytes
+from exporter.model import (CacheConfig, GpuAnalysis, GpuSample, HostMemory, OomEvent,
+                            ProcessSample, Snapshot, VllmEngineStats, VllmSample)
+
+GiB = 1 << 30
+MiB = 1 << 20
+T0 = 1_700_000_000.0
+BASE = 400 * MiB  # driver/context memory NVML counts as used but no process owns
+
+
+# ------------------------------------------------------------------ timeline helpers
+
+def proc(pid, used, name="python3", role="other", start=T0 - 3600, **kw) -> ProcessSample:
+    return ProcessSample(pid=pid, used_bytes=None if used is None else int(used), name=name,
+                         role=role, start_time=start, **kw)
+
+
+def vllm_proc(pid, used, endpoint="http://127.0.0.1:8000", **kw) -> ProcessSample:
+    return proc(pid, used, name="VLLM::EngineCor", role="vllm", endpoint=endpoint, **kw)
+
+
+def gpu(procs=(), used=None, total=80 * GiB, index="0", uuid=None, extra=BASE, **kw) -> GpuSample:
+    if used is None:
+        used = sum(p.used_bytes or 0 for p in procs) + extra
+    return GpuSample(index=index, uuid=uuid or f"GPU-{index}", total_bytes=total,
+                     used_bytes=int(used), free_bytes=total - int(used), processes=tuple(procs),
+                     **kw)
+
+
+def snap(t, gpus=(), host=None, vllm=(), events=()) -> Snapshot:
+    return Snapshot(timestamp=t, gpus=tuple(gpus), host=host, vllm=tuple(vllm),
+                    log_events=tuple(events))
+
+
+def timeline(seconds, step, make) -> list[Snapshot]:
+    """make(elapsed_seconds) -> Snapshot at T0 + elapsed, every `step` seconds."""
+    return [make(i * step) for i in range(int(seconds // step) + 1)]
+
+
+def feed(snapshots, history=None) -> History:
+    history = history or History()
+    for s in snapshots:
+        history.update(s)
+    return history
+
+
+def run_detector(detect, snapshots, config):
+    """Run a detector causally after every snapshot; return its findings per tick."""
+    history = History()
+    out = []
+    for s in snapshots:
+        history.update(s)
+        out.append(detect(history, s, config))
+    return out
+
+
+def replay_all(snapshots, config=None):
+    analyzer = Analyzer(config, log_findings=False)
+    results = [analyzer.update(s) for s in snapshots]
+    return analyzer, results
+
+
+def startup_used(elapsed, start_at, level, ramp=90):
+    """vLLM start-up: nothing, then weights + KV cache allocated within `ramp` seconds."""
+    if elapsed < start_at:
+        return 0
+    return level * min(1.0, (elapsed - start_at + 10) / ramp)
+
+
+def kinds(findings):
+    return sorted({f.kind for f in findings})
+
+
+# ------------------------------------------------------------------ pressure
+
+def test_memory_ratio_discrete_and_unified():
+    assert memory_ratio(gpu(used=40 * GiB), None) == pytest.approx(0.5)
+    # Unified memory without NVML memory info: the host's share in use.
+    g = GpuSample(index="0", uuid="u", unified=True)
+    assert memory_ratio(g, HostMemory(total_bytes=100, available_bytes=30)) == pytest.approx(0.7)
+    assert memory_ratio(g, None) is None
+
+
+def test_admission_hysteresis_closes_above_90_and_reopens_below_80():
+    ratios = [0.50, 0.85, 0.89, 0.91, 0.95, 0.85, 0.81, 0.80, 0.79, 0.85, 0.90, 0.905]
+    state, states = None, []
+    for r in ratios:
+        state = admission_open(state, r, 0.90, 0.80)
+        states.append(state)
+    assert states == [True, True, True, False, False, False, False, False, True, True, True,
+                      False]
+
+
+def test_admission_keeps_state_when_utilisation_is_unknown():
+    assert admission_open(False, None, 0.9, 0.8) is False
+    assert admission_open(True, None, 0.9, 0.8) is True
+    assert admission_open(None, None, 0.9, 0.8) is True
+
+
+def test_pressure_warning_at_85_critical_at_95_silent_below():
+    cfg = PressureConfig()
+    gpus = (gpu(used=50 * GiB, index="0"), gpu(used=70 * GiB, index="1"),
+            gpu(used=77 * GiB, index="2"))
+    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, True, 600.0, 0)
+                for g in gpus]
+    found = {f.gpu: f for f in detect_pressure(gpus, analyses, T0, cfg)}
+    assert set(found) == {"1", "2"}
+    assert found["1"].severity == "warning" and found["2"].severity == "critical"
+    assert dict(found["1"].evidence)["time_to_full_seconds"] == 600.0
+    assert found["1"].advice
+
+
+def test_pressure_config_rejects_inverted_thresholds():
+    with pytest.raises(ValueError):
+        PressureConfig(warning_ratio=0.96, critical_ratio=0.95)
+
+
+# ------------------------------------------------------------------ stale memory
+
+def test_unattributed_bytes_unknown_when_a_process_reports_no_usage():
+    assert unattributed_bytes(gpu([proc(1, GiB)], used=3 * GiB)) == 2 * GiB
+    assert unattributed_bytes(gpu([proc(1, None)], used=3 * GiB)) is None
+    assert unattributed_bytes(gpu([proc(1, GiB)], used=3 * GiB, unified=True)) is None
+
+
+def test_stale_memory_fires_only_after_it_persists():
+    cfg = StaleConfig(seconds=120)
+    # 6 GiB used, processes account for 1 GiB: 5 GiB unowned from the start.
+    snaps = timeline(300, 10, lambda e: snap(T0 + e, [gpu([proc(1, GiB)], used=6 * GiB)]))
+    per_tick = run_detector(detect_stale, snaps, cfg)
+    fired_at = [s.timestamp - T0 for s, f in zip(snaps, per_tick) if f]
+    assert fired_at[0] == 120 and fired_at == [e for e in range(120, 301, 10)]
+    f = per_tick[-1][0]
+    assert f.kind == "stale_memory" and f.pid is None and f.gpu == "0"
+    assert dict(f.evidence)["unattributed_bytes"] == 5 * GiB
+    assert any("nvidia-smi" in a for a in f.advice)
+
+
+def test_stale_memory_silent_below_threshold_and_on_short_blips():
+    cfg = StaleConfig()
+    # 700 MiB unowned all the time (under 1 GiB), plus a 60 s blip of 6 GiB unowned.
+    def make(e):
+        extra = 6 * GiB if 100 <= e < 160 else 700 * MiB
+        return snap(T0 + e, [gpu([proc(1, 10 * GiB)], extra=extra)])
+    assert not any(run_detector(detect_stale, timeline(600, 10, make), cfg))
+
+
+def test_stale_memory_when_serving_process_exits_and_memory_stays():
+    cfg = StaleConfig(exit_grace_seconds=60, seconds=600)
+    server = vllm_proc(4242, 30 * GiB)
+
+    def make(e):
+        if e < 200:
+            return snap(T0 + e, [gpu([server])])
+        return snap(T0 + e, [gpu([], used=30 * GiB + BASE)])  # exited, memory not back
+    per_tick = run_detector(detect_stale, timeline(400, 10, make), cfg)
+    first = next(i for i, f in enumerate(per_tick) if f)
+    assert first * 10 == 260  # exit seen at 200, 60 s grace
+    f = per_tick[first][0]
+    ev = dict(f.evidence)
+    assert ev["exited_pid"] == 4242 and ev["held_bytes"] == 30 * GiB
+    assert "4242" in f.summary and f.gpu == "0"
+
+
+def test_stale_memory_exit_time_is_accurate_with_dense_sampling():
+    """Only a thinned set of past snapshots is scanned; the exit time stays close."""
+    cfg = StaleConfig(exit_grace_seconds=60, seconds=600)
+    make = lambda e: snap(T0 + e, [gpu([vllm_proc(7, 30 * GiB)]) if e < 700  # noqa: E731
+                                   else gpu([], used=30 * GiB + BASE)])
+    per_tick = run_detector(detect_stale, timeline(1000, 1, make), cfg)
+    first = next(i for i, f in enumerate(per_tick) if f)
+    assert 760 <= first <= 760 + cfg.lookback_seconds / 120 + 1  # late by one thinning gap at most
+
+
+def test_stale_memory_silent_when_memory_returns_after_exit_and_for_short_lived_process():
+    cfg = StaleConfig()
+
+    def make(e):
+        procs = [vllm_proc(10, 20 * GiB)]
+        if 100 <= e < 150:  # a short-lived helper process on the GPU
+            procs.append(proc(77, 3 * GiB, name="nvidia-smi"))
+        if e >= 300:
+            procs = []  # server stopped, memory returned
+        return snap(T0 + e, [gpu(procs)])
+    assert not any(run_detector(detect_stale, timeline(900, 10, make), cfg))
+
+
+# ------------------------------------------------------------------ contention
+
+def test_contention_names_other_process_taking_memory_from_a_serving_gpu():
+    cfg = ContentionConfig(window_seconds=300)
+    server = vllm_proc(10, 60 * GiB)
+
+    def make(e):
+        procs = [server]
+        if e >= 600:  # a notebook appears and keeps allocating
+            procs.append(proc(555, min(12 * GiB, (e - 590) * 100 * MiB), name="python",
+                              container="3f2a9c1b7d0e55aa", pod="jupyter-alice",
+                              namespace="research"))
+        return snap(T0 + e, [gpu(procs)])
+    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    assert not any(per_tick[:60])  # nothing before the notebook
+    f = per_tick[-1][0]
+    assert f.kind == "contention" and f.gpu == "0"
+    assert "pid 555" in f.summary and "research/jupyter-alice" in f.summary
+    ev = dict(f.evidence)
+    assert ev["process_1_pid"] == 555 and ev["process_1_pod"] == "jupyter-alice"
+    assert ev["taken_by_others_bytes"] >= 10 * GiB
+
+
+def test_contention_silent_when_the_gpu_keeps_ample_headroom():
+    cfg = ContentionConfig()
+
+    def make(e):  # a 6 GiB job next to a 30 GiB server on an 80 GiB GPU
+        procs = [vllm_proc(10, 30 * GiB)] + ([proc(555, 6 * GiB)] if e >= 400 else [])
+        return snap(T0 + e, [gpu(procs)])
+    assert not any(run_detector(detect_contention, timeline(900, 10, make), cfg))
+
+
+def test_contention_silent_during_vllm_startup_and_for_small_or_vllm_growth():
+    cfg = ContentionConfig()
+
+    def make(e):
+        procs = [vllm_proc(10, startup_used(e, 400, 60 * GiB)),  # the server itself grows
+                 proc(20, 200 * MiB, name="dcgm")]  # a small, steady monitoring process
+        if e >= 800:
+            procs.append(proc(30, 300 * MiB, name="nvidia-smi"))  # small newcomer
+        return snap(T0 + e, [gpu(procs)])
+    assert not any(run_detector(detect_contention, timeline(1500, 10, make), cfg))
+
+
+def test_contention_silent_until_history_covers_the_window():
+    """At exporter start every process looks new; that is not contention."""
+    cfg = ContentionConfig(window_seconds=300)
+    make = lambda e: snap(T0 + e, [gpu([vllm_proc(10, 60 * GiB), proc(20, 10 * GiB)])])  # noqa
+    assert not any(run_detector(detect_contention, timeline(600, 10, make), cfg))
+
+
+def test_contention_on_unified_memory_names_rss_growers_and_counts_oom_kills():
+    cfg = ContentionConfig(window_seconds=300)
+    total = 128 * GiB
+
+    def make(e):
+        grow = max(0, e - 300) * 60 * MiB  # a batch job eating host memory from t=300
+        server = vllm_proc(10, None, host_rss_bytes=70 * GiB)
+        job = proc(99, None, name="spark-job", host_rss_bytes=2 * GiB + grow)
+        g = GpuSample(index="0", uuid="GPU-gb10", unified=True, processes=(server, job))
+        host = HostMemory(total_bytes=total, available_bytes=int(50 * GiB - grow),
+                          psi_some_avg10=min(40.0, grow / GiB), oom_kills=3 if e >= 700 else 0)
+        return snap(T0 + e, [g], host=host)
+    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    assert not any(per_tick[:31])
+    warn = next(f[0] for f in per_tick if f)
+    assert warn.severity == "warning" and "spark-job" in warn.summary
+    last = per_tick[-1][0]
+    assert last.severity == "critical" and dict(last.evidence)["oom_kills_in_window"] == 3
+    assert dict(last.evidence)["process_1_pid"] == 99
+
+
+def test_contention_unified_silent_while_host_is_steady():
+    cfg = ContentionConfig()
+
+    def make(e):
+        g = GpuSample(index="0", uuid="u", unified=True,
+                      processes=(vllm_proc(10, None, host_rss_bytes=70 * GiB),))
+        return snap(T0 + e, [g], host=HostMemory(128 * GiB, 40 * GiB, 0.5, 0.0, 7))
+    assert not any(run_detector(detect_contention, timeline(900, 10, make), cfg))
+
+
+# ------------------------------------------------------------------ fragmentation
+
+def torch_oom(**kw) -> OomEvent:
+    base = dict(kind="torch_cuda_oom", klass="shortage", line=120, source="/var/log/vllm.log",
+                gpu="0", requested_bytes=2 * GiB, total_bytes=80 * GiB, free_bytes=1 * GiB)
+    base.update(kw)
+    return OomEvent(**base)
+
+
+def test_fragmentation_from_oom_with_large_reserved_but_unallocated():
+    cfg = FragmentationConfig()
+    event = torch_oom(reserved_bytes=70 * GiB, reserved_unallocated_bytes=20 * GiB)
+    snaps = [snap(T0, [gpu([vllm_proc(10, 75 * GiB)])]),
+             snap(T0 + 10, [gpu([vllm_proc(10, 75 * GiB)])], events=[event])]
+    per_tick = run_detector(detect_fragmentation, snaps, cfg)
+    assert per_tick[0] == []
+    f = per_tick[1][0]
+    assert f.kind == "fragmentation" and f.severity == "critical" and f.gpu == "0"
+    assert dict(f.evidence)["reserved_unallocated_bytes"] == 20 * GiB
+    assert any("expandable_segments:True" in a for a in f.advice)
+
+
+def test_fragmentation_silent_for_a_plain_shortage_oom():
+    cfg = FragmentationConfig()
+    event = torch_oom(reserved_bytes=76 * GiB, reserved_unallocated_bytes=100 * MiB,
+                      free_bytes=300 * MiB)
+    snaps = [snap(T0, [gpu([vllm_proc(10, 79 * GiB)], extra=0)], events=[event])]
+    assert run_detector(detect_fragmentation, snaps, cfg) == [[]]
+
+
+def test_fragmentation_when_oom_happens_with_free_memory_on_nvml():
+    cfg = FragmentationConfig(free_ratio=0.2)
+    event = torch_oom(free_bytes=None, total_bytes=None)  # the message did not say
+    snaps = [snap(T0, [gpu([vllm_proc(10, 40 * GiB)])], events=[event])]
+    (f,), = run_detector(detect_fragmentation, snaps, cfg)
+    assert "free" in f.summary
+
+
+def vllm_server(preemptions, kv, endpoint="http://127.0.0.1:8000", util=0.9, pids=(10,)):
+    return VllmSample(endpoint=endpoint, up=True, pids=pids,
+                      engines=(VllmEngineStats(model="m", engine="0", kv_cache_usage_ratio=kv,
+                                               preemptions_total=preemptions),),
+                      cache_config=CacheConfig(gpu_memory_utilization=util))
+
+
+def test_fragmentation_preemptions_rising_while_kv_usage_low():
+    cfg = FragmentationConfig(window_seconds=300)
+
+    def make(e):
+        pre = 5 + (e >= 200) * 7  # seven preemptions at t=200
+        return snap(T0 + e, [gpu([vllm_proc(10, 70 * GiB)])], vllm=[vllm_server(pre, 0.3)])
+    per_tick = run_detector(detect_fragmentation, timeline(600, 10, make), cfg)
+    assert not any(per_tick[:20])
+    f = per_tick[20][0]
+    assert f.endpoint == "http://127.0.0.1:8000" and f.gpu == "0"
+    assert dict(f.evidence)["preemptions_in_window"] == 7
+    assert not per_tick[-1]  # the preemptions left the window
+
+
+def test_fragmentation_silent_for_preemptions_with_a_full_kv_cache():
+    cfg = FragmentationConfig()
+
+    def make(e):  # KV cache full: preemptions are ordinary back-pressure
+        return snap(T0 + e, [gpu([vllm_proc(10, 72 * GiB)])],
+                    vllm=[vllm_server(e // 10, 0.97)])
+    assert not any(run_detector(detect_fragmentation, timeline(600, 10, make), cfg))
+
+
+def test_preemption_counter_reset_counts_as_restart_from_zero():
+    cfg = FragmentationConfig(window_seconds=300)
+
+    def make(e):
+        # 50 preemptions before a server restart at t=100, then 3 more after it.
+        pre = 50 if e < 100 else (0 if e < 150 else 3)
+        return snap(T0 + e, [gpu([vllm_proc(10, 60 * GiB)])], vllm=[vllm_server(pre, 0.2)])
+    per_tick = run_detector(detect_fragmentation, timeline(200, 10, make), cfg)
+    assert not any(per_tick[:15])
+    assert dict(per_tick[-1][0].evidence)["preemptions_in_window"] == 3
+
+
+def test_fragmentation_server_far_above_budget_with_tensor_parallel_advice():
+    cfg = FragmentationConfig(budget_sustain_seconds=60)
+    ep = "http://127.0.0.1:8000"
+
+    def make(e):
+        over = 6 * GiB if e >= 100 else 0  # budget 0.5 x 80 = 40 GiB
+        g0 = gpu([vllm_proc(10, 39 * GiB + over, endpoint=ep)], index="0")
+        g1 = gpu([vllm_proc(11, 39 * GiB, endpoint=ep)], index="1")
+        return snap(T0 + e, [g0, g1], vllm=[vllm_server(0, 0.5, util=0.5, pids=(10, 11))])
+    per_tick = run_detector(detect_fragmentation, timeline(300, 10, make), cfg)
+    first = next(i for i, f in enumerate(per_tick) if f)
+    assert first * 10 == 160  # over from 100, sustained for 60 s
+    (f,) = per_tick[-1]
+    assert f.gpu == "0" and f.endpoint == ep
+    ev = dict(f.evidence)
+    assert ev["budget_bytes"] == 40 * GiB and ev["excess_bytes"] == 5 * GiB
+    assert any("NCCL_CUMEM_ENABLE=0" in a for a in f.advice)
+
+
+def test_fragmentation_silent_for_short_spike_above_budget():
+    cfg = FragmentationConfig(budget_sustain_seconds=60)
+
+    def make(e):
+        over = 6 * GiB if 100 <= e < 140 else 0
+        return snap(T0 + e, [gpu([vllm_proc(10, 39 * GiB + over)])],
+                    vllm=[vllm_server(0, 0.5, util=0.5)])
+    assert not any(run_detector(detect_fragmentation, timeline(300, 10, make), cfg))
+
+
+# ------------------------------------------------------------------ leak (through the engine)
+
+def leaking_server(seconds, leak_per_min, step=15, pid=10, tp=False, rss_leak_per_min=0):
+    def make(e):
+        used = startup_used(e, 0, 30 * GiB) + max(0, e - 600) / 60 * leak_per_min
+        rss = 6 * GiB + max(0, e - 600) / 60 * rss_leak_per_min
+        gpus = [gpu([vllm_proc(pid, used, start=T0, host_rss_bytes=int(rss))]),
+                ]
+        if tp:
+            gpus.append(gpu([vllm_proc(pid + 1, used, start=T0, host_rss_bytes=int(rss))],
+                            index="1"))
+        return snap(T0 + e, gpus, host=HostMemory(512 * GiB, 400 * GiB),
+                    vllm=[vllm_server(0, 0.5, util=0.9, pids=(pid, pid + 1))])
+    return timeline(seconds, step, make)
+
+
+def test_leak_of_a_vllm_process_is_found_with_advice_and_time_to_full():
+    analyzer, results = replay_all(leaking_server(3600, 8 * MiB, tp=True))
+    leaks = [f for f in analyzer.all_findings if f.kind == "leak"]
+    assert {f.pid for f in leaks} == {10, 11}
+    f = next(f for f in leaks if f.pid == 10)
+    assert f.gpu == "0" and f.role == "vllm" and f.first_detected_at > T0 + 600
+    ev = dict(f.evidence)
+    assert ev["slope_bytes_per_second"] == pytest.approx(8 * MiB / 60, rel=0.2)
+    assert ev["time_to_full_seconds"] > 0
+    assert any("NCCL_CUMEM_ENABLE=0" in a for a in f.advice)
+    assert any("CUDA graph" in a for a in f.advice)
+    trend = next(t for t in results[-1].process_trends if t.pid == 10)
+    assert trend.leak_suspected and trend.growth_bytes_per_second > 0
+
+
+def test_host_rss_leak_of_a_vllm_process_is_a_finding_without_gpu():
+    analyzer, results = replay_all(leaking_server(3600, 0, rss_leak_per_min=16 * MiB))
+    (f,) = [f for f in analyzer.all_findings if f.kind == "leak"]
+    assert f.gpu is None and f.pid == 10 and "host memory" in f.summary
+    trend = next(t for t in results[-1].process_trends if t.pid == 10)
+    assert not trend.leak_suspected  # discrete GPU: its GPU memory does not leak
+    assert trend.host_rss_growth_bytes_per_second > 0
+
+
+def test_no_leak_for_startup_plateau_and_short_lived_processes():
+    def make(e):
+        procs = [vllm_proc(10, startup_used(e, 60, 30 * GiB), start=T0)]
+        if 1200 <= e < 1500:  # a short job that allocates and exits
+            procs.append(proc(50, (e - 1190) * 10 * MiB, start=T0 + 1200))
+        return snap(T0 + e, [gpu(procs)])
+    analyzer, results = replay_all(timeline(3600, 15, make))
+    assert [f for f in analyzer.all_findings if f.kind == "leak"] == []
+    assert not any(t.leak_suspected for r in results for t in r.process_trends)
+
+
+def test_reused_pid_does_not_inherit_the_old_process_history():
+    def make(e):
+        if e < 1800:  # leaking process
+            p = vllm_proc(10, 20 * GiB + e / 60 * 16 * MiB, start=T0 - 600)
+        else:  # same PID, new process, flat
+            p = vllm_proc(10, 20 * GiB, start=T0 + 1800)
+        return snap(T0 + e, [gpu([p])])
+    analyzer, results = replay_all(timeline(2400, 15, make))
+    leak = [f for f in analyzer.all_findings if f.kind == "leak"]
+    assert leak and all(f.first_detected_at < T0 + 1800 for f in leak)
+    assert not any(f.kind == "leak" for f in results[-1].findings)
+    assert not results[-1].process_trends[0].leak_suspected

@@ -1,0 +1,204 @@
+"""The engine: finding lifecycle (raised once, cleared once), per-GPU analysis, bounds,
+configuration checks, isolation of a failing detector, and no wall-clock reads."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+import exporter.analysis.engine as engine
+from exporter.analysis.contention import ContentionConfig
+from exporter.analysis.engine import AnalysisConfig, Analyzer
+from exporter.analysis.stale import StaleConfig
+from exporter.model import GpuSample, HostMemory, OomEvent
+
+from test_detectors import BASE, GiB, MiB, T0, gpu, leaking_server, proc, snap, vllm_proc
+
+
+def utilisation_timeline(ratios, step=10):
+    """One GPU whose single process makes utilisation follow `ratios` tick by tick."""
+    return [snap(T0 + i * step, [gpu([vllm_proc(10, r * 80 * GiB)], extra=0)])
+            for i, r in enumerate(ratios)]
+
+
+def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
+    analyzer = Analyzer()
+    ratios = [0.5] * 3 + [0.9] * 6 + [0.5] * 3
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        results = [analyzer.update(s) for s in utilisation_timeline(ratios)]
+    records = [r for r in caplog.records if r.name == "exporter.findings"]
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in records] == [
+        (logging.WARNING, "finding raised"), (logging.INFO, "finding cleared")]
+    assert "pressure" in records[0].getMessage() and "gpu=0" in records[0].getMessage()
+    assert records[0].finding["kind"] == "pressure"
+    active = [r.findings for r in results]
+    assert [len(a) for a in active] == [0] * 3 + [1] * 6 + [0] * 3
+    # The same finding keeps the moment it was first raised while it stays active.
+    assert {a[0].first_detected_at for a in active if a} == {T0 + 30}
+
+
+def test_severity_change_keeps_first_detection_and_records_the_worst_version():
+    analyzer = Analyzer(log_findings=False)
+    results = [analyzer.update(s)
+               for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.88, 0.5])]
+    assert [r.findings[0].severity for r in results[:5]] == ["warning", "warning", "critical",
+                                                            "critical", "warning"]
+    assert {r.findings[0].first_detected_at for r in results[:5]} == {T0}
+    (recorded,) = analyzer.all_findings
+    assert recorded.severity == "critical" and recorded.first_detected_at == T0
+    assert analyzer.episodes()[0][1] == T0 + 50  # cleared at the last tick
+
+
+def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
+    analyzer = Analyzer()
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        for s in utilisation_timeline([0.9, 0.5, 0.9]):
+            analyzer.update(s)
+    assert [f.first_detected_at for f in analyzer.all_findings] == [T0, T0 + 20]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO, logging.WARNING]
+
+
+def test_gpu_analysis_admission_hysteresis_and_unattributed_bytes():
+    analyzer = Analyzer(log_findings=False)
+    ratios = [0.5, 0.92, 0.85, 0.79, 0.85]
+    results = [analyzer.update(s) for s in utilisation_timeline(ratios)]
+    assert [r.gpus[0].admission_open for r in results] == [True, False, False, True, True]
+    assert [r.gpus[0].utilization_ratio for r in results] == pytest.approx(ratios)
+    assert results[0].gpus[0].unattributed_bytes == 0
+    r = analyzer.update(snap(T0 + 100, [gpu([proc(1, GiB)], used=4 * GiB)]))
+    assert r.gpus[0].unattributed_bytes == 3 * GiB
+
+
+def test_lost_gpu_closes_admission_and_reports_no_utilisation():
+    analyzer = Analyzer(log_findings=False)
+    lost = GpuSample(index="0", uuid="GPU-0", up=False, error="gpu_lost")
+    r = analyzer.update(snap(T0, [lost]))
+    assert r.gpus[0].admission_open is False and r.gpus[0].utilization_ratio is None
+
+
+def test_time_to_full_forecast_for_steady_growth_absent_on_plateau():
+    analyzer = Analyzer(log_findings=False)
+    growth = 20 * MiB  # per minute
+    grow = [analyzer.update(snap(T0 + e, [gpu([proc(1, 20 * GiB + e / 60 * growth)])]))
+            for e in range(0, 1801, 15)]
+    ttf = grow[-1].gpus[0].time_to_full_seconds
+    free = 80 * GiB - (20 * GiB + 30 * growth + BASE)
+    assert ttf == pytest.approx(free / (growth / 60), rel=0.1)
+    flat = Analyzer(log_findings=False)
+    plateau = [flat.update(snap(T0 + e, [gpu([proc(1, 20 * GiB)])])) for e in range(0, 1801, 15)]
+    assert all(r.gpus[0].time_to_full_seconds is None for r in plateau)
+
+
+def test_process_trend_for_every_live_process():
+    analyzer = Analyzer(log_findings=False)
+    s = snap(T0, [gpu([vllm_proc(10, GiB), proc(20, GiB)], index="0"),
+                  gpu([proc(30, GiB)], index="1")])
+    trends = analyzer.update(s).process_trends
+    assert sorted((t.gpu, t.pid, t.role) for t in trends) == [
+        ("0", 10, "vllm"), ("0", 20, "other"), ("1", 30, "other")]
+    assert all(t.growth_bytes_per_second is None and not t.leak_suspected for t in trends)
+
+
+def test_oom_event_becomes_a_finding_held_for_a_while():
+    cfg = AnalysisConfig(oom_hold_seconds=60)
+    analyzer = Analyzer(cfg, log_findings=False)
+    event = OomEvent(kind="torch_cuda_oom", klass="shortage", line=7, source="vllm.log", gpu="0",
+                     requested_bytes=GiB, advice=("Lower --max-num-seqs.",))
+    results = []
+    for e in range(0, 121, 10):
+        events = [event] if e == 20 else []
+        results.append(analyzer.update(snap(T0 + e, [gpu([vllm_proc(10, 70 * GiB)])],
+                                            events=events)))
+    oom = [[f for f in r.findings if f.kind == "oom"] for r in results]
+    assert [bool(x) for x in oom] == [False, False] + [True] * 7 + [False] * 4
+    f = oom[2][0]
+    assert f.gpu == "0" and f.uuid == "GPU-0" and f.severity == "critical"
+    assert dict(f.evidence)["class"] == "shortage" and f.advice == ("Lower --max-num-seqs.",)
+
+
+def test_no_wall_clock_is_read(monkeypatch):
+    """Live and replay must behave the same: only snapshot timestamps count."""
+    def forbidden():
+        raise AssertionError("the engine read the wall clock")
+    monkeypatch.setattr(time, "time", forbidden)
+    monkeypatch.setattr(time, "monotonic", forbidden)
+    analyzer = Analyzer(log_findings=False)
+    for s in leaking_server(1800, 8 * MiB):
+        analyzer.update(s)
+    assert analyzer.all_findings
+
+
+def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypatch, caplog):
+    analyzer = Analyzer(log_findings=False)
+    s0 = snap(T0, [gpu([proc(1, GiB)], used=6 * GiB)])
+    analyzer.update(s0)
+    calls = {"n": 0}
+
+    def broken(history, snapshot, config):
+        calls["n"] += 1
+        raise RuntimeError("bug")
+    monkeypatch.setattr(engine, "detect_stale", broken)
+    with caplog.at_level(logging.ERROR):
+        r = analyzer.update(snap(T0 + 10, [gpu([proc(1, 76 * GiB)])]))
+    assert calls["n"] == 1 and analyzer.detector_errors["stale_memory"] == 1
+    assert [f.kind for f in r.findings] == ["pressure"]
+    assert any("detector stale_memory failed" in rec.getMessage() for rec in caplog.records)
+
+
+def test_active_findings_of_a_failed_detector_are_kept_not_cleared(monkeypatch):
+    cfg = AnalysisConfig(stale=StaleConfig(seconds=0))
+    analyzer = Analyzer(cfg, log_findings=False)
+    r = analyzer.update(snap(T0, [gpu([proc(1, GiB)], used=6 * GiB)]))
+    assert [f.kind for f in r.findings] == ["stale_memory"]
+    monkeypatch.setattr(engine, "detect_stale", lambda *a: 1 / 0)
+    r = analyzer.update(snap(T0 + 10, [gpu([proc(1, GiB)], used=6 * GiB)]))
+    assert [(f.kind, f.first_detected_at) for f in r.findings] == [("stale_memory", T0)]
+
+
+def test_all_findings_is_bounded():
+    cfg = AnalysisConfig(max_recorded_findings=3)
+    analyzer = Analyzer(cfg, log_findings=False)
+    for i in range(10):  # ten separate pressure episodes
+        analyzer.update(snap(T0 + 20 * i, [gpu([proc(1, 75 * GiB)])]))
+        analyzer.update(snap(T0 + 20 * i + 10, [gpu([proc(1, GiB)])]))
+    assert len(analyzer.all_findings) == 3 and analyzer.dropped_findings == 7
+    assert [f.first_detected_at for f in analyzer.all_findings] == [T0 + 140, T0 + 160, T0 + 180]
+
+
+def test_history_stays_bounded_under_process_churn():
+    cfg = AnalysisConfig(history_dead_grace_seconds=120, history_raw_seconds=1800,
+                         stale=StaleConfig(lookback_seconds=900))
+    analyzer = Analyzer(cfg, log_findings=False)
+    for i in range(600):  # a new short-lived process every 10 s for 100 minutes
+        analyzer.update(snap(T0 + 10 * i, [gpu([proc(1000 + i, GiB, start=T0 + 10 * i)])]))
+    assert analyzer.history.series_count() < 40
+
+
+def test_analysis_config_is_validated():
+    with pytest.raises(ValueError, match="admission"):
+        AnalysisConfig(admission_close_above=0.7, admission_open_below=0.8)
+    with pytest.raises(ValueError, match="history_raw_seconds"):
+        AnalysisConfig(history_raw_seconds=600, contention=ContentionConfig(window_seconds=600))
+    with pytest.raises(ValueError, match="max_recorded_findings"):
+        AnalysisConfig(max_recorded_findings=0)
+
+
+def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
+    analyzer = Analyzer(AnalysisConfig(stale=StaleConfig(seconds=0, exit_grace_seconds=0)))
+    evil = vllm_proc(10, 20 * GiB)
+    evil = type(evil)(**{**evil.__dict__, "name": "x\nfinding cleared: all"})
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        analyzer.update(snap(T0, [gpu([evil])]))
+        analyzer.update(snap(T0 + 10, [gpu([], used=20 * GiB + BASE)]))
+    assert caplog.records and all("\n" not in r.getMessage() for r in caplog.records)
+
+
+def test_unified_memory_utilisation_comes_from_the_host():
+    analyzer = Analyzer(log_findings=False)
+    g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
+    r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 8 * GiB)))
+    assert r.gpus[0].utilization_ratio == pytest.approx(120 / 128)
+    assert r.gpus[0].admission_open is False
+    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
+
