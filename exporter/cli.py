@@ -24,6 +24,12 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _fail(message: str) -> None:
+    """Bad input files (logs, traces): a one-line error and exit status 2, as for bad usage."""
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(2)
+
+
 def _load(config_file, **overrides) -> Config:
     try:
         return load_config(config_file, overrides)
@@ -178,7 +184,7 @@ def explain(logfiles, fmt) -> None:
     try:
         click.echo(do_explain(list(logfiles), fmt), nl=False)
     except ExplainError as exc:
-        raise click.ClickException(str(exc)) from exc
+        _fail(str(exc))
 
 
 @main.command()
@@ -194,7 +200,7 @@ def analyze(traces, fmt) -> None:
     try:
         click.echo(do_analyze(list(traces), fmt), nl=False)
     except TraceError as exc:
-        raise click.ClickException(str(exc)) from exc
+        _fail(str(exc))
 
 
 @main.command()

@@ -82,7 +82,7 @@ class Sampler:
         events = ()
         if self.logs is not None:
             started = time.perf_counter()
-            events, log_errors = self.logs.sample()
+            events, log_errors = self.logs.sample(now=timestamp)
             errors.extend(log_errors)
             sources.append(SourceStatus("logs", not log_errors, time.perf_counter() - started))
 

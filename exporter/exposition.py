@@ -195,6 +195,8 @@ class StateCollector(Collector):
     # -- analysis -------------------------------------------------------------------------
     def _analysis(self, analysis):
         util = _gauge("gpumem_gpu_memory_utilization_ratio", "Used over total GPU memory (0-1).", GPU)
+        beyond = _gauge("gpumem_gpu_memory_beyond_budget_bytes",
+                        "Used memory the vLLM servers did not budget for (all of it on a GPU without vLLM).", GPU)
         unattributed = _gauge("gpumem_gpu_memory_unattributed_bytes",
                               "GPU memory used that no live process accounts for.", GPU)
         ttf = _gauge("gpumem_gpu_time_to_full_seconds",
@@ -206,12 +208,14 @@ class StateCollector(Collector):
             labels = [g.gpu, g.uuid]
             if g.utilization_ratio is not None:
                 util.add_metric(labels, g.utilization_ratio)
+            if g.beyond_budget_bytes is not None:
+                beyond.add_metric(labels, g.beyond_budget_bytes)
             if g.unattributed_bytes is not None:
                 unattributed.add_metric(labels, g.unattributed_bytes)
             if g.time_to_full_seconds is not None:
                 ttf.add_metric(labels, g.time_to_full_seconds)
             admission.add_metric([g.gpu], 1 if g.admission_open else 0)
-        yield from (util, unattributed, ttf, admission)
+        yield from (util, beyond, unattributed, ttf, admission)
 
         leak = _gauge("gpumem_leak_suspected", "1 if the process's memory grows like a leak.", TREND)
         growth = _gauge("gpumem_process_memory_growth_bytes_per_second",

@@ -144,7 +144,7 @@ class Snapshot:
 class OomEvent:
     """One out-of-memory message found in a log, parsed and classified."""
 
-    kind: str  # torch_cuda_oom | vllm_insufficient_memory | vllm_kv_cache_too_small | cuda_runtime_oom | nccl_oom | kernel_oom_kill | cgroup_oom
+    kind: str  # exporter.analysis.oom.KINDS: torch_cuda_oom, vllm_*, cuda_runtime_oom, nccl_oom, kernel_oom_kill, cgroup_oom, host_memory_error, ...
     klass: str  # "class" in JSON: shortage | fragmentation | contention | configuration | host
     line: int  # 1-based line number in its file
     source: str = ""  # the log file
@@ -215,6 +215,9 @@ class GpuAnalysis:
     admission_open: bool
     time_to_full_seconds: float | None  # None: not growing
     unattributed_bytes: int | None  # used minus what live processes account for
+    # Used memory the vLLM servers did not budget for (their gpu_memory_utilization x total is
+    # taken by design): other processes, vLLM over budget, memory no live process holds.
+    beyond_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
     analysis = Analysis(timestamp=t, findings=(finding,),
                         process_trends=tuple(ProcessTrend("0", "GPU-aaaa", p.pid, p.name, p.role, 1.0, i == 0)
                                              for i, p in enumerate(procs)),
-                        gpus=(GpuAnalysis("0", "GPU-aaaa", 0.5, admission_open, 3600.0, 37 * GiB),))
+                        gpus=(GpuAnalysis("0", "GPU-aaaa", 0.5, admission_open, 3600.0, 37 * GiB, 39 * GiB),))
     return State(snapshot=snap, analysis=analysis, errors_total={("nvml", "timeout"): 2},
                  budgets=(Budget("llama", "0", "GPU-aaaa", int(0.9 * 80 * GiB), GiB),),
                  vllm_errors_total={("down", "refused"): 4}, oom_events_total={("torch_cuda_oom", "fragmentation"): 1},

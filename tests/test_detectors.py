@@ -99,29 +99,49 @@ def test_admission_hysteresis_closes_above_90_and_reopens_below_80():
     ratios = [0.50, 0.85, 0.89, 0.91, 0.95, 0.85, 0.81, 0.80, 0.79, 0.85, 0.90, 0.905]
     state, states = None, []
     for r in ratios:
-        state = admission_open(state, r, 0.90, 0.80)
+        state = admission_open(state, r, r, 0.90, 0.80, 0.02)  # no vLLM: all memory beyond budget
         states.append(state)
     assert states == [True, True, True, False, False, False, False, False, True, True, True,
                       False]
 
 
 def test_admission_keeps_state_when_utilisation_is_unknown():
-    assert admission_open(False, None, 0.9, 0.8) is False
-    assert admission_open(True, None, 0.9, 0.8) is True
-    assert admission_open(None, None, 0.9, 0.8) is True
+    assert admission_open(False, None, None, 0.9, 0.8, 0.02) is False
+    assert admission_open(True, None, None, 0.9, 0.8, 0.02) is True
+    assert admission_open(None, None, None, 0.9, 0.8, 0.02) is True
+
+
+def test_admission_stays_open_for_memory_vllm_reserves_by_design():
+    # vLLM at gpu_memory_utilization 0.93: 93 % used, nothing beyond its budget.
+    assert admission_open(True, 0.93, 0.0, 0.90, 0.80, 0.02) is True
+    # A notebook takes 4 % more: closes; it exits again: reopens though still above 80 %.
+    assert admission_open(True, 0.97, 0.04, 0.90, 0.80, 0.02) is False
+    assert admission_open(False, 0.95, 0.03, 0.90, 0.80, 0.02) is False
+    assert admission_open(False, 0.93, 0.005, 0.90, 0.80, 0.02) is True
 
 
 def test_pressure_warning_at_85_critical_at_95_silent_below():
     cfg = PressureConfig()
     gpus = (gpu(used=50 * GiB, index="0"), gpu(used=70 * GiB, index="1"),
             gpu(used=77 * GiB, index="2"))
-    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, True, 600.0, 0)
+    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, True, 600.0, 0, g.used_bytes)
                 for g in gpus]
     found = {f.gpu: f for f in detect_pressure(gpus, analyses, T0, cfg)}
     assert set(found) == {"1", "2"}
     assert found["1"].severity == "warning" and found["2"].severity == "critical"
     assert dict(found["1"].evidence)["time_to_full_seconds"] == 600.0
     assert found["1"].advice
+
+
+def test_pressure_ignores_what_vllm_budgeted_but_not_the_cliff():
+    cfg = PressureConfig()
+    gpus = (gpu(used=72 * GiB, index="0"), gpu(used=74 * GiB, index="1"), gpu(used=77 * GiB, index="2"))
+    beyond = {"0": GiB // 2, "1": 4 * GiB, "2": 0}  # 0: vLLM at its 0.9 budget; 1: + a notebook
+    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, True, None, 0, beyond[g.index])
+                for g in gpus]
+    found = {f.gpu: f for f in detect_pressure(gpus, analyses, T0, cfg)}
+    assert found["1"].severity == "warning" and "0" not in found
+    assert found["2"].severity == "critical"  # >= 95 % is the cliff whoever owns the memory
 
 
 def test_pressure_config_rejects_inverted_thresholds():

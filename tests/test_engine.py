@@ -17,8 +17,8 @@ from test_detectors import BASE, GiB, MiB, T0, gpu, leaking_server, proc, snap, 
 
 
 def utilisation_timeline(ratios, step=10):
-    """One GPU whose single process makes utilisation follow `ratios` tick by tick."""
-    return [snap(T0 + i * step, [gpu([vllm_proc(10, r * 80 * GiB)], extra=0)])
+    """One GPU whose single (non-vLLM) process makes utilisation follow `ratios` tick by tick."""
+    return [snap(T0 + i * step, [gpu([proc(10, r * 80 * GiB)], extra=0)])
             for i, r in enumerate(ratios)]
 
 

@@ -25,7 +25,9 @@ from .fragmentation import FragmentationConfig, detect_fragmentation, recent_eve
 from .history import History
 from .leak import LeakAssessment, LeakConfig, assess
 from .leak import time_to_full as forecast_time_to_full
-from .pressure import PressureConfig, admission_open, detect_pressure, memory_ratio
+from .budget import memory_budgets
+from .pressure import (PressureConfig, admission_open, beyond_budget_bytes, detect_pressure,
+                       memory_ratio)
 from .stale import StaleConfig, detect_stale, unattributed_bytes
 
 findings_log = logging.getLogger("exporter.findings")
@@ -111,7 +113,8 @@ class Analyzer:
     def update(self, snapshot: Snapshot) -> Analysis:
         self.history.update(snapshot)
         now = snapshot.timestamp
-        gpus = [self._gpu_analysis(g, snapshot) for g in snapshot.gpus]
+        budgets = memory_budgets(snapshot)
+        gpus = [self._gpu_analysis(g, snapshot, budgets) for g in snapshot.gpus]
         trends, leak_findings = self._run("leak", lambda: self._leaks(snapshot), (None, None))
         cfg, history = self.config, self.history
         detectors: list[tuple[str, str, Callable[[], list[Finding]]]] = [
@@ -188,19 +191,22 @@ class Analyzer:
             self.dropped_findings += 1
         return episode_id
 
-    def _gpu_analysis(self, gpu: GpuSample, snapshot: Snapshot) -> GpuAnalysis:
+    def _gpu_analysis(self, gpu: GpuSample, snapshot: Snapshot, budgets) -> GpuAnalysis:
         ratio = memory_ratio(gpu, snapshot.host) if gpu.up else None
+        beyond = beyond_budget_bytes(gpu, budgets) if gpu.up else None
         if not gpu.up:
             is_open = False  # a lost GPU takes no work
         else:
-            is_open = admission_open(self._admission.get(gpu.uuid), ratio,
+            beyond_ratio = beyond / gpu.total_bytes if beyond is not None and gpu.total_bytes else None
+            is_open = admission_open(self._admission.get(gpu.uuid), ratio, beyond_ratio,
                                      self.config.admission_close_above,
-                                     self.config.admission_open_below)
+                                     self.config.admission_open_below,
+                                     self.config.pressure.budget_slack_ratio)
         self._admission[gpu.uuid] = is_open
         if len(self._admission) > 4096:  # GPUs come and go rarely; bound it anyway
             self._admission.pop(next(iter(self._admission)))
         return GpuAnalysis(gpu=gpu.index, uuid=gpu.uuid, utilization_ratio=ratio,
-                           admission_open=is_open,
+                           admission_open=is_open, beyond_budget_bytes=beyond,
                            time_to_full_seconds=self._time_to_full(gpu, snapshot.timestamp),
                            unattributed_bytes=unattributed_bytes(gpu) if gpu.up else None)
 

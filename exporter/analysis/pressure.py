@@ -3,6 +3,13 @@
 (The time-to-full forecast itself is leak.time_to_full over the GPU's used series; the
 engine puts it in GpuAnalysis and this detector quotes it.)
 
+vLLM pre-allocates `gpu_memory_utilization x total` (0.9 by default) at start-up and stays
+inside it, so used/total sits near 90 % on a perfectly healthy server. Pressure therefore needs
+both: utilisation above the threshold *and* more than a small slack of memory beyond the vLLM
+budgets (other processes, vLLM over its budget, stale memory). On a GPU with no vLLM server all
+used memory is beyond budget, so plain utilisation decides. The shipped alert rules
+(GpuMemoryHigh, GpuAdmissionClosed) use the same definition.
+
 Admission is a gate a router or autoscaler can read (`/admission`, `gpumem_admission_open`):
 it closes when a GPU goes above the close threshold (0.90) and reopens only below the open
 threshold (0.80), so a GPU hovering at the threshold does not flap.
@@ -16,8 +23,9 @@ from ..model import Finding, GpuAnalysis, GpuSample, HostMemory
 
 @dataclass(frozen=True)
 class PressureConfig:
-    warning_ratio: float = 0.85  # used/total that raises a warning (the paging threshold)
-    critical_ratio: float = 0.95
+    warning_ratio: float = 0.85  # used/total that raises a warning (the paging threshold) ...
+    budget_slack_ratio: float = 0.02  # ... with more than this share of the GPU beyond vLLM's budgets
+    critical_ratio: float = 0.95  # absolute: at the out-of-memory cliff whoever owns the memory
 
     def __post_init__(self) -> None:
         if not 0 < self.warning_ratio <= self.critical_ratio <= 1:
@@ -33,14 +41,30 @@ def memory_ratio(gpu: GpuSample, host: HostMemory | None) -> float | None:
     return None
 
 
-def admission_open(previous: bool | None, ratio: float | None, close_above: float,
-                   open_below: float) -> bool:
-    """Hysteresis: close above `close_above`, reopen below `open_below`, else keep the last
-    state. Unknown utilisation keeps the last state (open at the very start)."""
+def beyond_budget_bytes(gpu: GpuSample, budgets) -> int | None:
+    """Used memory minus what the vLLM servers on this GPU use within their budgets
+    (analysis.budget.Budget). A server whose budget is not known yet (still starting, its
+    /metrics not up) counts all its memory as planned, so a start-up never looks like pressure."""
+    if gpu.used_bytes is None:
+        return None
+    within = 0
+    for b in budgets:
+        if b.uuid == gpu.uuid and b.used_bytes is not None:
+            within += b.used_bytes if b.budget_bytes is None else min(b.used_bytes, b.budget_bytes)
+    return max(0, gpu.used_bytes - within)
+
+
+def admission_open(previous: bool | None, ratio: float | None, beyond_ratio: float | None,
+                   close_above: float, open_below: float, slack: float) -> bool:
+    """Hysteresis: close when utilisation goes above `close_above` with more than `slack` of
+    the GPU beyond the vLLM budgets; reopen below `open_below`, or once the memory beyond budget
+    fell to half the slack; in between keep the last state. Unknown keeps the last state (open
+    at the very start)."""
     if ratio is not None:
-        if ratio > close_above:
+        unplanned = beyond_ratio is None or beyond_ratio > slack
+        if ratio > close_above and unplanned:
             return False
-        if ratio < open_below:
+        if ratio < open_below or (beyond_ratio is not None and beyond_ratio <= slack / 2):
             return True
     return True if previous is None else previous
 
@@ -52,17 +76,26 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
     findings = []
     for a in analyses:
         ratio = a.utilization_ratio
-        if ratio is None or ratio < config.warning_ratio:
-            continue
         gpu = by_uuid.get(a.uuid)
+        if ratio is None or gpu is None:
+            continue
+        beyond = (a.beyond_budget_bytes / gpu.total_bytes
+                  if a.beyond_budget_bytes is not None and gpu.total_bytes else None)
         critical = ratio >= config.critical_ratio
+        if not critical and (ratio < config.warning_ratio
+                             or (beyond is not None and beyond <= config.budget_slack_ratio)):
+            continue
         evidence: list[tuple[str, float | int | str]] = [("utilization_ratio", round(ratio, 4))]
+        if a.beyond_budget_bytes is not None:
+            evidence.append(("beyond_vllm_budget_bytes", a.beyond_budget_bytes))
         if gpu is not None and gpu.used_bytes is not None and gpu.total_bytes is not None:
             evidence += [("used_bytes", gpu.used_bytes), ("total_bytes", gpu.total_bytes)]
         if a.time_to_full_seconds is not None:
             evidence.append(("time_to_full_seconds", round(a.time_to_full_seconds, 1)))
         evidence.append(("admission_open", int(a.admission_open)))
         summary = f"GPU {a.gpu} memory {ratio:.0%} used"
+        if beyond is not None and beyond < ratio:
+            summary += f", {beyond:.0%} of it beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
             summary += f", full in about {a.time_to_full_seconds / 60:.0f} min at the current rate"
         findings.append(Finding(

@@ -1,0 +1,282 @@
+"""Follow server log files and turn their out-of-memory messages into OomEvents.
+
+`LogTailer` follows one file like `tail -F`: complete new lines since the last poll, surviving
+rotation (a new inode: the rest of the old file is read, then the new one from its start),
+truncation (copytruncate: back to offset 0), deletion (quietly waits for the file to come back)
+and unreadable files (reported on `error`/`error_kind`, never raised). Each poll reads at most
+`max_read_bytes`, so a burst of logging cannot stall a sampling tick; the rest comes next poll.
+Over-long lines are cut to `max_line_bytes`.
+
+`LogSource` tails several files, feeding each through its own `OomParser` (which keeps the
+context a multi-line message needs) and reports events and faults for one tick.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import replace
+from typing import BinaryIO, Iterator
+
+from ..analysis.oom import OomParser
+from ..model import OomEvent, SourceError
+
+DEFAULT_MAX_LINE_BYTES = 64 * 1024
+DEFAULT_MAX_READ_BYTES = 4 * 1024 * 1024
+SOURCE = "logs"
+
+
+class _LineSplitter:
+    """Bytes in, complete lines out; a line longer than the cap is cut and its rest dropped."""
+
+    def __init__(self, max_line_bytes: int):
+        self.max_line_bytes = max(1, int(max_line_bytes))
+        self._partial = bytearray()
+        self._discarding = False  # inside the dropped rest of an over-long line
+
+    def reset(self) -> None:
+        self._partial.clear()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        lines: list[bytes] = []
+        start = 0
+        while True:
+            newline = data.find(b"\n", start)
+            if newline < 0:
+                break
+            if self._discarding:
+                self._discarding = False
+            else:
+                room = self.max_line_bytes - len(self._partial)
+                lines.append(bytes(self._partial) + data[start:min(newline, start + room)])
+            self._partial.clear()
+            start = newline + 1
+        if not self._discarding:
+            rest = data[start:]
+            room = self.max_line_bytes - len(self._partial)
+            if len(rest) >= room:
+                # Emit the cut line now rather than buffering an unbounded one.
+                lines.append(bytes(self._partial) + rest[:room])
+                self._partial.clear()
+                self._discarding = True
+            else:
+                self._partial += rest
+        return lines
+
+    def finish(self) -> list[bytes]:
+        """The last line of a file that does not end in a newline."""
+        tail = [bytes(self._partial)] if self._partial else []
+        self.reset()
+        return tail
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace").rstrip("\r")
+
+
+def _classify_os_error(exc: OSError) -> str:
+    if isinstance(exc, PermissionError):
+        return "permission"
+    if isinstance(exc, IsADirectoryError):
+        return "not_a_file"
+    if exc.errno == errno.ENOENT:
+        return "missing"
+    return "io"
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a regular file for reading without ever blocking (a FIFO would hang `open`).
+    Raises IsADirectoryError / OSError(EINVAL) for anything that is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class LogTailer:
+    """Follows one log file; `poll()` returns the complete lines added since the last poll."""
+
+    def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                 start_at_end: bool = True, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+        self.path = str(path)
+        self.start_at_end = start_at_end
+        self.max_read_bytes = max(1, int(max_read_bytes))
+        self.error = ""  # why the last poll could not read the file ("" when fine)
+        self.error_kind = ""  # permission | not_a_file | io
+        self._splitter = _LineSplitter(max_line_bytes)
+        self._fh: BinaryIO | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
+        self._offset = 0
+        self._line_no = 0  # lines returned from the open file so far (numbers are 1-based)
+        # Where "the end" was when tailing began: only that file's history is skipped.
+        self._skip: tuple[int, int, int] | None = None  # (st_dev, st_ino, size)
+        if start_at_end:
+            try:
+                st = os.stat(self.path)
+                if stat.S_ISREG(st.st_mode):
+                    self._skip = (st.st_dev, st.st_ino, st.st_size)
+            except OSError:
+                pass
+        self._open()  # hold the file from now on, so lines written before a deletion survive
+        self.error = self.error_kind = ""  # faults are reported by poll()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+        self._fh = None
+        self._identity = None
+
+    def poll(self) -> list[tuple[int, str]]:
+        self.error = ""
+        self.error_kind = ""
+        out: list[tuple[int, str]] = []
+        try:
+            self._poll(out)
+        except OSError as exc:  # the file went bad between checks: report, keep what was read
+            self._fail(exc)
+        except Exception as exc:  # never let a tailer bug stop sampling
+            self.error, self.error_kind = f"{self.path}: {exc}", "io"
+        return out
+
+    # -- internals
+
+    def _fail(self, exc: OSError) -> None:
+        kind = _classify_os_error(exc)
+        if kind == "missing":  # deleted: not an error, wait for it to come back
+            return
+        reason = exc.strerror or type(exc).__name__
+        self.error, self.error_kind = f"{self.path}: {reason}", kind
+        self.close()
+
+    def _open(self) -> bool:
+        try:
+            fh = open_regular(self.path)
+        except OSError as exc:
+            self._fail(exc)
+            return False
+        st = os.fstat(fh.fileno())
+        self._fh = fh
+        self._identity = (st.st_dev, st.st_ino)
+        self._splitter.reset()
+        self._line_no = 0
+        # Skip the history only of the file found at start-up; a file that appears later
+        # (created, rotated in) is all new.
+        skip, self._skip = self._skip, None
+        same = skip is not None and skip[:2] == self._identity and skip[2] <= st.st_size
+        self._offset = skip[2] if same else 0
+        fh.seek(self._offset)
+        return True
+
+    def _poll(self, out: list[tuple[int, str]]) -> None:
+        budget = self.max_read_bytes
+        if self._fh is None and not self._open():
+            return
+        assert self._fh is not None
+        if os.fstat(self._fh.fileno()).st_size < self._offset:  # truncated in place
+            self._restart_at_zero()
+        budget -= self._read(out, budget)
+        if budget <= 0:
+            return  # more to read; rotation is looked at once this file is drained
+        try:
+            st = os.stat(self.path)
+            current = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            current = None
+        if current == self._identity:
+            return
+        # Rotated or deleted, and the old file is drained: its unterminated last line is complete.
+        for raw in self._splitter.finish():
+            self._line_no += 1
+            out.append((self._line_no, _decode(raw)))
+        self.close()
+        if current is not None and self._open():
+            self._read(out, budget)
+
+    def _restart_at_zero(self) -> None:
+        assert self._fh is not None
+        self._fh.seek(0)
+        self._offset = 0
+        self._line_no = 0
+        self._splitter.reset()
+
+    def _read(self, out: list[tuple[int, str]], budget: int) -> int:
+        """Read up to `budget` bytes of the open file into `out`; returns bytes read."""
+        assert self._fh is not None
+        data = self._fh.read(budget) or b""
+        self._offset += len(data)
+        for raw in self._splitter.feed(data):
+            self._line_no += 1
+            out.append((self._line_no, _decode(raw)))
+        return len(data)
+
+
+def iter_file_lines(fh: BinaryIO, max_bytes: int, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                    chunk_bytes: int = 1024 * 1024) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a whole file, reading at most `max_bytes` of it; over-long lines
+    are cut. The caller can compare fh.tell() with max_bytes to know whether it stopped early."""
+    splitter = _LineSplitter(max_line_bytes)
+    line_no = 0
+    left = max(0, int(max_bytes))
+    while left > 0:
+        data = fh.read(min(chunk_bytes, left))
+        if not data:
+            break
+        left -= len(data)
+        for raw in splitter.feed(data):
+            line_no += 1
+            yield line_no, _decode(raw)
+    for raw in splitter.finish():
+        line_no += 1
+        yield line_no, _decode(raw)
+
+
+class LogSource:
+    """Tails server logs and reports the OOM events found in each tick's new lines."""
+
+    name = SOURCE
+
+    def __init__(self, paths: list[str] | tuple[str, ...], *,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, start_at_end: bool = True,
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+        self.paths = tuple(dict.fromkeys(str(p) for p in paths))  # unique, in order
+        self._tailers = {p: LogTailer(p, max_line_bytes, start_at_end, max_read_bytes)
+                         for p in self.paths}
+        self._parsers = {p: OomParser(p) for p in self.paths}
+
+    def sample(self, now: float | None = None) -> tuple[tuple[OomEvent, ...], tuple[SourceError, ...]]:
+        """New events since the last call (stamped with `now` when given) and this tick's faults."""
+        events: list[OomEvent] = []
+        errors: list[SourceError] = []
+        for path in self.paths:
+            tailer, parser = self._tailers[path], self._parsers[path]
+            lines = tailer.poll()
+            for line_no, text in lines:
+                events += parser.feed(line_no, text)
+            if not lines:
+                # The log went quiet: a message still open (waiting for a continuation line
+                # that may never come) is finished now rather than held back.
+                events += parser.flush()
+            if tailer.error:
+                errors.append(SourceError(SOURCE, tailer.error_kind, tailer.error))
+            if parser.faults:
+                errors.append(SourceError(SOURCE, "parse_error",
+                                          f"{path}: {parser.faults} line(s) could not be parsed"))
+                parser.faults = 0
+        if now is not None:
+            events = [replace(e, timestamp=now) for e in events]
+        return tuple(events), tuple(errors)
+
+    def close(self) -> None:
+        for tailer in self._tailers.values():
+            tailer.close()

@@ -1,0 +1,374 @@
+"""Writes the Grafana dashboards in grafana/dashboards/ from this one description.
+
+Dashboards are generated rather than hand-edited so that every panel uses the same data source
+variable, label filters and units; tests/test_dashboards.py fails when the JSON files differ
+from what this script writes. Run after editing: python grafana/generate.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+TAGS = ["gpu-memory-exporter"]
+GPU = 'instance=~"$instance",gpu=~"$gpu"'
+PROC = 'instance=~"$instance",gpu=~"$gpu",process=~"$process"'
+EP = 'instance=~"$instance",endpoint=~"$endpoint"'
+
+
+# -- building blocks ------------------------------------------------------------------------
+def target(expr: str, legend: str = "", instant: bool = False, table: bool = False) -> dict:
+    t = {"datasource": DS, "expr": expr, "legendFormat": legend, "range": not instant, "instant": instant}
+    if table:
+        t["format"] = "table"
+    return t
+
+
+def _panel(kind: str, title: str, targets: list[dict], w: int, h: int, description: str, **extra) -> dict:
+    for ref, t in zip("ABCDEFGHIJKLMNOPQRSTUVWXYZ", targets):
+        t["refId"] = ref
+    p = {"type": kind, "title": title, "description": description, "datasource": DS,
+         "targets": targets, "gridPos": {"w": w, "h": h}}
+    p.update(extra)
+    return p
+
+
+def timeseries(title, targets, unit="bytes", w=12, h=8, description="", stack=False, overrides=(),
+               max_=None, decimals=None):
+    custom = {"fillOpacity": 60 if stack else 10, "lineWidth": 1, "showPoints": "never",
+              "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
+    defaults = {"unit": unit, "custom": custom}
+    if max_ is not None:
+        defaults.update(min=0, max=max_)
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return _panel("timeseries", title, targets, w, h, description,
+                  fieldConfig={"defaults": defaults, "overrides": list(overrides)},
+                  options={"legend": {"displayMode": "table", "placement": "bottom",
+                                      "calcs": ["lastNotNull", "max"]},
+                           "tooltip": {"mode": "multi", "sort": "desc"}})
+
+
+def per_gpu(expr: str) -> dict:
+    """Table query reduced to the labels every per-GPU metric has, so the merge makes one row per GPU."""
+    return target(f"max by (instance, gpu) ({expr})", instant=True, table=True)
+
+
+def per_process(expr: str) -> dict:
+    return target(f"max by (instance, gpu, pid, process) ({expr})", instant=True, table=True)
+
+
+def stat(title, expr, unit="none", w=6, h=4, description="", thresholds=None):
+    steps = thresholds or [{"color": "green", "value": None}]
+    return _panel("stat", title, [target(expr, instant=True)], w, h, description,
+                  fieldConfig={"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
+                               "overrides": []},
+                  options={"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "background"})
+
+
+def table(title, targets, w=24, h=8, description="", hide=(), units=None):
+    """Instant queries in table format, merged into one row per label set."""
+    overrides = [{"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
+                 for name, unit in (units or {}).items()]
+    organize = {"excludeByName": {name: True for name in ("Time", "job", "__name__", *hide)}}
+    return _panel("table", title, targets, w, h, description,
+                  fieldConfig={"defaults": {}, "overrides": overrides},
+                  transformations=[{"id": "merge", "options": {}},
+                                   {"id": "organize", "options": organize}],
+                  options={"showHeader": True})
+
+
+def bargauge(title, targets, unit="percentunit", w=12, h=8, description="", max_=1, steps=None):
+    defaults = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps or [
+        {"color": "red", "value": None}, {"color": "orange", "value": 0.05}, {"color": "green", "value": 0.15}]}}
+    if max_ is not None:
+        defaults["max"] = max_
+    return _panel("bargauge", title, targets, w, h, description,
+                  fieldConfig={"defaults": defaults, "overrides": []},
+                  options={"orientation": "horizontal", "displayMode": "gradient",
+                           "reduceOptions": {"calcs": ["lastNotNull"]}})
+
+
+def row(title: str) -> dict:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
+
+
+def threshold_line(ref: str, name: str) -> dict:
+    """Draw a threshold series as a dashed line outside the stack."""
+    return {"matcher": {"id": "byFrameRefID", "options": ref},
+            "properties": [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+                           {"id": "custom.fillOpacity", "value": 0},
+                           {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                           {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}},
+                           {"id": "displayName", "value": name}]}
+
+
+def variable(name: str, label: str, query: str, multi: bool = True) -> dict:
+    return {"type": "query", "name": name, "label": label, "datasource": DS,
+            "query": {"query": query, "refId": f"{name}-variable"}, "definition": query,
+            "refresh": 2, "sort": 3, "includeAll": multi, "multi": multi, "allValue": ".*",
+            "current": {}, "hide": 0, "options": [], "regex": ""}
+
+
+DATASOURCE = {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+INSTANCE = variable("instance", "Host", "label_values(gpumem_gpu_info, instance)")
+GPU_VAR = variable("gpu", "GPU", 'label_values(gpumem_gpu_info{instance=~"$instance"}, gpu)')
+PROCESS = variable("process", "Process",
+                   'label_values(gpumem_process_memory_used_bytes{instance=~"$instance",gpu=~"$gpu"}, process)')
+ENDPOINT = variable("endpoint", "vLLM endpoint", 'label_values(gpumem_vllm_up{instance=~"$instance"}, endpoint)')
+
+
+def annotation(name: str, expr: str, title: str, text: str, color: str) -> dict:
+    return {"name": name, "datasource": DS, "enable": True, "iconColor": color, "expr": expr,
+            "step": "60s", "titleFormat": title, "textFormat": text, "tagKeys": "gpu,pid,kind",
+            "useValueForTime": False}
+
+
+def layout(panels: list[dict]) -> list[dict]:
+    """Place panels left to right, wrapping at 24 columns, and give them ids."""
+    x = y = row_h = 0
+    for i, p in enumerate(panels, start=1):
+        w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+        if x + w > 24 or p["type"] == "row":
+            x, y, row_h = 0, y + row_h, 0
+        p["gridPos"].update(x=x, y=y)
+        p["id"] = i
+        x, row_h = x + w, max(row_h, h)
+        if p["type"] == "row":
+            x, y, row_h = 0, y + h, 0
+    return panels
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict], panels: list[dict],
+              annotations: list[dict] = (), time_from: str = "now-6h") -> dict:
+    builtin = {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+               "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
+               "type": "dashboard"}
+    return {"uid": uid, "title": title, "description": description, "tags": TAGS, "editable": True,
+            "schemaVersion": 39, "version": 1, "refresh": "30s", "timezone": "",
+            "time": {"from": time_from, "to": "now"}, "graphTooltip": 1,
+            "links": [{"type": "dashboards", "tags": TAGS, "asDropdown": True, "title": "GPU memory",
+                       "includeVars": True, "keepTime": True}],
+            "templating": {"list": [DATASOURCE, *variables]},
+            "annotations": {"list": [builtin, *annotations]},
+            "panels": layout(panels)}
+
+
+# -- the dashboards -------------------------------------------------------------------------
+def overview() -> dict:
+    util = f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}"
+    panels = [
+        stat("GPUs", f'count(gpumem_gpu_info{{{GPU}}}) or vector(0)', description="GPUs the exporters see."),
+        stat("GPUs above the page threshold",
+             f"count({util} > on () group_left () gpumem:threshold_memory_high:ratio) or vector(0)",
+             description="Plain utilisation above gpumem:threshold_memory_high:ratio (vLLM GPUs at their "
+                         "budget included; GpuMemoryHigh only pages on memory beyond the budget).",
+             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
+        stat("Active findings", 'count(gpumem_finding_active{instance=~"$instance"}) or vector(0)',
+             description="Findings of the exporter's detectors (leak, fragmentation, contention, ...).",
+             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
+        stat("Exporters down", 'count(up{job="gpu-memory-exporter"} == 0) or vector(0)',
+             description="Scrape targets of job gpu-memory-exporter that do not answer.",
+             thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
+        timeseries("GPU memory utilisation", [
+            target(util, "{{instance}} GPU {{gpu}}"),
+            target("gpumem:threshold_memory_high:ratio", "page threshold"),
+            target("gpumem:threshold_memory_near_full:ratio", "near-full threshold"),
+        ], unit="percentunit", w=16, max_=1,
+            description="Used / total per GPU. Thresholds come from the alert rules' threshold series.",
+            overrides=[threshold_line("B", "page threshold"), threshold_line("C", "near-full threshold")]),
+        bargauge("Headroom", [target(f"instance_gpu:gpumem_memory_headroom:ratio{{{GPU}}}",
+                                     "{{instance}} GPU {{gpu}}", instant=True)], w=8,
+                 description="Free / total per GPU, now."),
+        table("Every GPU", [
+            per_gpu(util),
+            per_gpu(f"gpumem_gpu_memory_free_bytes{{{GPU}}}"),
+            per_gpu(f"instance_gpu:gpumem_memory_beyond_vllm_budget:bytes{{{GPU}}}"),
+            per_gpu(f"instance_gpu:gpumem_other_process_memory:bytes{{{GPU}}}"),
+            per_gpu(f'gpumem_admission_open{{{GPU}}}'),
+            per_gpu(f"gpumem_gpu_time_to_full_seconds{{{GPU}}}"),
+        ], h=9, description="A: utilisation, B: free, C: beyond the vLLM budget, D: other processes, "
+                            "E: admission open, F: time to full (empty when not growing).",
+            units={"Value #A": "percentunit", "Value #B": "bytes", "Value #C": "bytes", "Value #D": "bytes",
+                   "Value #F": "s"}),
+        table("Active findings", [target(f'gpumem_finding_active{{{GPU}}}', instant=True, table=True)],
+              h=7, hide=("Value",), description="One row per finding the exporters report now."),
+        timeseries("Exporter sources up", [
+            target('min by (instance, source) (gpumem_exporter_source_up{instance=~"$instance"})',
+                   "{{instance}} {{source}}")], unit="none", max_=1,
+            description="1 when the source (nvml, host, vllm, logs) answered in the last sample."),
+        timeseries("Sample age", [
+            target('gpumem_exporter_sample_age_seconds{instance=~"$instance"}', "{{instance}}"),
+            target("gpumem:threshold_exporter_sample_age:seconds", "stall threshold")], unit="s",
+            description="Age of the sample each scrape shows; it grows when sampling is stuck.",
+            overrides=[threshold_line("B", "stall threshold")]),
+    ]
+    return dashboard("gpumem-overview", "GPU memory / Overview",
+                     "Every GPU's memory use, headroom and the exporter's active findings.",
+                     [INSTANCE, GPU_VAR], panels)
+
+
+def _profile(components: str) -> str:
+    """vLLM's memory profile is per endpoint; spread it onto each GPU the server's budget covers."""
+    return (f'sum by (instance, gpu) ('
+            f'sum by (instance, job, endpoint) (gpumem_vllm_memory_profile_bytes{{instance=~"$instance",'
+            f'component=~"{components}"}}) * on (instance, job, endpoint) group_right () '
+            f'(0 * gpumem_vllm_memory_budget_bytes{{{GPU}}} + 1))')
+
+
+def memory_budget() -> dict:
+    profiled = _profile("weights|kv_cache|activation_peak|non_torch|cuda_graph")
+    stack = timeseries("GPU $gpu: where the memory goes", [
+        target(_profile("weights"), "{{instance}} weights"),
+        target(_profile("kv_cache"), "{{instance}} KV cache"),
+        target(_profile("activation_peak|non_torch|cuda_graph"), "{{instance}} scratch (activations, non-torch, CUDA graphs)"),
+        target(f"clamp_min(instance_gpu:gpumem_vllm_process_memory:bytes{{{GPU}}} - on (instance, gpu) {profiled}, 0)",
+               "{{instance}} vLLM beyond its profile"),
+        target(f"instance_gpu:gpumem_other_process_memory:bytes{{{GPU}}}", "{{instance}} other processes"),
+        target(f"gpumem_gpu_memory_unattributed_bytes{{{GPU}}}", "{{instance}} no live process"),
+        target(f"gpumem_gpu_memory_free_bytes{{{GPU}}}", "{{instance}} free"),
+        target(f"instance_gpu:gpumem_vllm_memory_budget:bytes{{{GPU}}}", "{{instance}} vLLM budget"),
+        target(f"gpumem_gpu_memory_total_bytes{{{GPU}}}", "{{instance}} total"),
+    ], stack=True, w=24, h=10,
+        description="Stacked: the vLLM servers' profile (weights, KV cache, scratch, from their start-up "
+                    "log), what their processes use beyond it, other processes, memory no live process "
+                    "accounts for, and free headroom. Dashed: the servers' budget "
+                    "(gpu_memory_utilization x total) and the GPU's total.",
+        overrides=[threshold_line("H", "vLLM budget"), threshold_line("I", "total")])
+    stack["repeat"] = "gpu"
+    stack["repeatDirection"] = "h"
+    panels = [
+        stack,
+        timeseries("Processes on the GPU", [
+            target(f"gpumem_process_memory_used_bytes{{{PROC}}}",
+                   "{{instance}} GPU {{gpu}} {{process}} ({{pid}}, {{role}})")], stack=True,
+            description="GPU memory per process, stacked."),
+        timeseries("vLLM servers: used vs budget", [
+            target(f'gpumem_vllm_memory_used_bytes{{{GPU}}}', "{{endpoint}} GPU {{gpu}} used"),
+            target(f'gpumem_vllm_memory_budget_bytes{{{GPU}}}', "{{endpoint}} GPU {{gpu}} budget"),
+        ], description="What each server's processes use on each GPU against gpu_memory_utilization x total."),
+        bargauge("vLLM memory profile", [
+            target('gpumem_vllm_memory_profile_bytes{instance=~"$instance"}', "{{endpoint}} {{component}}",
+                   instant=True)], unit="bytes", max_=None, steps=[{"color": "blue", "value": None}],
+            description="From each server's start-up log: weights, KV cache, activation peak, non-torch, CUDA graphs."),
+        table("vLLM cache configuration", [
+            target('gpumem_vllm_cache_config_info{instance=~"$instance"}', instant=True, table=True)],
+            w=12, hide=("Value",), description="The servers' cache_config_info labels."),
+    ]
+    return dashboard("gpumem-memory-budget", "GPU memory / Memory budget",
+                     "Per GPU: vLLM's planned memory (weights, KV cache, scratch) against what is used, "
+                     "by whom, and what is left.", [INSTANCE, GPU_VAR, PROCESS], panels)
+
+
+def leak_investigation() -> dict:
+    used = f"gpumem_process_memory_used_bytes{{{PROC}}}"
+    panels = [
+        timeseries("GPU memory per process", [target(used, "{{instance}} GPU {{gpu}} {{process}} ({{pid}})")],
+                   w=24, h=10, description="Pick the range with the time picker; leak findings are annotations."),
+        timeseries("Growth rate (exporter's robust trend)", [
+            target(f"gpumem_process_memory_growth_bytes_per_second{{{PROC}}}",
+                   "{{instance}} GPU {{gpu}} {{process}} ({{pid}})")], unit="Bps",
+            description="The leak detector's slope over its window: steady and positive is a leak."),
+        timeseries("Host RSS of the same processes", [
+            target('gpumem_process_host_rss_bytes{instance=~"$instance",process=~"$process"}',
+                   "{{instance}} {{process}} ({{pid}})")],
+            description="Host memory growing with GPU memory points at Python objects keeping tensors alive."),
+        table("Processes over the selected range", [
+            per_process(used),
+            per_process(f"min_over_time({used}[$__range])"),
+            per_process(f"max_over_time({used}[$__range])"),
+            per_process(f"gpumem_process_memory_growth_bytes_per_second{{{PROC}}} * 3600"),
+            per_process(f"gpumem_leak_suspected{{{PROC}}}"),
+        ], h=8,
+            description="A: now, B: lowest and C: highest over the range, D: growth per hour, E: leak suspected.",
+            units={"Value #A": "bytes", "Value #B": "bytes", "Value #C": "bytes", "Value #D": "bytes"}),
+        timeseries("Leak suspected", [target(f"gpumem_leak_suspected{{{PROC}}}",
+                                             "{{instance}} GPU {{gpu}} {{process}} ({{pid}})")],
+                   unit="none", max_=1, description="1 while the leak detector suspects the process."),
+        timeseries("GPU time to full", [target(f"gpumem_gpu_time_to_full_seconds{{{GPU}}}",
+                                               "{{instance}} GPU {{gpu}}")], unit="s",
+                   description="At the GPU's current growth; absent when it is not growing."),
+    ]
+    annotations = [
+        annotation("Leak suspected", f"gpumem_leak_suspected{{{PROC}}} == 1",
+                   "Leak suspected: {{process}} ({{pid}}) on GPU {{gpu}}", "{{instance}}", "red"),
+        annotation("Findings", f"gpumem_finding_active{{{GPU}}}",
+                   "{{kind}} ({{severity}}) on GPU {{gpu}}", "{{instance}} {{process}} {{pid}}", "orange"),
+    ]
+    return dashboard("gpumem-leak-investigation", "GPU memory / Leak investigation",
+                     "One process's GPU memory over time, its growth rate and host RSS, with the "
+                     "exporter's leak findings as annotations.", [INSTANCE, GPU_VAR, PROCESS], panels,
+                     annotations, time_from="now-24h")
+
+
+def vllm() -> dict:
+    panels = [
+        timeseries("KV cache usage", [
+            target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}"),
+            target("gpumem:threshold_vllm_kv_cache_saturated:ratio", "saturation threshold")],
+            unit="percentunit", max_=1, overrides=[threshold_line("B", "saturation threshold")],
+            description="Share of KV cache blocks in use; full with a queue is saturation."),
+        timeseries("GPU memory of the servers' GPUs", [
+            target(f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}", "{{instance}} GPU {{gpu}}"),
+            target("gpumem:threshold_memory_high:ratio", "page threshold")],
+            unit="percentunit", max_=1, overrides=[threshold_line("B", "page threshold")],
+            description="Next to the KV cache: memory use of the GPUs (choose them with the GPU variable)."),
+        timeseries("Requests", [
+            target(f"gpumem_vllm_requests_running{{{EP}}}", "{{endpoint}} running"),
+            target(f"gpumem_vllm_requests_waiting{{{EP}}}", "{{endpoint}} waiting")], unit="none",
+            description="Running and queued requests per engine."),
+        timeseries("Preemptions", [
+            target(f"endpoint_model:gpumem_vllm_preemptions:rate5m{{{EP}}}", "{{endpoint}} {{model}}"),
+            target("gpumem:threshold_vllm_preemptions:per_second", "alert threshold")],
+            unit="reqps", overrides=[threshold_line("B", "alert threshold")],
+            description="Requests preempted per second for lack of KV cache (5-minute rate)."),
+        timeseries("Prefix cache hit ratio", [
+            target(f"endpoint_model:gpumem_vllm_prefix_cache_hit:ratio_rate5m{{{EP}}}", "{{endpoint}} {{model}}")],
+            unit="percentunit", max_=1, description="Prefix cache hits / queries (tokens), 5-minute rate."),
+        timeseries("Server memory: used vs budget", [
+            target(f"gpumem_vllm_memory_used_bytes{{{EP}}}", "{{endpoint}} GPU {{gpu}} used"),
+            target(f"gpumem_vllm_memory_budget_bytes{{{EP}}}", "{{endpoint}} GPU {{gpu}} budget")],
+            description="What the server's processes use on each GPU against gpu_memory_utilization x total."),
+        timeseries("Endpoint health", [
+            target(f"gpumem_vllm_up{{{EP}}}", "{{endpoint}} up"),
+            target(f"sum by (endpoint, kind) (rate(gpumem_vllm_scrape_errors_total{{{EP}}}[$__rate_interval]))",
+                   "{{endpoint}} errors: {{kind}}")], unit="none",
+            description="1 while the exporter reads the endpoint; scrape errors per second by kind."),
+        timeseries("Scrape duration", [
+            target(f"gpumem_vllm_scrape_duration_seconds{{{EP}}}", "{{endpoint}}")], unit="s",
+            description="How long the exporter takes to read each endpoint's /metrics."),
+        table("Cache configuration", [
+            target(f"gpumem_vllm_cache_config_info{{{EP}}}", instant=True, table=True)],
+            hide=("Value",), description="block_size, cache_dtype, gpu_memory_utilization, num_gpu_blocks."),
+    ]
+    return dashboard("gpumem-vllm", "GPU memory / vLLM",
+                     "vLLM's KV cache, queue and preemptions next to GPU memory.",
+                     [INSTANCE, ENDPOINT, GPU_VAR], panels)
+
+
+DASHBOARDS = {
+    "overview.json": overview,
+    "memory-budget.json": memory_budget,
+    "leak-investigation.json": leak_investigation,
+    "vllm.json": vllm,
+}
+
+
+def render() -> dict[str, str]:
+    """File name -> JSON text, exactly as written to disk."""
+    return {name: json.dumps(build(), indent=2, sort_keys=True) + "\n" for name, build in DASHBOARDS.items()}
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, text in render().items():
+        (OUT / name).write_text(text)
+        print(f"wrote {OUT / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

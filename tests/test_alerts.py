@@ -1,0 +1,326 @@
+"""The alert rules, their promtool unit tests and the Alertmanager example, checked with the real
+promtool, amtool and alertmanager binaries. CI installs them (Debian/Ubuntu: `apt-get install
+prometheus prometheus-alertmanager`); a missing binary fails these tests, it never skips them.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ALERTS_DIR = REPO / "alerts"
+RULES = ALERTS_DIR / "gpu-memory-exporter.rules.yml"
+UNIT_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
+ALERTMANAGER_CONFIG = ALERTS_DIR / "alertmanager.example.yml"
+RUNBOOKS = REPO / "docs" / "runbooks"
+RUNBOOK_BASE = "https://github.com/gpu-memory-exporter/gpu-memory-exporter/blob/main/docs/runbooks/"
+COMPOSE = REPO / "deploy" / "compose"
+SEVERITIES = {"page", "ticket"}
+
+# The exporter's metric names (the contract in docs/metrics.md and the design brief). Rules and
+# dashboards may use only these, their own recording rules, and Prometheus' `up` and `ALERTS`.
+PLANNED_METRICS = frozenset("""
+gpumem_gpu_info gpumem_gpu_up gpumem_gpu_memory_total_bytes gpumem_gpu_memory_used_bytes
+gpumem_gpu_memory_free_bytes gpumem_gpu_memory_reserved_bytes gpumem_gpu_memory_utilization_ratio
+gpumem_gpu_memory_unattributed_bytes gpumem_gpu_time_to_full_seconds
+gpumem_process_memory_used_bytes gpumem_process_host_rss_bytes
+gpumem_process_memory_growth_bytes_per_second gpumem_leak_suspected gpumem_finding_active
+gpumem_admission_open gpumem_host_memory_total_bytes gpumem_host_memory_available_bytes
+gpumem_host_memory_pressure_some_ratio gpumem_host_oom_kills_total gpumem_oom_events_total
+gpumem_vllm_up gpumem_vllm_scrape_duration_seconds gpumem_vllm_scrape_errors_total
+gpumem_vllm_kv_cache_usage_ratio gpumem_vllm_requests_running gpumem_vllm_requests_waiting
+gpumem_vllm_preemptions_total gpumem_vllm_prefix_cache_queries_total gpumem_vllm_prefix_cache_hits_total
+gpumem_vllm_cache_config_info gpumem_vllm_memory_budget_bytes gpumem_vllm_memory_used_bytes
+gpumem_vllm_memory_profile_bytes gpumem_exporter_source_up gpumem_exporter_sample_duration_seconds
+gpumem_exporter_last_sample_timestamp_seconds gpumem_exporter_sample_age_seconds
+gpumem_exporter_errors_total gpumem_exporter_build_info
+""".split())
+PROMETHEUS_METRICS = frozenset({"up", "ALERTS"})
+
+_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
+                    "unless", "offset", "bool", "inf", "nan", "atan2"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (not functions, keywords, labels or durations)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals: label values, regexes
+    s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
+    s = re.sub(r"\[[^\]]*\]", " ", s)  # range and subquery durations
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)  # label lists
+    names = set()
+    for m in re.finditer(r"(?<![A-Za-z0-9_:.])[A-Za-z_:][A-Za-z0-9_:]*", s):
+        if s[m.end():].lstrip().startswith("("):
+            continue  # a function or an aggregation
+        if m.group().lower() not in _PROMQL_KEYWORDS:
+            names.add(m.group())
+    return names
+
+
+def tool(*names: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail(f"{' or '.join(names)} not found on PATH; install it "
+                "(Debian/Ubuntu: apt-get install prometheus prometheus-alertmanager)")
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def load_groups() -> list[dict]:
+    return yaml.safe_load(RULES.read_text())["groups"]
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in load_groups() for r in g["rules"] if "alert" in r]
+
+
+def recording_rules() -> list[dict]:
+    return [r for g in load_groups() for r in g["rules"] if "record" in r]
+
+
+ALERT_NAMES = [r["alert"] for r in alert_rules()]
+
+
+def unit_test_cases() -> list[dict]:
+    cases = []
+    for path in UNIT_TESTS:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            cases.extend(group.get("alert_rule_test", []))
+    return cases
+
+
+# -- the real tools ---------------------------------------------------------------------------
+def test_promtool_check_rules_accepts_the_rules():
+    result = run(tool("promtool"), "check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alert_rules()) + len(recording_rules())} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_pass():
+    assert UNIT_TESTS, "no promtool unit tests in alerts/tests"
+    result = run(tool("promtool"), "test", "rules", *map(str, UNIT_TESTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAILED" not in result.stdout
+
+
+def test_promtool_catches_a_wrong_expectation(tmp_path):
+    """The harness must be able to fail: a GPU at 50 % does not page, so expecting it does fails."""
+    case = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": 'gpumem_gpu_memory_total_bytes{instance="h",job="j",gpu="0",uuid="u"}', "values": "100x20"},
+                {"series": 'gpumem_gpu_memory_used_bytes{instance="h",job="j",gpu="0",uuid="u"}', "values": "50x20"},
+            ],
+            "alert_rule_test": [{"eval_time": "15m", "alertname": "GpuMemoryHigh",
+                                 "exp_alerts": [{"exp_labels": {"severity": "page", "instance": "h", "job": "j",
+                                                                "gpu": "0", "uuid": "u"}}]}],
+        }],
+    }
+    path = tmp_path / "wrong.test.yml"
+    path.write_text(yaml.safe_dump(case))
+    result = run(tool("promtool"), "test", "rules", str(path))
+    assert result.returncode != 0
+    assert "GpuMemoryHigh" in result.stdout + result.stderr
+
+
+def test_amtool_accepts_the_alertmanager_example():
+    result = run(tool("amtool"), "check-config", str(ALERTMANAGER_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("severity, receiver", [("page", "pager"), ("ticket", "ticket")])
+def test_alertmanager_routes_by_severity(severity, receiver):
+    result = run(tool("amtool"), "config", "routes", "test", f"--config.file={ALERTMANAGER_CONFIG}",
+                 f"severity={severity}", "instance=gpu-host-1:9842", "alertname=GpuMemoryHigh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == [receiver]
+
+
+def test_alertmanager_groups_by_host():
+    route = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())["route"]
+    assert route["group_by"] == ["instance"]
+    assert all("group_by" not in r or r["group_by"] == ["instance"] for r in route.get("routes", []))
+
+
+# -- a real Alertmanager applies the inhibitions ------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: bytes | None = None) -> bytes:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read(1_000_000)
+
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    """The example config with its receivers pointed at a closed loopback port (no network)."""
+    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    for receiver in config["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = "http://127.0.0.1:9/"
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    port = _free_port()
+    proc = subprocess.Popen(
+        [tool("alertmanager", "prometheus-alertmanager"), f"--config.file={path}",
+         f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--cluster.listen-address="],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                _http(f"{base}/-/ready")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"alertmanager did not start: {proc.stderr.read().decode()[-2000:]}")
+                time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_alertmanager_inhibits_what_the_example_promises(alertmanager):
+    def alert(name, **labels):
+        return {"labels": {"alertname": name, "job": "gpu-memory-exporter", **labels}}
+
+    sent = [
+        alert("GpuMemoryNearFull", severity="page", instance="gpu-host-1:9842", gpu="0"),
+        alert("GpuMemoryHigh", severity="page", instance="gpu-host-1:9842", gpu="0"),  # same GPU: inhibited
+        alert("GpuMemoryHigh", severity="page", instance="gpu-host-1:9842", gpu="1"),  # other GPU: not
+        alert("GpuMemoryExporterDown", severity="page", instance="gpu-host-2:9842"),
+        alert("VllmEndpointDown", severity="page", instance="gpu-host-2:9842", endpoint="e"),  # inhibited
+        alert("VllmEndpointDown", severity="page", instance="gpu-host-1:9842", endpoint="e"),  # other host
+    ]
+    _http(f"{alertmanager}/api/v2/alerts", json.dumps(sent).encode())
+    expected = {("GpuMemoryNearFull", "gpu-host-1:9842", "0"): False,
+                ("GpuMemoryHigh", "gpu-host-1:9842", "0"): True,
+                ("GpuMemoryHigh", "gpu-host-1:9842", "1"): False,
+                ("GpuMemoryExporterDown", "gpu-host-2:9842", None): False,
+                ("VllmEndpointDown", "gpu-host-2:9842", None): True,
+                ("VllmEndpointDown", "gpu-host-1:9842", None): False}
+    deadline = time.monotonic() + 10
+    while True:  # inhibition sees source alerts asynchronously
+        got = {(a["labels"]["alertname"], a["labels"]["instance"], a["labels"].get("gpu")):
+               bool(a["status"]["inhibitedBy"])
+               for a in json.loads(_http(f"{alertmanager}/api/v2/alerts"))}
+        if got == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert got == expected
+
+
+# -- every alert is complete ------------------------------------------------------------------
+def test_alert_names_are_unique():
+    assert len(ALERT_NAMES) == len(set(ALERT_NAMES))
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=ALERT_NAMES)
+def test_alert_has_severity_text_and_runbook(rule):
+    name = rule["alert"]
+    assert rule["labels"]["severity"] in SEVERITIES
+    annotations = rule["annotations"]
+    assert annotations["summary"].strip() and annotations["description"].strip()
+    assert annotations["runbook_url"] == f"{RUNBOOK_BASE}{name}.md"
+    runbook = RUNBOOKS / f"{name}.md"
+    assert runbook.is_file(), f"missing runbook {runbook}"
+    text = runbook.read_text()
+    assert text.startswith(f"# {name}\n")
+    for section in ("## What it means", "## Confirm", "## Act", "## When it is the hardware"):
+        assert section in text, f"{runbook.name} lacks {section!r}"
+    assert "```promql" in text, f"{runbook.name} gives no PromQL to confirm with"
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_alert_has_a_firing_and_a_silent_unit_test(name):
+    cases = [c for c in unit_test_cases() if c["alertname"] == name]
+    firing = [c for c in cases if c.get("exp_alerts")]
+    silent = [c for c in cases if not c.get("exp_alerts")]
+    assert firing, f"no promtool test where {name} fires"
+    assert silent, f"no promtool test where {name} stays silent"
+    for case in firing:  # exact labels and annotations, not just "something fired"
+        for expected in case["exp_alerts"]:
+            assert expected["exp_labels"]["severity"] in SEVERITIES
+            assert set(expected["exp_annotations"]) == {"summary", "description", "runbook_url"}
+
+
+def test_every_runbook_belongs_to_an_alert():
+    pages = {p.stem for p in RUNBOOKS.glob("*.md")} - {"README"}
+    assert pages == set(ALERT_NAMES)
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=ALERT_NAMES)
+def test_alert_thresholds_live_in_the_threshold_rules(rule):
+    """No literal threshold in an alert: numbers other than 0 and 1 belong in the threshold group."""
+    expr = re.sub(r"\[[^\]]*\]|offset\s+\w+", " ", rule["expr"])  # durations are not thresholds
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    numbers = re.findall(r"(?<![\w.:])\d+(?:\.\d+)?(?![\w.])", expr)
+    assert set(numbers) <= {"0", "1"}, f"{rule['alert']} compares against literals {numbers}"
+
+
+def test_every_threshold_rule_is_used_by_an_alert():
+    thresholds = [r["record"] for r in recording_rules() if r["record"].startswith("gpumem:threshold_")]
+    assert thresholds
+    alert_text = " ".join(r["expr"] for r in alert_rules())
+    assert [t for t in thresholds if t not in alert_text] == []
+
+
+@pytest.mark.parametrize("rule", load_groups(), ids=[g["name"] for g in load_groups()])
+def test_rules_use_only_known_metrics(rule):
+    recorded = {r["record"] for r in recording_rules()}
+    known = PLANNED_METRICS | PROMETHEUS_METRICS | recorded
+    used = set().union(*(metric_names(r["expr"]) for r in rule["rules"]))
+    assert used - known == set()
+
+
+def test_metric_names_finds_selectors_only():
+    expr = ('sum by (instance, gpu) (rate(foo_total{role!="vllm",x=~"a|b"}[5m] offset 10m)) '
+            '/ on (instance) group_left (uuid) bar:ratio > 0.5 and vector(1) unless baz')
+    assert metric_names(expr) == {"foo_total", "bar:ratio", "baz"}
+
+
+# -- the compose stack wires these files -------------------------------------------------------
+def test_compose_prometheus_config_is_valid_and_loads_the_rules():
+    result = run(tool("promtool"), "check", "config", str(COMPOSE / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gpu-memory-exporter.rules.yml" in result.stdout
+
+
+def test_compose_scrape_job_matches_the_exporter_down_alert():
+    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    jobs = {j["job_name"] for j in config["scrape_configs"]}
+    down = next(r for r in alert_rules() if r["alert"] == "GpuMemoryExporterDown")
+    job = re.search(r'job="([^"]+)"', down["expr"]).group(1)
+    assert job in jobs
+
+
+def test_compose_mounts_files_that_exist():
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    assert set(compose["services"]) == {"exporter", "prometheus", "alertmanager", "grafana"}
+    assert "--simulate" in compose["services"]["exporter"]["command"]
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert (COMPOSE / source).exists(), f"compose mounts {source}, which does not exist"

@@ -1,0 +1,340 @@
+"""The Grafana dashboards: generated from grafana/generate.py, valid JSON, every query valid PromQL
+(checked by the real promtool) over metric names that exist, every variable defined."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_alerts import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules, tool
+
+REPO = Path(__file__).resolve().parents[1]
+GRAFANA = REPO / "grafana"
+DASHBOARD_FILES = sorted((GRAFANA / "dashboards").glob("*.json"))
+COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
+
+# Grafana's own variables, and what stands in for them when promtool checks an expression.
+BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
+VARIABLE = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def all_panels(dashboard: dict) -> list[dict]:
+    panels = []
+    for p in dashboard.get("panels", []):
+        panels.append(p)
+        panels.extend(p.get("panels", []))  # panels inside collapsed rows
+    return panels
+
+
+def queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, expr) for every panel target and every annotation query."""
+    found = [(f"panel {p['title']!r}", t["expr"]) for p in all_panels(dashboard) for t in p.get("targets", [])]
+    found += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+    return found
+
+
+def variable_queries(dashboard: dict) -> list[str]:
+    return [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+
+
+def substitute(expr: str) -> str:
+    """Grafana variables replaced the way a dashboard with "All" selected sends them."""
+    return VARIABLE.sub(lambda m: BUILTINS.get(m.group(1) or m.group(2), ".*"), expr)
+
+
+def known_metrics() -> frozenset[str]:
+    return PLANNED_METRICS | PROMETHEUS_METRICS | {r["record"] for r in recording_rules()}
+
+
+@pytest.fixture(scope="module")
+def generator():
+    spec = importlib.util.spec_from_file_location("grafana_generate", GRAFANA / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_four_dashboards_exist():
+    assert [p.name for p in DASHBOARD_FILES] == [
+        "leak-investigation.json", "memory-budget.json", "overview.json", "vllm.json"]
+
+
+def test_dashboards_are_what_the_generator_writes(generator):
+    rendered = generator.render()
+    assert sorted(rendered) == [p.name for p in DASHBOARD_FILES]
+    stale = [name for name, text in rendered.items() if (GRAFANA / "dashboards" / name).read_text() != text]
+    assert stale == [], f"run `python grafana/generate.py`: {stale} differ from the generator"
+
+
+def test_uids_and_titles_are_unique():
+    dashboards = [load(p) for p in DASHBOARD_FILES]
+    assert len({d["uid"] for d in dashboards}) == len(dashboards)
+    assert len({d["title"] for d in dashboards}) == len(dashboards)
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_panels_have_unique_ids_and_fit_the_grid(path):
+    panels = all_panels(load(path))
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        pos = p["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_query_uses_known_metrics(path):
+    dashboard = load(path)
+    exprs = queries(dashboard) + [("variable", q) for q in variable_queries(dashboard)]
+    assert exprs
+    unknown = {where: sorted(metric_names(substitute(_label_values_selector(e))) - known_metrics())
+               for where, e in exprs}
+    assert {w: u for w, u in unknown.items() if u} == {}
+
+
+def _label_values_selector(query: str) -> str:
+    """label_values(selector, label) -> selector; a plain expression stays as it is."""
+    m = re.fullmatch(r"\s*label_values\((.*),\s*\w+\)\s*", query)
+    return m.group(1) if m else query
+
+
+def test_every_query_is_valid_promql(tmp_path):
+    """promtool parses each expression (variables substituted) as a recording rule."""
+    rules = []
+    for path in DASHBOARD_FILES:
+        dashboard = load(path)
+        exprs = [e for _, e in queries(dashboard)] + [_label_values_selector(q) for q in variable_queries(dashboard)]
+        rules += [{"record": f"dashboard:{path.stem.replace('-', '_')}:expr{i}", "expr": substitute(e)}
+                  for i, e in enumerate(exprs)]
+    rule_file = tmp_path / "dashboards.rules.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    result = subprocess.run([tool("promtool"), "check", "rules", str(rule_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
+
+
+def test_promtool_rejects_a_broken_expression(tmp_path):
+    """The check above can fail: an unbalanced expression is an error."""
+    rule_file = tmp_path / "broken.rules.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "x:y", "expr": substitute('sum(gpumem_gpu_memory_used_bytes{gpu=~"$gpu"}')}]}]}))
+    result = subprocess.run([tool("promtool"), "check", "rules", str(rule_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_variable_used_is_defined(path):
+    dashboard = load(path)
+    defined = {v["name"] for v in dashboard["templating"]["list"]} | set(BUILTINS)
+    text = [e for _, e in queries(dashboard)] + variable_queries(dashboard)
+    text += [p["title"] for p in all_panels(dashboard)] + [p["repeat"] for p in all_panels(dashboard) if "repeat" in p]
+    used = {m.group(1) or m.group(2) for t in text for m in VARIABLE.finditer(t)}
+    used |= {p["repeat"] for p in all_panels(dashboard) if "repeat" in p}
+    assert used - defined == set()
+
+
+@pytest.mark.parametrize("path, needed", [
+    ("overview.json", {"datasource", "instance", "gpu"}),
+    ("memory-budget.json", {"datasource", "instance", "gpu", "process"}),
+    ("leak-investigation.json", {"datasource", "instance", "gpu", "process"}),
+    ("vllm.json", {"datasource", "instance", "gpu", "endpoint"}),
+])
+def test_dashboards_have_their_template_variables(path, needed):
+    variables = {v["name"]: v for v in load(GRAFANA / "dashboards" / path)["templating"]["list"]}
+    assert needed <= set(variables)
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_panel_and_query_uses_the_datasource_variable(path):
+    for p in all_panels(load(path)):
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"]), p["title"]
+
+
+def test_leak_dashboard_marks_leak_findings_as_annotations():
+    annotations = load(GRAFANA / "dashboards" / "leak-investigation.json")["annotations"]["list"]
+    assert any("gpumem_leak_suspected" in a.get("expr", "") and a["enable"] for a in annotations)
+
+
+def test_memory_budget_stacks_every_part_of_the_gpu():
+    dashboard = load(GRAFANA / "dashboards" / "memory-budget.json")
+    stack = next(p for p in all_panels(dashboard) if p.get("repeat") == "gpu")
+    exprs = " ".join(t["expr"] for t in stack["targets"])
+    for part in ('component=~"weights"', 'component=~"kv_cache"', "activation_peak",
+                 "instance_gpu:gpumem_other_process_memory:bytes", "gpumem_gpu_memory_free_bytes",
+                 "instance_gpu:gpumem_vllm_memory_budget:bytes"):
+        assert part in exprs
+    assert stack["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+
+
+def test_provisioning_points_at_the_dashboards_compose_mounts():
+    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "gpu-memory-exporter.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    grafana = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"])
+    assert mounts["../../grafana/dashboards"] == path
+    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert [d["type"] for d in datasources["datasources"]] == ["prometheus"]
+    assert RULES.exists()
+
+
+# -- a real Prometheus answers every dashboard query --------------------------------------------
+# One host as the exporter would show it: GPU 0 serves vLLM (budget, profile) beside another
+# process; GPU 1 is idle. Prometheus scrapes this page, evaluates the rules, and every panel,
+# annotation and variable query must then return data (a join with the wrong cardinality or a
+# label that does not exist returns an error or nothing, which parsing alone cannot see).
+# Counters grow with every scrape (TICK is the scrape's number) so that rates are not zero.
+EXPOSITION = """\
+gpumem_gpu_info{gpu="0",uuid="GPU-0",name="NVIDIA H100",unified="false",mig="false"} 1
+gpumem_gpu_info{gpu="1",uuid="GPU-1",name="NVIDIA H100",unified="false",mig="false"} 1
+gpumem_gpu_up{gpu="0",uuid="GPU-0"} 1
+gpumem_gpu_up{gpu="1",uuid="GPU-1"} 1
+gpumem_gpu_memory_total_bytes{gpu="0",uuid="GPU-0"} 85899345920
+gpumem_gpu_memory_total_bytes{gpu="1",uuid="GPU-1"} 85899345920
+gpumem_gpu_memory_used_bytes{gpu="0",uuid="GPU-0"} 81604378624
+gpumem_gpu_memory_used_bytes{gpu="1",uuid="GPU-1"} 536870912
+gpumem_gpu_memory_free_bytes{gpu="0",uuid="GPU-0"} 4294967296
+gpumem_gpu_memory_free_bytes{gpu="1",uuid="GPU-1"} 85362475008
+gpumem_gpu_memory_unattributed_bytes{gpu="0",uuid="GPU-0"} 0
+gpumem_gpu_memory_unattributed_bytes{gpu="1",uuid="GPU-1"} 536870912
+gpumem_gpu_time_to_full_seconds{gpu="0",uuid="GPU-0"} 7200
+gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm"} 77309411328
+gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="4242",process="python",role="other"} 4294967296
+gpumem_process_host_rss_bytes{pid="1000",process="vllm",role="vllm"} 8589934592
+gpumem_process_host_rss_bytes{pid="4242",process="python",role="other"} 1073741824
+gpumem_process_memory_growth_bytes_per_second{gpu="0",pid="4242",process="python",role="other"} 10240
+gpumem_leak_suspected{gpu="0",pid="4242",process="python",role="other"} 1
+gpumem_leak_suspected{gpu="0",pid="1000",process="vllm",role="vllm"} 0
+gpumem_finding_active{kind="leak",severity="warning",gpu="0",pid="4242",process="python",role="other"} 1
+gpumem_admission_open{gpu="0"} 0
+gpumem_admission_open{gpu="1"} 1
+gpumem_exporter_source_up{source="nvml"} 1
+gpumem_exporter_source_up{source="vllm"} 1
+gpumem_exporter_sample_age_seconds 2
+gpumem_vllm_up{endpoint="127.0.0.1:8000"} 1
+gpumem_vllm_scrape_duration_seconds{endpoint="127.0.0.1:8000"} 0.01
+gpumem_vllm_scrape_errors_total{endpoint="127.0.0.1:8000",kind="timeout"} TICK
+gpumem_vllm_kv_cache_usage_ratio{endpoint="127.0.0.1:8000",model="m",engine="0"} 0.4
+gpumem_vllm_requests_running{endpoint="127.0.0.1:8000",model="m",engine="0"} 12
+gpumem_vllm_requests_waiting{endpoint="127.0.0.1:8000",model="m",engine="0"} 0
+gpumem_vllm_preemptions_total{endpoint="127.0.0.1:8000",model="m",engine="0"} TICK
+gpumem_vllm_prefix_cache_queries_total{endpoint="127.0.0.1:8000",model="m",engine="0"} QUERIES
+gpumem_vllm_prefix_cache_hits_total{endpoint="127.0.0.1:8000",model="m",engine="0"} TICK
+gpumem_vllm_cache_config_info{endpoint="127.0.0.1:8000",block_size="16",cache_dtype="auto",gpu_memory_utilization="0.9",num_gpu_blocks="30000"} 1
+gpumem_vllm_memory_budget_bytes{endpoint="127.0.0.1:8000",gpu="0",uuid="GPU-0"} 77309411328
+gpumem_vllm_memory_used_bytes{endpoint="127.0.0.1:8000",gpu="0",uuid="GPU-0"} 77309411328
+gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="weights"} 16106127360
+gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="kv_cache"} 55834574848
+gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="activation_peak"} 2147483648
+gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="non_torch"} 1073741824
+gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="cuda_graph"} 536870912
+"""
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    import http.server
+    import itertools
+    import threading
+    import time
+    import urllib.parse
+    import urllib.request
+
+    from test_alerts import _free_port
+
+    scrapes = itertools.count(1)
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            n = next(scrapes)
+            body = EXPOSITION.replace("QUERIES", str(4 * n)).replace("TICK", str(n)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    exporter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "gpu-memory-exporter", "static_configs": [
+            {"targets": [f"127.0.0.1:{exporter.server_address[1]}"]}]}],
+    }))
+    port = _free_port()
+    proc = subprocess.Popen([tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def query(expr: str) -> dict:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return json.loads(response.read(5_000_000))
+        except urllib.error.HTTPError as e:  # a bad query: Prometheus says why in the body
+            return json.loads(e.read(100_000))
+
+    try:
+        deadline = time.monotonic() + 20
+        # Two scrapes and an evaluation after them: rate() and the rules have data.
+        while True:
+            try:
+                if query("count_over_time(up[1m]) >= 2 and on () count(instance_gpu:gpumem_memory_beyond_vllm_budget:bytes) == 2"
+                         " and on () count(endpoint_model:gpumem_vllm_prefix_cache_hit:ratio_rate5m) > 0"
+                         " and on () count(endpoint_model:gpumem_vllm_preemptions:rate5m) > 0")["data"]["result"]:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not become ready: {proc.stderr.read().decode()[-2000:]}"
+                            if proc.poll() is not None else "prometheus did not scrape in time")
+            time.sleep(0.2)
+        yield query
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        exporter.shutdown()
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_query_returns_data_from_a_live_prometheus(prometheus, path):
+    dashboard = load(path)
+    exprs = queries(dashboard) + [("variable", _label_values_selector(q)) for q in variable_queries(dashboard)]
+    failures = {}
+    for where, expr in exprs:
+        answer = prometheus(substitute(expr).replace("$__range", "1h"))
+        if answer["status"] != "success":
+            failures[where] = answer.get("error")
+        elif not answer["data"]["result"]:
+            failures[where] = f"no data: {expr}"
+    assert failures == {}
+
+
+def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
+    """On the vLLM GPU the stacked parts (profile, beyond it, other, unattributed, free) make up the total."""
+    stack = next(p for p in all_panels(load(GRAFANA / "dashboards" / "memory-budget.json")) if p.get("repeat") == "gpu")
+    parts = [t["expr"] for t in stack["targets"][:7]]
+    total = 0.0
+    for expr in parts:
+        result = prometheus(substitute(expr).replace('gpu=~".*"', 'gpu=~"0"'))["data"]["result"]
+        total += sum(float(r["value"][1]) for r in result if r["metric"].get("gpu", "0") == "0")
+    assert total == pytest.approx(85899345920)
