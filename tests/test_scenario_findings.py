@@ -1,5 +1,7 @@
 """Each built-in scenario, played through the whole live pipeline (simulated NVML, host and vLLM
 server → sampler → detectors), raises the finding it is named after and no false one."""
+import functools
+
 import pytest
 
 from exporter.cli import make_analyzer
@@ -19,6 +21,7 @@ EXPECTED = {
 }
 
 
+@functools.lru_cache(maxsize=None)  # the leak scenario is played once for both tests
 def play(name, step=10.0):
     config = build_config()
     runtime = build_runtime(config, simulate=name, at=0.0)

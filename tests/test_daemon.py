@@ -1,0 +1,75 @@
+"""The sampling loop over a simulated host: publishing, fault counting, isolation, timing."""
+import time
+
+import pytest
+
+from exporter.cli import make_analyzer
+from exporter.clock import VirtualClock
+from exporter.config import build as build_config
+from exporter.daemon import MAX_COUNTER_SERIES, Daemon, _bounded_add
+from exporter.runtime import build as build_runtime
+
+
+@pytest.fixture
+def runtime_at():
+    made = []
+
+    def build(scenario, at):
+        rt = build_runtime(build_config(), simulate=scenario, at=at)
+        made.append(rt)
+        return rt
+    yield build
+    for rt in made:
+        rt.close()
+
+
+def test_tick_publishes_a_new_state_and_counts_faults(runtime_at):
+    rt = runtime_at("gpu-lost", 700)  # GPU 1 is lost from 600 s to 1200 s
+    daemon = Daemon(rt.sampler, rt.clock, 5.0, analyzer=make_analyzer(build_config()))
+    first = daemon.tick()
+    rt.clock.advance(5)
+    second = daemon.tick()
+    assert second is not first and second.samples_total == 2
+    assert second.errors_total[("nvml", "gpu_is_lost")] == 2
+    assert [g.up for g in second.snapshot.gpus] == [True, False]
+    assert second.last_sample_at == rt.clock.now()
+    assert second.analysis is not None and second.budgets
+
+
+class BrokenAnalyzer:
+    detector_errors = {}
+
+    def update(self, snapshot):
+        raise RuntimeError("bug in a detector")
+
+
+def test_a_failing_analysis_never_stops_sampling(runtime_at):
+    rt = runtime_at("steady", 600)
+    daemon = Daemon(rt.sampler, rt.clock, 5.0, analyzer=BrokenAnalyzer())
+    state = daemon.tick()
+    assert state.snapshot is not None and state.analysis is None
+    assert state.errors_total[("analysis", "exception")] == 1
+
+
+def test_error_counters_are_bounded():
+    from collections import Counter
+    counter = Counter()
+    for i in range(MAX_COUNTER_SERIES + 50):
+        _bounded_add(counter, ("src", f"kind{i}"))
+    assert len(counter) == MAX_COUNTER_SERIES + 1 and counter[("overflow", "overflow")] == 50
+
+
+def test_run_loop_keeps_time_on_the_clock_and_stops_promptly():
+    config = build_config()
+    rt = build_runtime(config, simulate="steady", speed=200.0)
+    daemon = Daemon(rt.sampler, rt.clock, 5.0, analyzer=make_analyzer(config))
+    try:
+        daemon.start()
+        time.sleep(0.5)  # 100 simulated seconds: about 20 ticks of 5 s
+        started = time.monotonic()
+        daemon.stop()
+        assert time.monotonic() - started < 2
+    finally:
+        rt.close()
+    assert 8 <= daemon.state.samples_total <= 25
+    assert isinstance(rt.clock, VirtualClock)
