@@ -143,7 +143,7 @@ def test_restart_on_the_same_port_serves_the_live_server():
         assert requests.get(server.url, timeout=5).status_code == 503
         clock.at = 1000
         second = parse(requests.get(server.url, timeout=5).text)["vllm:cache_config_info"][0][0]
-    assert (first["gpu_memory_utilization"], second["gpu_memory_utilization"]) == ("0.9", "0.7")
+    assert (first["gpu_memory_utilization"], second["gpu_memory_utilization"]) == ("0.9", "0.6")
 
 
 def test_concurrent_scrapes(served):

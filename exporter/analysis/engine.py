@@ -23,7 +23,7 @@ from .budget import memory_budgets
 from .contention import ContentionConfig, detect_contention
 from .fragmentation import FragmentationConfig, detect_fragmentation, recent_events
 from .history import History
-from .leak import LeakAssessment, LeakConfig, assess
+from .leak import LeakAssessment, LeakConfig, LeakLatch, assess
 from .leak import time_to_full as forecast_time_to_full
 from .budget import memory_budgets
 from .pressure import (PressureConfig, admission_open, beyond_budget_bytes, detect_pressure,
@@ -95,6 +95,7 @@ class Analyzer:
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
         self._admission: dict[str, bool] = {}  # GPU uuid -> open
+        self._latch = LeakLatch()
 
     # ------------------------------------------------------------------ public
     @property
@@ -223,29 +224,33 @@ class Analyzer:
         now, cfg = snapshot.timestamp, self.config
         host_total = snapshot.host.total_bytes if snapshot.host else None
         tensor_parallel = _tensor_parallel_endpoints(snapshot)
-        rss: dict[tuple, LeakAssessment] = {}
+        rss: dict[tuple, tuple[LeakAssessment, bool]] = {}  # identity -> (assessment, latched)
         trends, findings = [], []
         for gpu in snapshot.gpus:
             for p in gpu.processes:
                 mem = assess(self.history.process_memory(gpu.uuid, p.identity),
                              gpu.total_bytes, now, cfg.leak)
+                # assess() can pass and fail on consecutive minutes (between staircase steps,
+                # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
+                leaking = self._latch.update((gpu.uuid, p.identity), mem.suspected, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
-                    rss[p.identity] = assess(self.history.process_rss(p.identity), host_total,
-                                             now, cfg.leak)
-                host = rss.get(p.identity)
+                    a = assess(self.history.process_rss(p.identity), host_total, now, cfg.leak)
+                    rss[p.identity] = (a, self._latch.update(("rss", p.identity), a.suspected, now))
+                host, host_leaking = rss.get(p.identity, (None, False))
                 # Host RSS is the serving process's second leak signal; on unified memory it
                 # is GPU memory, so it also counts for the per-GPU verdict there.
-                rss_leak = p.role == "vllm" and host is not None and host.suspected
+                rss_leak = p.role == "vllm" and host_leaking
                 trends.append(ProcessTrend(
                     gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
                     growth_bytes_per_second=mem.slope_bytes_per_second,
-                    leak_suspected=mem.suspected or (rss_leak and gpu.unified),
+                    leak_suspected=leaking or (rss_leak and gpu.unified),
                     host_rss_growth_bytes_per_second=host.slope_bytes_per_second if host else None))
                 tp = p.endpoint in tensor_parallel
-                if mem.suspected:
+                if leaking:
                     findings.append(self._gpu_leak(gpu, p, mem, now, tp))
                 if rss_leak and not any(f.pid == p.pid and f.gpu is None for f in findings):
                     findings.append(self._rss_leak(gpu, p, host, snapshot, tp))
+        self._latch.prune(now)
         return trends, findings
 
     def _severity(self, seconds_to_full: float | None) -> str:

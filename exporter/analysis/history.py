@@ -1,0 +1,236 @@
+"""Bounded per-series history of what the sources sampled.
+
+Three kinds of series, each keyed so a reused PID never inherits an old process's data:
+  process memory  (gpu uuid, pid, start_time)
+  process rss     (pid, start_time)
+  gpu used        (gpu uuid)
+
+Each series keeps its raw points for `raw_seconds` and a downsampled tier of per-bucket medians
+(one bucket = `bucket_seconds`, 1 min by default) for `retention_seconds`. The tier is what the
+detectors read: it changes once per bucket, so its SeriesView object is cached and reused until
+the next bucket closes (the leak detector memoises on that object). Bucket boundaries are offset
+per series (a stable hash of its key) so that the recomputation for hundreds of processes that
+started together is spread over the minute instead of landing on one tick.
+
+Memory does not grow with uptime or churn: series not updated for `dead_grace_seconds` are
+dropped, and at most `max_series` are kept (the least recently updated go first).
+"""
+from __future__ import annotations
+
+import zlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from ..model import Snapshot
+from .trend import median
+
+Identity = tuple[int, "float | None"]
+
+
+@dataclass(frozen=True)
+class SeriesView:
+    times: tuple[float, ...]  # Unix s, ascending
+    values: tuple[float, ...]  # bucket medians (raw views: the samples)
+    # Bucket minima, aligned with times (empty for raw views). A cache being freed shows here
+    # even when the drop falls mid-bucket, so the leak detector reads the floor from them.
+    lows: tuple[float, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+
+EMPTY = SeriesView((), ())
+
+
+class _Series:
+    """One series: raw ring (two arrays with a moving start) plus the bucket-median tier."""
+
+    __slots__ = (
+        "first_seen", "last_seen", "name", "offset", "bucket_seconds",
+        "raw_t", "raw_v", "raw_start", "tier_t", "tier_v", "tier_lo", "tier_start",
+        "bucket", "bucket_vals", "bucket_tsum", "view",
+    )
+
+    def __init__(self, key: tuple, t: float, name: str, bucket_seconds: float):
+        self.first_seen = t
+        self.last_seen = t
+        self.name = name
+        self.bucket_seconds = bucket_seconds
+        # Stable across runs (unlike hash() of str), so replays are reproducible.
+        self.offset = (zlib.crc32(repr(key).encode()) % 997) / 997.0 * bucket_seconds
+        self.raw_t = array("d")
+        self.raw_v = array("d")
+        self.raw_start = 0
+        self.tier_t = array("d")
+        self.tier_v = array("d")
+        self.tier_lo = array("d")
+        self.tier_start = 0
+        self.bucket: int | None = None
+        self.bucket_vals: list[float] = []
+        self.bucket_tsum = 0.0
+        self.view: SeriesView | None = None
+
+    def add(self, t: float, v: float, raw_seconds: float, retention_seconds: float) -> None:
+        if self.raw_t and t <= self.raw_t[-1]:
+            return  # out of order or duplicate: keep the series ascending
+        self.last_seen = t
+        self.raw_t.append(t)
+        self.raw_v.append(v)
+        self.raw_start = _trim(self.raw_t, self.raw_start, t - raw_seconds, self.raw_v)
+        bucket = int((t - self.offset) // self.bucket_seconds)
+        if self.bucket is not None and bucket != self.bucket:
+            self._close_bucket(t, retention_seconds)
+        self.bucket = bucket
+        self.bucket_vals.append(v)
+        self.bucket_tsum += t
+
+    def _close_bucket(self, now: float, retention_seconds: float) -> None:
+        vals = self.bucket_vals
+        if vals:
+            self.tier_t.append(self.bucket_tsum / len(vals))
+            self.tier_v.append(median(vals))
+            self.tier_lo.append(min(vals))
+            self.tier_start = _trim(self.tier_t, self.tier_start, now - retention_seconds,
+                                    self.tier_v, self.tier_lo)
+            self.view = None
+        self.bucket_vals = []
+        self.bucket_tsum = 0.0
+
+    def tier_view(self) -> SeriesView:
+        if self.view is None:
+            s = self.tier_start
+            self.view = SeriesView(tuple(self.tier_t[s:]), tuple(self.tier_v[s:]),
+                                   tuple(self.tier_lo[s:]))
+        return self.view
+
+    def raw_view(self) -> SeriesView:
+        s = self.raw_start
+        return SeriesView(tuple(self.raw_t[s:]), tuple(self.raw_v[s:]))
+
+    def point_count(self) -> int:
+        return (len(self.raw_t) - self.raw_start) + (len(self.tier_t) - self.tier_start)
+
+
+def _trim(ts: array, start: int, cutoff: float, *columns: array) -> int:
+    """Advance `start` past points older than `cutoff`; compact when half the array is dead."""
+    n = len(ts)
+    while start < n and ts[start] < cutoff:
+        start += 1
+    if start > 64 and start * 2 > n:
+        for col in (ts,) + columns:
+            del col[:start]
+        start = 0
+    return start
+
+
+class History:
+    """Bounded per-series history. Memory does not grow with uptime or process churn:
+    series of processes gone for longer than dead_grace_seconds are dropped; each series keeps
+    raw points for raw_seconds and a downsampled tier (bucket medians) up to retention_seconds."""
+
+    def __init__(self, raw_seconds: float = 3600, retention_seconds: float = 6 * 3600,
+                 dead_grace_seconds: float = 900, bucket_seconds: float = 60,
+                 max_series: int = 8192):
+        if min(raw_seconds, retention_seconds, bucket_seconds) <= 0 or dead_grace_seconds < 0:
+            raise ValueError("history durations must be positive")
+        if max_series < 1:
+            raise ValueError("max_series must be at least 1")
+        self.raw_seconds = float(raw_seconds)
+        self.retention_seconds = float(retention_seconds)
+        self.dead_grace_seconds = float(dead_grace_seconds)
+        self.bucket_seconds = float(bucket_seconds)
+        self.max_series = max_series
+        # Insertion order = least recently updated first (moved to the end on every update).
+        self._series: OrderedDict[tuple, _Series] = OrderedDict()
+        self._snapshots: deque[Snapshot] = deque()
+        self._last_timestamp: float | None = None
+        self._next_sweep = float("-inf")
+        self.dropped_out_of_order = 0
+
+    # --- writing -------------------------------------------------------------------------
+    def update(self, snapshot: Snapshot) -> None:
+        t = snapshot.timestamp
+        if self._last_timestamp is not None and t <= self._last_timestamp:
+            self.dropped_out_of_order += 1  # a clock step backwards must not corrupt order
+            return
+        self._last_timestamp = t
+        rss_done: set[tuple] = set()
+        for gpu in snapshot.gpus:
+            if gpu.used_bytes is not None:
+                self._add(("gpu", gpu.uuid), t, float(gpu.used_bytes), "")
+            for p in gpu.processes:
+                if p.used_bytes is not None:
+                    self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
+                rss_key = ("rss", p.pid, p.start_time)
+                if p.host_rss_bytes is not None and rss_key not in rss_done:
+                    rss_done.add(rss_key)  # a process on several GPUs has one RSS
+                    self._add(rss_key, t, float(p.host_rss_bytes), p.name)
+        self._snapshots.append(snapshot)
+        cutoff = t - self.raw_seconds
+        while self._snapshots and self._snapshots[0].timestamp < cutoff:
+            self._snapshots.popleft()
+        if t >= self._next_sweep:
+            self._sweep(t)
+            self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
+        while len(self._series) > self.max_series:
+            self._series.popitem(last=False)
+
+    def _add(self, key: tuple, t: float, value: float, name: str) -> None:
+        series = self._series.get(key)
+        if series is not None and key[0] != "gpu" and key[-1] is None and name and series.name \
+                and name != series.name:
+            # Without a start time only the name can tell a reused PID apart.
+            series = None
+        if series is None:
+            series = _Series(key, t, name, self.bucket_seconds)
+            self._series[key] = series
+        else:
+            self._series.move_to_end(key)
+        series.add(t, value, self.raw_seconds, self.retention_seconds)
+
+    def _sweep(self, now: float) -> None:
+        cutoff = now - self.dead_grace_seconds
+        while self._series:
+            key, series = next(iter(self._series.items()))
+            if series.last_seen >= cutoff:
+                break
+            del self._series[key]
+
+    # --- reading -------------------------------------------------------------------------
+    def _view(self, key: tuple, raw: bool) -> SeriesView:
+        series = self._series.get(key)
+        if series is None:
+            return EMPTY
+        return series.raw_view() if raw else series.tier_view()
+
+    def process_memory(self, uuid: str, identity: Identity, raw: bool = False) -> SeriesView:
+        """Bucket medians of the process's GPU memory (raw=True: the raw samples of raw_seconds)."""
+        return self._view(("mem", uuid, identity[0], identity[1]), raw)
+
+    def process_rss(self, identity: Identity, raw: bool = False) -> SeriesView:
+        return self._view(("rss", identity[0], identity[1]), raw)
+
+    def gpu_used(self, uuid: str, raw: bool = False) -> SeriesView:
+        return self._view(("gpu", uuid), raw)
+
+    def first_seen(self, uuid: str, identity: Identity) -> float | None:
+        series = self._series.get(("mem", uuid, identity[0], identity[1]))
+        return None if series is None else series.first_seen
+
+    def recent(self, since: float) -> list[Snapshot]:
+        """Raw snapshots with timestamp >= since (kept for raw_seconds: the flight recorder)."""
+        out = []
+        for snap in reversed(self._snapshots):
+            if snap.timestamp < since:
+                break
+            out.append(snap)
+        out.reverse()
+        return out
+
+    def series_count(self) -> int:
+        return len(self._series)
+
+    def point_count(self) -> int:
+        """Stored points over all series (for tests and self-monitoring)."""
+        return sum(s.point_count() for s in self._series.values())
