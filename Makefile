@@ -1,7 +1,7 @@
 # `make run` and `make test` work on a fresh Debian/Ubuntu machine with Python >= 3.10.
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
-SCENARIO ?= steady
+SCENARIO ?=
 SPEED    ?= 1
 LISTEN   ?= 127.0.0.1:9842
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -26,8 +26,14 @@ system-deps:
 
 deps: $(VENV)/.installed system-deps
 
+# A host with the NVIDIA driver runs for real; anywhere else (or with SCENARIO=...) the
+# built-in simulated host runs instead.
 run: $(VENV)/.installed
-	$(VENV)/bin/gpu-memory-exporter run --simulate $(SCENARIO) --speed $(SPEED) --listen $(LISTEN)
+	@if [ -z "$(SCENARIO)" ] && ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml\.so\.1'; then \
+	  exec $(VENV)/bin/gpu-memory-exporter run --listen $(LISTEN); \
+	else \
+	  exec $(VENV)/bin/gpu-memory-exporter run --simulate $${SCENARIO:-steady} --speed $(SPEED) --listen $(LISTEN); \
+	fi
 
 test: deps
 	$(PY) -m pytest -q
