@@ -35,10 +35,20 @@ def analyze(paths: list[str], fmt: str = "text", config: AnalysisConfig | None =
     """Read trace files (CSV or Prometheus range-query JSON), replay them, render the result.
 
     Raises trace.TraceError for unreadable input and ValueError for an unknown format."""
+    return analyze_snapshots(read_traces(paths), fmt, config)
+
+
+def analyze_snapshots(snapshots: list[Snapshot], fmt: str = "text", config: AnalysisConfig | None = None,
+                      report_path: str | None = None, oom_events=()) -> str:
+    """Replay `snapshots` and render the findings as `fmt`; with `report_path`, also write the
+    HTML incident report there (OSError when it cannot be written)."""
     if fmt not in ("text", "json"):
         raise ValueError(f"unknown format {fmt!r} (text or json)")
-    snapshots = read_traces(paths)
     episodes, analyzer = replay_episodes(snapshots, config)
+    if report_path:
+        from .report import write_report
+
+        write_report(snapshots, episodes, list(oom_events), report_path)
     if fmt == "json":
         return render_json(snapshots, episodes, analyzer) + "\n"
     return render_text(snapshots, episodes, analyzer)

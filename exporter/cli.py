@@ -190,17 +190,43 @@ def explain(logfiles, fmt) -> None:
 @main.command()
 @click.argument("traces", nargs=-1, type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def analyze(traces, fmt) -> None:
+@click.option("--prometheus", "prometheus_url", metavar="URL",
+              help="Pull the exporter's series from this Prometheus instead of TRACE files.")
+@click.option("--start", help="With --prometheus: Unix seconds, RFC 3339, or relative like now-6h.")
+@click.option("--end", default="now", show_default=True, help="With --prometheus: end of the range.")
+@click.option("--step", type=float, help="With --prometheus: resolution in seconds (default 15).")
+@click.option("--selector", default="", help='With --prometheus: label matchers, e.g. instance="gpu1:9842".')
+@click.option("--report", "report_path", type=click.Path(dir_okay=False),
+              help="Also write a self-contained HTML incident report (plots need the `report` extra).")
+@click.option("--log", "log_files", multiple=True, type=click.Path(),
+              help="Server logs whose out-of-memory events go into the report; repeatable.")
+def analyze(traces, fmt, prometheus_url, start, end, step, selector, report_path, log_files) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
-    from .analyze import analyze as do_analyze
-    from .trace import TraceError
+    from .analyze import analyze_snapshots
+    from .explain import ExplainError, read_events
+    from .trace import TraceError, read_traces
 
-    if not traces:
-        raise click.UsageError("give at least one TRACE file")
+    if bool(traces) == bool(prometheus_url):
+        raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
     try:
-        click.echo(do_analyze(list(traces), fmt), nl=False)
-    except TraceError as exc:
+        if prometheus_url:
+            from .promquery import fetch, parse_time
+
+            if start is None:
+                raise click.UsageError("--prometheus needs --start")
+            try:
+                t0, t1 = parse_time(start), parse_time(end)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+            snapshots = fetch(prometheus_url, t0, t1, step=step, selector=selector)
+        else:
+            snapshots = read_traces(list(traces))
+        events = [e for path in log_files for e in read_events(path)[0]]
+        click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events), nl=False)
+    except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
         _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{report_path}: cannot write the report: {exc.strerror or exc}")
 
 
 @main.command()

@@ -20,7 +20,9 @@ class ExplainError(Exception):
     """A log could not be read, or the request was invalid; the message says which and why."""
 
 
-def _read_events(path: str, max_bytes: int, max_line_bytes: int) -> tuple[list[OomEvent], dict]:
+def read_events(path: str, max_bytes: int = MAX_FILE_BYTES,
+                max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[OomEvent], dict]:
+    """The OOM events of one log file, and what was read of it. Raises ExplainError."""
     try:
         fh = open_regular(path)
     except FileNotFoundError:
@@ -57,7 +59,7 @@ def explain(paths: list[str], fmt: str = "text", *, max_bytes_per_file: int = MA
     events: list[OomEvent] = []
     files: list[dict] = []
     for path in paths:
-        found, info = _read_events(str(path), max_bytes_per_file, max_line_bytes)
+        found, info = read_events(str(path), max_bytes_per_file, max_line_bytes)
         events += found
         files.append(info)
     if fmt == "json":

@@ -286,12 +286,26 @@ def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
     except json.JSONDecodeError as exc:
         raise TraceError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
     responses = doc if isinstance(doc, list) else [doc]
+    rows, known = prometheus_rows(
+        (f"{path}: response {i}" if isinstance(doc, list) else path, response, None)
+        for i, response in enumerate(responses))
+    if known == 0:
+        raise TraceError(f"{path}: no gpumem_process_memory_used_bytes or gpumem_gpu_memory_* "
+                         "series with a __name__ label (query the metric names directly)")
+    return rows
+
+
+def prometheus_rows(responses, max_rows: int = MAX_ROWS) -> tuple[list[TraceRow], int]:
+    """(rows, how many gpumem series were used) from (where, query_range response, name)
+    triples; `name` stands in for a series without a __name__ label (None: skip such series).
+    Shared by saved JSON files and live queries (exporter.promquery)."""
     rows: list[TraceRow] = []
     rss_rows: list[TraceRow] = []
     known = 0
-    for r_index, response in enumerate(responses):
-        where = f"{path}: response {r_index}" if isinstance(doc, list) else path
+    for where, response, default_name in responses:
         for s_index, metric, values in _matrix(response, where):
+            if default_name:
+                metric.setdefault("__name__", default_name)
             kind = PROMETHEUS_METRICS.get(metric.get("__name__", ""))
             if kind is None:
                 continue  # a series we do not use, like an unknown CSV column
@@ -300,13 +314,11 @@ def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
             for v_index, (ts, value) in enumerate(_points(values, s_where)):
                 origin = f"{s_where}: value {v_index}"
                 if len(rows) + len(rss_rows) >= max_rows:
-                    raise TraceError(f"{origin}: more than {max_rows} points; split the query")
+                    raise TraceError(f"{origin}: more than {max_rows} points; split the query "
+                                     "(a larger step or a shorter range)")
                 row = _series_row(kind, metric, ts, value, origin)
                 (rss_rows if kind == "process_rss" else rows).append(row)
-    if known == 0:
-        raise TraceError(f"{path}: no gpumem_process_memory_used_bytes or gpumem_gpu_memory_* "
-                         "series with a __name__ label (query the metric names directly)")
-    return _attach_rss(rows, rss_rows)
+    return _attach_rss(rows, rss_rows), known
 
 
 def _matrix(response, where: str):

@@ -164,3 +164,27 @@ def test_simulated_vllm_processes_are_tied_to_their_server():
     assert roles and "vllm" in roles.values() and "other" in roles.values()
     assert all(role == "vllm" for name, role in roles.items() if name.startswith("VLLM::"))
     assert any(n == "gpumem_vllm_memory_budget_bytes" for n, _ in got)
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_analyze_a_trace_with_a_report_and_log_events(tmp_path):
+    trace = os.path.join(FIXTURES, "traces", "vllm_leak.csv")
+    log = os.path.join(FIXTURES, "logs", "torch_fragmentation.log")
+    report = tmp_path / "incident.html"
+    out = json.loads(cli("analyze", trace, "--format", "json", "--report", str(report), "--log", log).stdout)
+    leaks = [f for f in out["findings"] if f["kind"] == "leak"]
+    assert leaks and leaks[0]["pid"] is not None and leaks[0]["first_detected_at"] > 0
+    html = report.read_text()
+    assert leaks[0]["process"] in html and "reserved" in html.lower()  # the OOM event's numbers
+
+
+def test_analyze_input_errors_exit_2(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,gpu,pid,process,used_bytes\nnot-a-number,0,1,p,5\n")
+    proc = cli("analyze", str(bad), check=False)
+    assert proc.returncode == 2 and "bad.csv:2" in proc.stderr
+    assert cli("analyze", check=False).returncode == 2  # neither traces nor --prometheus
+    proc = cli("explain", str(tmp_path / "missing.log"), check=False)
+    assert proc.returncode == 2 and "no such file" in proc.stderr

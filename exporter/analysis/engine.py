@@ -25,7 +25,6 @@ from .fragmentation import FragmentationConfig, detect_fragmentation, recent_eve
 from .history import History
 from .leak import LeakAssessment, LeakConfig, LeakLatch, assess
 from .leak import time_to_full as forecast_time_to_full
-from .budget import memory_budgets
 from .pressure import (PressureConfig, admission_open, beyond_budget_bytes, detect_pressure,
                        memory_ratio)
 from .stale import StaleConfig, detect_stale, unattributed_bytes

@@ -1,0 +1,143 @@
+"""The HTML post-mortem report: the leak scenario's report names the leaking process and its rate,
+plots are embedded PNGs (none without matplotlib, the tables stay), all outside text is escaped."""
+from __future__ import annotations
+
+import base64
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from exporter.analysis.oom import parse_lines
+from exporter.analyze import replay_episodes
+from exporter.config import build as build_config
+from exporter.model import Finding, GpuSample, OomEvent, ProcessSample, Snapshot
+from exporter.report import write_report
+from exporter.runtime import build as build_runtime
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+GiB = 1 << 30
+IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+
+
+@pytest.fixture(scope="module")
+def leak_run():
+    """The leak scenario's first 70 minutes, sampled every 10 s through the simulated host,
+    replayed through the detectors; plus a fragmentation OOM parsed from a real log line."""
+    runtime = build_runtime(build_config(), simulate="leak", at=0.0)
+    snapshots = []
+    try:
+        while runtime.clock.elapsed() < 4200:
+            snapshots.append(runtime.sampler.sample())
+            runtime.clock.advance(10)
+    finally:
+        runtime.close()
+    episodes, _ = replay_episodes(snapshots)
+    with open(FIXTURES / "torch_fragmentation.log", encoding="utf-8") as handle:
+        events = parse_lines(handle, source="vllm.log")
+    events = [replace(e, timestamp=snapshots[-20].timestamp, gpu="0") for e in events]
+    return snapshots, episodes, events
+
+
+def gpu_leak(episodes) -> Finding:
+    return next(f for f, _ in episodes if f.kind == "leak" and f.gpu is not None)
+
+
+def section_of(html_text: str, finding: Finding) -> str:
+    """The finding's detail block (its <div class="finding ...">)."""
+    marker = f"GPU {finding.gpu}, pid {finding.pid}"
+    start = html_text.index(marker, html_text.index('<div class="finding'))
+    return html_text[start:html_text.index("</div>", start)]
+
+
+def test_leak_report_names_the_process_and_its_rate(leak_run, tmp_path):
+    snapshots, episodes, events = leak_run
+    path = tmp_path / "leak.html"
+    write_report(snapshots, episodes, events, str(path))
+    text = path.read_text(encoding="utf-8")
+    leak = gpu_leak(episodes)
+    assert leak.process == "VLLM::EngineCor" and leak.pid == 3150
+    detail = section_of(text, leak)
+    assert "VLLM::EngineCor" in detail
+    rate = float(re.search(r"([\d.]+) MiB/min", detail).group(1))
+    assert 3.0 < rate < 5.0  # the scenario leaks 4 MiB/min
+    expected = dict(leak.evidence)["slope_bytes_per_second"] * 60 / 2**20
+    assert rate == pytest.approx(expected, abs=0.05)
+    # Timeline, one GPU, and one curve per leak finding (GPU memory and host RSS).
+    images = IMG.findall(text)
+    leaks = [f for f, _ in episodes if f.pid is not None]
+    assert len(images) == 1 + 1 + len(leaks) and len(leaks) >= 1
+    for data in images:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    # The OOM event with its class and numbers, and its advice.
+    [event] = events
+    assert event.klass == "fragmentation" and event.requested_bytes
+    oom = text[text.index("<h2>Out-of-memory events</h2>"):text.index("<h2>Advice</h2>")]
+    assert event.kind in oom
+    assert "fragmentation" in oom and "vllm.log:" in oom
+    advice = text[text.index("<h2>Advice</h2>"):]
+    for a in leak.advice[:2] + event.advice[:1]:
+        assert re.sub(r"\s+", " ", __import__("html").escape(a)) in advice
+
+
+def test_self_contained(leak_run, tmp_path):
+    snapshots, episodes, events = leak_run
+    path = tmp_path / "leak.html"
+    write_report(snapshots, episodes, events, str(path))
+    text = path.read_text(encoding="utf-8")
+    assert "<script" not in text and "<link" not in text
+    assert not re.search(r'(src|href)="(?!data:)', text)  # nothing fetched from elsewhere
+    assert [p.name for p in tmp_path.iterdir()] == ["leak.html"]  # no temporary file left
+
+
+def test_without_matplotlib_the_tables_remain(leak_run, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    snapshots, episodes, events = leak_run
+    path = tmp_path / "plain.html"
+    write_report(snapshots, episodes, events, str(path))
+    text = path.read_text(encoding="utf-8")
+    assert "<img" not in text and "matplotlib is not installed" in text
+    leak = gpu_leak(episodes)
+    detail = section_of(text, leak)
+    assert "VLLM::EngineCor" in detail and 3.0 < float(re.search(r"([\d.]+) MiB/min", detail)[1]) < 5.0
+    assert "fragmentation" in text and "<h2>Advice</h2>" in text
+
+
+def test_outside_text_is_escaped(tmp_path):
+    evil = "<script>alert(1)</script>"
+    proc = ProcessSample(pid=7, used_bytes=GiB, name=evil, role="vllm")
+    snaps = [Snapshot(timestamp=1_700_000_000.0 + 10 * i, gpus=(GpuSample(
+        index="0", uuid="GPU-x", total_bytes=80 * GiB, used_bytes=GiB + i * 1000,
+        free_bytes=79 * GiB, processes=(replace(proc, used_bytes=GiB + i * 1000),)),))
+        for i in range(30)]
+    finding = Finding(kind="leak", severity="critical", first_detected_at=snaps[20].timestamp,
+                      gpu="0", pid=7, process=evil, summary=f"{evil} grows",
+                      evidence=(("slope_bytes_per_second", 100.0), ("note", '"><img src=x>')),
+                      advice=("restart <now> & check",))
+    event = OomEvent(kind="torch_cuda_oom", klass="shortage", line=3, source="<b>log</b>",
+                     message="CUDA out of memory <img src=x onerror=alert(1)>", advice=("a < b",))
+    path = tmp_path / "evil.html"
+    write_report(snaps, [(finding, None)], [event], str(path))
+    text = path.read_text(encoding="utf-8")
+    assert "<script>" not in text and "<img src=x" not in text and "<b>log</b>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "restart &lt;now&gt; &amp; check" in text and "a &lt; b" in text
+
+
+def test_an_empty_trace_still_makes_a_page(tmp_path):
+    path = tmp_path / "empty.html"
+    write_report([], [], [], str(path))
+    text = path.read_text(encoding="utf-8")
+    assert "The trace holds no samples" in text and "No findings." in text
+    assert "No out-of-memory events" in text and text.rstrip().endswith("</html>")
+
+
+def test_an_unwritable_path_raises_a_clear_os_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(NotADirectoryError):
+        write_report([], [], [], str(blocker / "report.html"))
