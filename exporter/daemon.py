@@ -35,6 +35,7 @@ class State:
     vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
     budgets: tuple = ()  # analysis.budget.Budget per (vLLM server, GPU)
+    recorder: object = None  # recorder.RecorderStats when the flight recorder is on
     samples_total: int = 0
     last_sample_at: float | None = None  # clock time the last tick completed
     sample_duration_seconds: float = 0.0
@@ -99,11 +100,13 @@ def _bounded_add(counter: Counter, key, n: int = 1) -> None:
 
 
 class Daemon:
-    def __init__(self, sampler: Sampler, clock, interval_seconds: float, analyzer=None):
+    def __init__(self, sampler: Sampler, clock, interval_seconds: float, analyzer=None,
+                 recorder=None):
         self.sampler = sampler
         self.clock = clock
         self.interval = interval_seconds
         self.analyzer = analyzer  # has .update(snapshot) -> Analysis and .detector_errors
+        self.recorder = recorder  # recorder.FlightRecorder: writes traces in its own thread
         self.state = State()
         self._errors: Counter = Counter()
         self._vllm_errors: Counter = Counter()
@@ -142,7 +145,10 @@ class Daemon:
             oom_events_total=MappingProxyType(dict(self._ooms)),
             samples_total=self.state.samples_total + 1,
             last_sample_at=self.clock.now(),
-            sample_duration_seconds=time.perf_counter() - started)
+            sample_duration_seconds=time.perf_counter() - started,
+            recorder=self.recorder.stats() if self.recorder is not None else None)
+        if self.recorder is not None and self.analyzer is not None:
+            self.recorder.observe(self.state, self.analyzer.history)  # never blocks on the disk
         return self.state
 
     def run(self) -> None:
@@ -161,3 +167,5 @@ class Daemon:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.recorder is not None:
+            self.recorder.close()  # finishes a pending write

@@ -46,6 +46,8 @@ class StateCollector(Collector):
         yield from self._vllm(state)
         if state.analysis is not None:
             yield from self._analysis(state.analysis)
+        if state.recorder is not None:
+            yield from self._recorder(state.recorder)
 
     # -- exporter health ------------------------------------------------------------------
     def _self_metrics(self, state: State):
@@ -234,6 +236,26 @@ class StateCollector(Collector):
             active.add_metric([f.kind, f.severity, f.gpu or "", "" if f.pid is None else str(f.pid),
                                f.process, f.role, f.endpoint], 1)
         yield active
+
+
+    def _recorder(self, stats):
+        yield CounterMetricFamily("gpumem_recorder_writes", "Trace files the flight recorder wrote.",
+                                  value=stats.writes_total)
+        for name, doc, label, counts in (
+                ("errors", "Flight recorder failures (disk full, permission, ...), by kind.", "kind",
+                 stats.errors_total),
+                ("triggers", "Events that made the flight recorder write, by trigger.", "trigger",
+                 stats.triggers_total),
+                ("debounced", "Triggers suppressed because the same kind wrote recently.", "trigger",
+                 stats.debounced_total)):
+            fam = CounterMetricFamily(f"gpumem_recorder_{name}", doc, labels=[label])
+            for key, n in sorted(counts.items()):
+                fam.add_metric([key], n)
+            yield fam
+        if stats.last_write_timestamp is not None:
+            yield GaugeMetricFamily("gpumem_recorder_last_write_timestamp_seconds",
+                                    "When the flight recorder last finished a trace file.",
+                                    value=stats.last_write_timestamp)
 
 
 def _str(value) -> str:

@@ -4,6 +4,7 @@ import pytest
 
 from exporter.analysis.budget import Budget
 from exporter.clock import FixedClock
+from exporter.recorder import RecorderStats
 from exporter.daemon import State
 from exporter.model import (Analysis, CacheConfig, Finding, GpuAnalysis, GpuSample, HostMemory,
                             ProcessSample, ProcessTrend, Snapshot, SourceStatus, VllmEngineStats,
@@ -39,7 +40,9 @@ def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
     return State(snapshot=snap, analysis=analysis, errors_total={("nvml", "timeout"): 2},
                  budgets=(Budget("llama", "0", "GPU-aaaa", int(0.9 * 80 * GiB), GiB),),
                  vllm_errors_total={("down", "refused"): 4}, oom_events_total={("torch_cuda_oom", "fragmentation"): 1},
-                 samples_total=7, last_sample_at=t, sample_duration_seconds=0.02)
+                 samples_total=7, last_sample_at=t, sample_duration_seconds=0.02,
+                 recorder=RecorderStats(writes_total=2, errors_total={"disk_full": 1}, triggers_total={"oom": 2},
+                                        debounced_total={"oom": 1}, last_write_timestamp=t - 60))
 
 
 @pytest.fixture
