@@ -175,3 +175,15 @@ def test_stop_closes_the_port():
 def test_unknown_server_index():
     with pytest.raises(ValueError, match="no vLLM server 5"):
         FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START), server_index=5)
+
+
+def test_startup_log_gives_the_ramp_as_vllm_logs_it():
+    from exporter.sim.fake_vllm import startup_log
+    from exporter.sources.vllm_log import parse_profile
+
+    scenario = sc.load("steady")
+    profile = parse_profile(startup_log(scenario, 0).splitlines())
+    ramp = next(c.startup for p in scenario.processes for c in p.memory.values() if c.startup)
+    assert profile.weights_bytes == pytest.approx(ramp["weights"], rel=1e-3)
+    assert profile.kv_cache_bytes == pytest.approx(ramp["kv_cache"], rel=1e-3)
+    assert profile.cuda_graph_bytes == pytest.approx(ramp["cuda_graphs"], rel=1e-2)

@@ -193,3 +193,32 @@ class FakeVllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def startup_log(scenario: Scenario, server_index: int) -> str:
+    """The start-up lines a current (V1) vLLM server logs about its memory, with the figures of
+    the `ramp` of the server's first worker process (the server's pid or a descendant), so the
+    exporter can read the simulated server's memory profile from a log as it would a real one."""
+    server = scenario.vllm[server_index]
+    family, grew = {server.pid}, True
+    while grew:  # the server's process tree, whatever order the scenario lists it in
+        before = len(family)
+        family |= {p.pid for p in scenario.processes if p.ppid in family}
+        grew = len(family) > before
+    ramp = next((c.startup for p in scenario.processes if p.pid in family
+                 for c in p.memory.values() if c.startup), None)
+    if ramp is None:
+        return ""
+    gib = float(1 << 30)
+    weights, peak, kv = ramp["weights"] / gib, ramp["profile_peak"] / gib, ramp["kv_cache"] / gib
+    non_torch, graphs = ramp["non_torch"] / gib, ramp["cuda_graphs"] / gib
+    prefix = f"(EngineCore_DP0 pid={server.pid}) INFO 01-01 00:00:00"
+    return "".join(f"{prefix} [{where}] {text}\n" for where, text in (
+        ("gpu_model_runner.py:2000", f"Model loading took {weights:.4f} GiB and {ramp['load_seconds']:.1f} seconds"),
+        ("gpu_worker.py:250", f"Memory profiling takes {ramp['profile_seconds']:.2f} seconds. Total non KV cache "
+                              f"memory: {weights + peak + non_torch:.2f}GiB; torch peak memory increase: "
+                              f"{peak:.2f}GiB; non-torch forward increase memory: {non_torch:.2f}GiB; "
+                              f"weights memory: {weights:.2f}GiB."),
+        ("gpu_worker.py:270", f"Available KV cache memory: {kv:.2f} GiB"),
+        ("gpu_model_runner.py:2500", f"Graph capturing finished in {ramp['graph_seconds']:.0f} secs, took {graphs:.2f} GiB"),
+    ))

@@ -291,6 +291,7 @@ class Curve:
 
     components: tuple[Callable[[float], float], ...] = ()
     monotonic: bool = True
+    startup: Mapping[str, float] | None = None  # the ramp's figures, for the simulated vLLM log
 
     def __call__(self, t: float) -> float:
         return sum(c(t) for c in self.components) if self.components else 0.0
@@ -322,6 +323,7 @@ def parse_curve(value: Any, path: str, *, bytes_: bool, seed_base: int = 0,
         raise ScenarioError(f"{path}: expected a curve (a number, a component or a list), got {_kind(value)}")
     comps = []
     monotonic = True
+    startup = None
     for item, p in zip(items, paths):
         if not isinstance(item, Mapping) or len(item) != 1:
             raise ScenarioError(f"{p}: expected one component, one of: {', '.join(_COMPONENTS)}")
@@ -346,17 +348,18 @@ def parse_curve(value: Any, path: str, *, bytes_: bool, seed_base: int = 0,
         elif kind == "ramp":
             if not bytes_:
                 raise ScenarioError(f"{cp}: a ramp is a memory start-up; use it in memory curves only")
-            comps.append(_ramp(
-                n.get("at", parse_duration, 0.0),
-                n.get("non_torch", _size_nonneg, 0.0),
-                n.get("weights", _size_nonneg),
-                n.get("load_seconds", _positive, 60.0),
-                n.get("profile_peak", _size_nonneg, 0.0),
-                n.get("profile_seconds", _positive, 15.0),
-                n.get("kv_cache", _size_nonneg),
-                n.get("cuda_graphs", _size_nonneg, 0.0),
-                n.get("graph_seconds", _positive, 20.0),
-            ))
+            startup = {
+                "at": n.get("at", parse_duration, 0.0),
+                "non_torch": n.get("non_torch", _size_nonneg, 0.0),
+                "weights": n.get("weights", _size_nonneg),
+                "load_seconds": n.get("load_seconds", _positive, 60.0),
+                "profile_peak": n.get("profile_peak", _size_nonneg, 0.0),
+                "profile_seconds": n.get("profile_seconds", _positive, 15.0),
+                "kv_cache": n.get("kv_cache", _size_nonneg),
+                "cuda_graphs": n.get("cuda_graphs", _size_nonneg, 0.0),
+                "graph_seconds": n.get("graph_seconds", _positive, 20.0),
+            }
+            comps.append(_ramp(*startup.values()))
             monotonic = False
         elif kind == "linear":
             start = n.get("from", parse_duration, 0.0)
@@ -386,7 +389,7 @@ def parse_curve(value: Any, path: str, *, bytes_: bool, seed_base: int = 0,
     if counter and not monotonic:
         raise ScenarioError(f"{path}: a counter may only use components that never decrease "
                             "(constant, step up, linear with rate >= 0, staircase with step >= 0)")
-    return Curve(tuple(comps), monotonic)
+    return Curve(tuple(comps), monotonic, MappingProxyType(startup) if startup else None)
 
 
 # ----------------------------------------------------------------------------------------------
