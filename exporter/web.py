@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gzip
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import Callable
@@ -18,7 +21,7 @@ from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bcrypt
-from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from .config import ConfigError, load_file
 from .daemon import State
@@ -140,9 +143,47 @@ INDEX = """<!doctype html><html><head><meta charset="utf-8"><title>gpu-memory-ex
 """
 
 
+class MetricsCache:
+    """Renders /metrics once per published state (and format), not once per scrape: many
+    scrapers (HA Prometheus pairs, federation, a curl loop) then cost one rendering between two
+    samples. A rendering is reused for at most `max_age` seconds, so the sample age and the
+    exporter's own process metrics stay current."""
+
+    def __init__(self, registry, get_state: Callable[[], State], max_age: float = 1.0):
+        self.registry = registry
+        self.get_state = get_state
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, tuple[object, float, bytes]] = {}
+
+    def __call__(self, environ, start_response):
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+        gzip_ok = gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", ""))
+        key = (content_type, gzip_ok, environ.get("QUERY_STRING", ""))
+        state = self.get_state()
+        with self._lock:  # one rendering at a time; the others wait for it and reuse it
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not state or time.monotonic() - entry[1] > self.max_age:
+                registry = self.registry
+                names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+                if names:
+                    registry = registry.restricted_registry(names)
+                body = encoder(registry)
+                if gzip_ok:
+                    body = gzip.compress(body, compresslevel=6)
+                if len(self._entries) > 16:  # odd Accept headers must not grow it
+                    self._entries.clear()
+                entry = self._entries[key] = (state, time.monotonic(), body)
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(entry[2])))]
+        if gzip_ok:
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [entry[2]]
+
+
 def make_app(registry, get_state: Callable[[], State], now: Callable[[], float], stale_after: float,
              auth: BasicAuth | None = None):
-    metrics_app = make_wsgi_app(registry)
+    metrics_app = MetricsCache(registry, get_state)
 
     def respond(start_response, status: str, body: bytes, ctype: str = "application/json"):
         start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body))),
@@ -197,14 +238,50 @@ def make_app(registry, get_state: Callable[[], State], now: Callable[[], float],
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of scrapers (or federation) beyond that gets
+    # its SYNs dropped and waits out TCP retransmits (1 s, 3 s, 7 s...) or fails.
+    request_queue_size = 128
+
+    def handle_error(self, request, client_address):
+        # A client that fails the TLS handshake (no or an untrusted certificate) is routine: no
+        # traceback on stderr for every such connection.
+        log.debug("connection from %s failed", client_address[0], exc_info=True)
 
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+# Request line + headers. Prometheus sends well under 1 KiB; http.server alone bounds each line
+# (64 KiB) and the count (100), which still lets one request hold 6 MB.
+MAX_REQUEST_HEAD_BYTES = 64 << 10
+
+
+class _BoundedHead:
+    """The request stream while headers are read: past the byte budget, LineTooLong (431)."""
+
+    def __init__(self, rfile, budget: int):
+        self._rfile = rfile
+        self._left = budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self._rfile.readline(limit)
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong("request head")
+        return line
+
+
 class _Handler(WSGIRequestHandler):
     timeout = 10  # a client that stalls (slowloris) loses its connection, not a thread forever
+
+    def parse_request(self):
+        rfile = self.rfile
+        self.rfile = _BoundedHead(rfile, MAX_REQUEST_HEAD_BYTES - len(self.raw_requestline))
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile = rfile
 
     def setup(self):
         super().setup()

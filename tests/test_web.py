@@ -131,3 +131,30 @@ def test_web_config_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_web_config(str(path))
+
+
+def test_metrics_render_once_per_state_not_per_scrape(clock):
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+
+    class Counting:
+        calls = 0
+
+        def collect(self):
+            Counting.calls += 1
+            yield GaugeMetricFamily("x", "x", value=Counting.calls)
+
+    registry = CollectorRegistry()
+    registry.register(Counting())
+    holder = {"state": make_state()}
+    app = make_app(registry, lambda: holder["state"], clock.now, 15.0)
+    server = HttpServer(app, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        first = [requests.get(url, timeout=5).text for _ in range(5)]
+        assert len(set(first)) == 1 and Counting.calls == 1  # five scrapes, one render
+        holder["state"] = make_state()  # the next tick published a new state
+        assert requests.get(url, timeout=5).text != first[0] and Counting.calls == 2
+    finally:
+        server.stop()
