@@ -14,14 +14,16 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,report]'
 	touch $@
 
-# The integration tests run the real promtool, prometheus, alertmanager and amtool binaries.
+# The integration tests run the real promtool, prometheus, alertmanager and amtool binaries,
+# and render the Kubernetes manifests with kubectl kustomize.
 system-deps:
 	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
-	    || ! command -v amtool >/dev/null || ! command -v openssl >/dev/null; then \
-	  echo "installing prometheus, prometheus-alertmanager and openssl (Debian packages)"; \
+	    || ! command -v amtool >/dev/null || ! command -v openssl >/dev/null \
+	    || ! command -v kubectl >/dev/null; then \
+	  echo "installing prometheus, prometheus-alertmanager, openssl and kubectl (Debian packages)"; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    prometheus prometheus-alertmanager openssl >/dev/null; \
+	    prometheus prometheus-alertmanager openssl kubectl >/dev/null; \
 	fi
 
 deps: $(VENV)/.installed system-deps

@@ -68,6 +68,21 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class KubeletConfig:
+    """Pod names for processes, from the node's kubelet (exporter/sources/kubelet.py)."""
+
+    enabled: str = "auto"  # auto: on inside a Kubernetes pod (service account token present)
+    url: str = ""  # "": https://$NODE_IP (else $NODE_NAME):10250/pods
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # "": send none
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    insecure_skip_verify: bool = False
+    refresh_seconds: float = 60.0
+    unknown_pod_refresh_seconds: float = 10.0
+    timeout_seconds: float = 2.0
+    max_response_bytes: int = 32 << 20
+
+
+@dataclass(frozen=True)
 class Config:
     listen: str = f"0.0.0.0:{DEFAULT_PORT}"
     interval_seconds: float = 5.0
@@ -82,6 +97,7 @@ class Config:
     log_files: tuple[str, ...] = ()
     vllm_endpoints: tuple[EndpointConfig, ...] = ()
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    kubelet: KubeletConfig = field(default_factory=KubeletConfig)
 
     @property
     def effective_stale_after(self) -> float:
@@ -101,6 +117,7 @@ _FILE_LAYOUT: dict[str, Any] = {
     "logs": {"files": "log_files"},
     "vllm": {"endpoints": "vllm_endpoints"},
     "admission": "admission",
+    "kubelet": "kubelet",
 }
 
 
@@ -168,6 +185,10 @@ def _flatten(data: dict, layout: dict, where: str, out: dict) -> None:
             out[target] = _endpoints(value, path)
         elif target == "admission":
             out[target] = _build(AdmissionConfig, value, path + ".")
+        elif target == "kubelet":
+            if isinstance(value, dict) and isinstance(value.get("enabled"), bool):
+                value = {**value, "enabled": "true" if value["enabled"] else "false"}  # YAML's true
+            out[target] = _build(KubeletConfig, value, path + ".")
         elif target == "log_files":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{path}: expected a list of file paths")
@@ -188,6 +209,7 @@ def validate(config: Config) -> Config:
     if not 0 < a.open_below < a.close_above <= 1:
         raise ConfigError("admission: need 0 < open_below < close_above <= 1 "
                           f"(got open_below={a.open_below}, close_above={a.close_above})")
+    _validate_kubelet(config.kubelet)
     for i, ep in enumerate(config.vllm_endpoints):
         if not re.match(r"^https?://[^/\s]+", ep.url):
             raise ConfigError(f"vllm.endpoints[{i}].url: expected http(s)://host:port/metrics, got {ep.url!r}")
@@ -199,6 +221,20 @@ def validate(config: Config) -> Config:
             except re.error as exc:
                 raise ConfigError(f"vllm.endpoints[{i}].process_pattern: not a valid regex: {exc}") from exc
     return config
+
+
+def _validate_kubelet(k: KubeletConfig) -> None:
+    if k.enabled not in ("auto", "true", "false"):
+        raise ConfigError(f"kubelet.enabled: expected auto, true or false, got {k.enabled!r}")
+    if k.url and not re.match(r"^https?://[^/\s]+/\S*$", k.url):
+        raise ConfigError(f"kubelet.url: expected http(s)://host:port/pods, got {k.url!r}")
+    for key in ("refresh_seconds", "unknown_pod_refresh_seconds", "timeout_seconds"):
+        if getattr(k, key) <= 0:
+            raise ConfigError(f"kubelet.{key}: must be positive")
+    if k.unknown_pod_refresh_seconds > k.refresh_seconds:
+        raise ConfigError("kubelet.unknown_pod_refresh_seconds: must not exceed kubelet.refresh_seconds")
+    if k.max_response_bytes < 1024:
+        raise ConfigError("kubelet.max_response_bytes: must be at least 1KiB")
 
 
 def load_file(path: str) -> dict:

@@ -69,6 +69,10 @@ class Sampler:
                                     "" if host_memory else "host memory unreadable"))
         if host_memory is None:
             errors.append(SourceError("host", "memory_unreadable"))
+        pods = getattr(self.host, "pods", None)  # the kubelet's pod list, in Kubernetes
+        if pods is not None:
+            errors.extend(pods.take_errors())
+            sources.append(SourceStatus("kubelet", pods.up))
 
         vllm = ()
         if self.vllm is not None:

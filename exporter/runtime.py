@@ -41,6 +41,30 @@ def _endpoint(ep: EndpointConfig, where: str):
                         log_file=ep.log_file or None)
 
 
+def kubelet_pods(config: Config, env=None):
+    """The kubelet pod lookup, or None where pod names cannot or should not be had: outside
+    Kubernetes (enabled: auto), or with no node address to reach the kubelet at."""
+    from .sources import kubelet
+
+    k = config.kubelet
+    if k.enabled == "false" or (k.enabled == "auto" and not kubelet.in_kubernetes(k.token_file or
+                                                                                   kubelet.DEFAULT_TOKEN_FILE, env)):
+        return None
+    url = k.url or kubelet.default_url(env)
+    if not url:
+        log.warning("kubelet: no url configured and neither NODE_IP nor NODE_NAME is set; "
+                    "processes get no pod names")
+        return None
+    # Never send the token in clear text (the read-only port 10255 needs none anyway).
+    token_file = k.token_file if url.startswith("https://") else None
+    log.info("kubelet: pod names from %s", url)
+    return kubelet.KubeletPods(url, token_file=token_file or None, ca_file=k.ca_file or None,
+                               insecure_skip_verify=k.insecure_skip_verify,
+                               timeout_seconds=k.timeout_seconds, max_response_bytes=k.max_response_bytes,
+                               refresh_seconds=k.refresh_seconds,
+                               unknown_refresh_seconds=k.unknown_pod_refresh_seconds)
+
+
 def build(config: Config, simulate: str | None = None, speed: float = 1.0,
           at: float | None = None) -> Runtime:
     """`simulate`: a scenario name or file. `at`: freeze the simulated clock at that scenario
@@ -75,7 +99,10 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sources.host import LocalHost
 
         clock = SystemClock()
-        host = LocalHost(config.proc_root)
+        pods = kubelet_pods(config)
+        if pods is not None:
+            stack.callback(pods.close)
+        host = LocalHost(config.proc_root, pods=pods)
 
     nvml = NvmlSource(nvml_module, host.memory, now=clock.now,
                       retry_initial_seconds=config.nvml_retry_initial_seconds,

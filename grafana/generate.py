@@ -349,8 +349,74 @@ def vllm() -> dict:
                      [INSTANCE, ENDPOINT, GPU_VAR], panels)
 
 
+NAMESPACE = variable("namespace", "Namespace",
+                     'label_values(gpumem_process_memory_used_bytes{instance=~"$instance"}, namespace)')
+POD = variable("pod", "Pod", 'label_values(gpumem_process_memory_used_bytes{instance=~"$instance",'
+                             'namespace=~"$namespace"}, pod)')
+POD_SEL = 'instance=~"$instance",namespace=~"$namespace",pod=~"$pod"'
+
+
+def fleet() -> dict:
+    """Many GPU nodes at once: by node (instance; the ServiceMonitor sets it to the node's name),
+    and by Kubernetes namespace and pod. On a single host without Kubernetes it still works:
+    one node, and processes outside pods under an empty namespace and pod (the variables'
+    "All" matches the empty value)."""
+    gpu = 'instance=~"$instance"'
+    util = f"instance_gpu:gpumem_memory_utilization:ratio{{{gpu}}}"
+    used = f"gpumem_process_memory_used_bytes{{{POD_SEL}}}"
+    # The process series only lends its pod labels to the 0/1 leak flag (x 0 + 1 keeps the flag).
+    leak_by_pod = (f"max by (instance, namespace, pod) (gpumem_leak_suspected{{{gpu}}} * on (instance, job, gpu, pid) "
+                   f"group_left (namespace, pod) (0 * max by (instance, job, gpu, pid, namespace, pod) ({used}) + 1))")
+    panels = [
+        stat("Nodes", f"count(count by (instance) (gpumem_gpu_info{{{gpu}}})) or vector(0)",
+             description="Hosts (Kubernetes nodes) whose exporter reports GPUs."),
+        stat("GPUs", f"count(gpumem_gpu_info{{{gpu}}}) or vector(0)", description="GPUs on those hosts."),
+        stat("Fleet GPU memory in use", f"sum(gpumem_gpu_memory_used_bytes{{{gpu}}}) / sum(gpumem_gpu_memory_total_bytes{{{gpu}}})",
+             unit="percentunit", description="Used / total over every GPU of the selected hosts.",
+             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.85}]),
+        stat("GPUs above the page threshold",
+             f"count({util} > on () group_left () gpumem:threshold_memory_high:ratio) or vector(0)",
+             description="Plain utilisation above gpumem:threshold_memory_high:ratio.",
+             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
+        table("By node", [
+            target(f"count by (instance) (gpumem_gpu_info{{{gpu}}})", instant=True, table=True),
+            target(f"sum by (instance) (gpumem_gpu_memory_used_bytes{{{gpu}}})", instant=True, table=True),
+            target(f"sum by (instance) (gpumem_gpu_memory_total_bytes{{{gpu}}})", instant=True, table=True),
+            target(f"max by (instance) ({util})", instant=True, table=True),
+            target(f"count by (instance) (gpumem_finding_active{{{gpu}}}) or 0 * count by (instance) "
+                   f"(gpumem_gpu_info{{{gpu}}})", instant=True, table=True),
+        ], h=9, description="A: GPUs, B: used, C: total, D: fullest GPU's utilisation, E: active findings.",
+            units={"Value #B": "bytes", "Value #C": "bytes", "Value #D": "percentunit"}),
+        timeseries("GPU memory used by node", [
+            target(f"sum by (instance) (gpumem_gpu_memory_used_bytes{{{gpu}}})", "{{instance}}")],
+            description="Sum over each host's GPUs."),
+        timeseries("Fullest GPU per node", [target(f"max by (instance) ({util})", "{{instance}}"),
+                                            target("gpumem:threshold_memory_high:ratio", "page threshold")],
+                   unit="percentunit", max_=1, overrides=[threshold_line("B", "page threshold")],
+                   description="The highest utilisation among each host's GPUs."),
+        row("Kubernetes: by namespace and pod"),
+        timeseries("GPU memory by namespace", [target(f"sum by (namespace) ({used})", "{{namespace}}")],
+                   stack=True, description="Processes outside any pod have an empty namespace."),
+        timeseries("GPU memory by pod", [target(f"sum by (namespace, pod) ({used})", "{{namespace}}/{{pod}}")],
+                   stack=True, description="Every GPU process of a pod, on every GPU and node, summed."),
+        table("Pods", [
+            target(f"sum by (instance, namespace, pod) ({used})", instant=True, table=True),
+            target(f"count by (instance, namespace, pod) ({used})", instant=True, table=True),
+            target(f"sum by (instance, namespace, pod) (gpumem_process_host_rss_bytes{{{POD_SEL}}})",
+                   instant=True, table=True),
+            target(leak_by_pod, instant=True, table=True),
+        ], h=9, description="Per pod and node. A: GPU memory, B: GPU processes (a process on two GPUs "
+                            "counts twice), C: host RSS, D: a leak is suspected in one of its processes.",
+            units={"Value #A": "bytes", "Value #C": "bytes"}),
+    ]
+    return dashboard("gpumem-fleet", "GPU memory / Fleet",
+                     "Every GPU node at once, and GPU memory by Kubernetes namespace and pod.",
+                     [INSTANCE, NAMESPACE, POD], panels)
+
+
 DASHBOARDS = {
     "overview.json": overview,
+    "fleet.json": fleet,
     "memory-budget.json": memory_budget,
     "leak-investigation.json": leak_investigation,
     "vllm.json": vllm,

@@ -63,9 +63,9 @@ def generator():
     return module
 
 
-def test_the_four_dashboards_exist():
+def test_the_five_dashboards_exist():
     assert [p.name for p in DASHBOARD_FILES] == [
-        "leak-investigation.json", "memory-budget.json", "overview.json", "vllm.json"]
+        "fleet.json", "leak-investigation.json", "memory-budget.json", "overview.json", "vllm.json"]
 
 
 def test_dashboards_are_what_the_generator_writes(generator):
@@ -148,6 +148,7 @@ def test_every_variable_used_is_defined(path):
     ("memory-budget.json", {"datasource", "instance", "gpu", "process"}),
     ("leak-investigation.json", {"datasource", "instance", "gpu", "process"}),
     ("vllm.json", {"datasource", "instance", "gpu", "endpoint"}),
+    ("fleet.json", {"datasource", "instance", "namespace", "pod"}),
 ])
 def test_dashboards_have_their_template_variables(path, needed):
     variables = {v["name"]: v for v in load(GRAFANA / "dashboards" / path)["templating"]["list"]}
@@ -211,9 +212,9 @@ gpumem_gpu_memory_free_bytes{gpu="1",uuid="GPU-1"} 85362475008
 gpumem_gpu_memory_unattributed_bytes{gpu="0",uuid="GPU-0"} 0
 gpumem_gpu_memory_unattributed_bytes{gpu="1",uuid="GPU-1"} 536870912
 gpumem_gpu_time_to_full_seconds{gpu="0",uuid="GPU-0"} 7200
-gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm"} 77309411328
+gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 77309411328
 gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="4242",process="python",role="other"} 4294967296
-gpumem_process_host_rss_bytes{pid="1000",process="vllm",role="vllm"} 8589934592
+gpumem_process_host_rss_bytes{pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 8589934592
 gpumem_process_host_rss_bytes{pid="4242",process="python",role="other"} 1073741824
 gpumem_process_memory_growth_bytes_per_second{gpu="0",pid="4242",process="python",role="other"} 10240
 gpumem_leak_suspected{gpu="0",pid="4242",process="python",role="other"} 1
@@ -338,3 +339,26 @@ def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
         result = prometheus(substitute(expr).replace('gpu=~".*"', 'gpu=~"0"'))["data"]["result"]
         total += sum(float(r["value"][1]) for r in result if r["metric"].get("gpu", "0") == "0")
     assert total == pytest.approx(85899345920)
+
+
+# -- fleet views: by node and by Kubernetes namespace/pod, still right on a single host -------------
+def test_fleet_dashboard_sums_pods_and_keeps_processes_outside_kubernetes(prometheus):
+    """The vLLM process is in pod inference/llama-0, the other one in no pod: "All" (.*) shows
+    both, the pod's row carries its memory and its leak flag is 0 (the leaking process is the
+    one outside Kubernetes)."""
+    panels = {p["title"]: p for p in all_panels(load(GRAFANA / "dashboards" / "fleet.json"))}
+    [by_pod] = panels["GPU memory by pod"]["targets"]
+    result = prometheus(substitute(by_pod["expr"]))["data"]["result"]
+    got = {(r["metric"].get("namespace", ""), r["metric"].get("pod", "")): float(r["value"][1]) for r in result}
+    assert got == {("inference", "llama-0"): 77309411328, ("", ""): 4294967296}
+    leak = panels["Pods"]["targets"][3]["expr"]
+    result = prometheus(substitute(leak))["data"]["result"]
+    assert {(r["metric"].get("pod", ""), r["value"][1]) for r in result} == {("llama-0", "0"), ("", "1")}
+    one_pod = substitute(by_pod["expr"].replace("$namespace", "inference").replace("$pod", "llama-0"))
+    assert [r["metric"]["pod"] for r in prometheus(one_pod)["data"]["result"]] == ["llama-0"]
+
+
+def test_fleet_by_node_counts_gpus_per_host(prometheus):
+    node_table = next(p for p in all_panels(load(GRAFANA / "dashboards" / "fleet.json")) if p["title"] == "By node")
+    result = prometheus(substitute(node_table["targets"][0]["expr"]))["data"]["result"]
+    assert [(r["metric"]["instance"].startswith("127.0.0.1:"), r["value"][1]) for r in result] == [(True, "2")]

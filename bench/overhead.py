@@ -1,0 +1,276 @@
+"""Overhead of the exporter against nvitop-exporter on the same simulated hosts, in the same run.
+
+    python3 -m venv /tmp/nvitop-venv && /tmp/nvitop-venv/bin/pip install nvitop-exporter
+    python bench/overhead.py [--nvitop-site /tmp/nvitop-venv/lib/python3.11/site-packages]
+                             [--gpus 1 8 16] [--procs 16 64 256] [--ticks 12] [--scrapes 200]
+
+Hosts: 1, 8 and 16 simulated GPUs with 16, 64 or 256 processes on each and 4 vLLM endpoints,
+sampled every 5 s. Both exporters read the simulator's drop-in pynvml module (nvitop-exporter
+gets it as sys.modules["pynvml"] before it is imported), and the GPU processes are REAL
+processes (idle `sleep`s spawned here, their PIDs written into the scenario), so both look up
+name, memory and owner in the real /proc as they would on a GPU host.
+
+Each (exporter, host) runs in its own worker process, so its CPU time and resident memory are
+its own; the fake vLLM servers run in this parent process. Measured per worker:
+- CPU seconds per hour: CPU time (user + system) of a sampling tick, ticks run back to back
+  with the clock advanced 5 s each, times 720 ticks an hour; scrapes excluded (they depend on
+  Prometheus's interval, not ours: see scrape latency);
+- resident memory (RSS) after the ticks;
+- scrape latency: wall time of GET /metrics over loopback from this process, median and p99.
+Our exporter runs sources + analysis (history and every detector) + its collector, the way the
+daemon does; nvitop-exporter runs its own `update_host()` + `update_device()` loop body. Both
+serve /metrics with prometheus_client's HTTP server, so the listener is the same.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+INTERVAL = 5.0
+VLLM_ENDPOINTS = 4
+TICKS_PER_HOUR = 3600 / INTERVAL
+
+
+def scenario_dict(gpus: int, procs_per_gpu: int, pids: list[int]) -> dict:
+    """A host of `gpus` H100s with `procs_per_gpu` processes each; the first process on GPUs
+    0..3 (or 0 when fewer) are vLLM API servers with a /metrics endpoint."""
+    processes, vllm = [], []
+    it = iter(pids)
+    for g in range(gpus):
+        for i in range(procs_per_gpu):
+            pid = next(it)
+            processes.append({"pid": pid, "name": "python3", "gpu": g,
+                              "memory": [{"constant": f"{max(1, 60 // procs_per_gpu)}GiB"},
+                                         {"sawtooth": {"period": 60, "amplitude": "64MiB"}},
+                                         {"noise": {"stddev": "8MiB"}}],
+                              "rss": "512MiB"})
+            if i == 0 and len(vllm) < VLLM_ENDPOINTS:
+                vllm.append({"port": 8000 + len(vllm), "pid": pid, "model": f"model-{len(vllm)}",
+                             "kv_cache_usage": 0.5, "running": 8, "waiting": 1,
+                             "cache_config": {"gpu_memory_utilization": 0.9, "num_gpu_blocks": 30000}})
+    while len(vllm) < VLLM_ENDPOINTS:  # a 1-GPU host still gets 4 servers (on GPU 0)
+        pid = processes[len(vllm)]["pid"]
+        vllm.append({"port": 8000 + len(vllm), "pid": pid, "model": f"model-{len(vllm)}",
+                     "kv_cache_usage": 0.5, "running": 8, "waiting": 1,
+                     "cache_config": {"gpu_memory_utilization": 0.2, "num_gpu_blocks": 3000}})
+    return {"name": f"bench-{gpus}x{procs_per_gpu}", "description": "overhead benchmark", "duration": "2h",
+            "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory": "81559MiB", "reserved": "527MiB",
+                      "count": gpus}],
+            "host": {"memory": "2015GiB", "available": "1500GiB"},
+            "processes": processes, "vllm": vllm}
+
+
+# -- workers (each in its own process) ------------------------------------------------------------
+def _serve(registry) -> int:
+    from prometheus_client import start_http_server
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    return server.server_address[1]
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
+    from exporter.cli import make_analyzer
+    from exporter.clock import FixedClock
+    from exporter.config import build as build_config
+    from exporter.daemon import Sampler, State
+    from exporter.exposition import build_registry
+    from exporter.sim import fake_nvml
+    from exporter.sim.scenario import from_dict
+    from exporter.sources.host import LocalHost
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.vllm import VllmEndpoint, VllmSource
+    from exporter.sources.vllm_procs import assign_roles
+
+    clock = FixedClock(float(int(time.time()) // 60 * 60), at=600.0)
+    fake_nvml.configure(from_dict(spec), clock)
+    host = LocalHost()
+    nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
+    vllm = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host)
+    sampler = Sampler(nvml, host, now=clock.now, vllm=vllm, assign_roles=assign_roles)
+    analyzer = make_analyzer(build_config())
+    state = State()
+    registry = build_registry(lambda: state, clock.now)
+    cpu = []
+    for i in range(ticks + 3):
+        clock.advance(INTERVAL)
+        c0 = time.process_time()
+        snap = sampler.sample()
+        analysis = analyzer.update(snap)
+        state = State(snapshot=snap, analysis=analysis, last_sample_at=snap.timestamp, samples_total=i + 1)
+        if i >= 3:  # warm-up: caches and history fill in the first ticks
+            cpu.append(time.process_time() - c0)
+    procs = sum(len(g.processes) for g in state.snapshot.gpus)
+    return {"cpu_per_tick": cpu, "rss": _rss(), "port": _serve(registry), "gpu_processes": procs}
+
+
+def worker_nvitop(spec: dict, site: str, ticks: int) -> dict:
+    from exporter.clock import FixedClock
+    from exporter.sim import fake_nvml
+    from exporter.sim.scenario import from_dict
+
+    clock = FixedClock(float(int(time.time()) // 60 * 60), at=600.0)
+    fake_nvml.configure(from_dict(spec), clock)
+    sys.modules["pynvml"] = fake_nvml  # before nvitop is imported: it binds pynvml at import
+    sys.path.append(site)
+    from nvitop import Device
+    from nvitop_exporter.exporter import PrometheusExporter
+    from prometheus_client import CollectorRegistry
+
+    devices = Device.from_indices(range(Device.count()))
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(devices, hostname="bench", registry=registry, interval=INTERVAL)
+    cpu = []
+    for i in range(ticks + 3):
+        clock.advance(INTERVAL)
+        c0 = time.process_time()
+        exporter.update_host()
+        for d in devices:
+            exporter.update_device(d)
+        if i >= 3:
+            cpu.append(time.process_time() - c0)
+    procs = sum(len(v) for v in exporter.alive_pids.values())
+    return {"cpu_per_tick": cpu, "rss": _rss(), "port": _serve(registry), "gpu_processes": procs}
+
+
+def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, ticks: int) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    result = worker_ours(spec, endpoints, ticks) if kind == "ours" else worker_nvitop(spec, site, ticks)
+    print(json.dumps(result), flush=True)
+    sys.stdin.read()  # serve /metrics until the parent closes stdin
+
+
+# -- the parent: spawn processes and servers, run workers, scrape, report ---------------------------
+def scrape_latencies(port: int, n: int) -> tuple[list[float], int]:
+    url = f"http://127.0.0.1:{port}/metrics"
+    times, size = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=30) as r:
+            size = len(r.read())
+        times.append(time.perf_counter() - t0)
+    return times, size
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_worker(kind, spec_file, endpoints, site, ticks, scrapes) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--spec", spec_file, "--site", site,
+           "--ticks", str(ticks), *sum((["--endpoint", e] for e in endpoints), [])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{kind} worker failed (exit {proc.wait()})")
+        result = json.loads(line)
+        result["scrape"], result["bytes"] = scrape_latencies(result["port"], scrapes)
+        return result
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--procs", type=int, nargs="+", default=[16, 64, 256], help="processes per GPU")
+    ap.add_argument("--ticks", type=int, default=12)
+    ap.add_argument("--scrapes", type=int, default=200)
+    default_site = next(iter(sorted(glob.glob("/tmp/nvitop-venv/lib/python3*/site-packages"))), "")
+    ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
+    ap.add_argument("--worker", choices=["ours", "nvitop"], help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--site", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args.worker, args.spec, args.endpoint, args.site, args.ticks)
+        return 0
+
+    import tempfile
+
+    from exporter.clock import VirtualClock
+    from exporter.sim.fake_vllm import FakeVllmServer
+    from exporter.sim.scenario import from_dict
+
+    have_nvitop = bool(args.nvitop_site) and os.path.isdir(os.path.join(args.nvitop_site, "nvitop_exporter"))
+    if not have_nvitop:
+        print(f"nvitop-exporter not found under {args.nvitop_site!r}: measuring ours only", file=sys.stderr)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for gpus in args.gpus:
+            for per_gpu in args.procs:
+                # Exactly the host's GPU processes exist: the cost of walking /proc grows with them.
+                sleepers = [subprocess.Popen(["sleep", "36000"]) for _ in range(gpus * per_gpu)]
+                try:
+                    spec = scenario_dict(gpus, per_gpu, [p.pid for p in sleepers])
+                    spec_file = os.path.join(tmp, f"{gpus}x{per_gpu}.json")
+                    Path(spec_file).write_text(json.dumps(spec))
+                    scenario = from_dict(spec)
+                    clock = VirtualClock(speed=1.0)
+                    with contextlib.ExitStack() as stack:
+                        urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
+                                for i in range(VLLM_ENDPOINTS)]
+                        row = {"gpus": gpus, "procs": per_gpu,
+                               "ours": run_worker("ours", spec_file, urls, "", args.ticks, args.scrapes)}
+                        if have_nvitop:
+                            row["nvitop"] = run_worker("nvitop", spec_file, [], args.nvitop_site, args.ticks,
+                                                       args.scrapes)
+                finally:
+                    for p in sleepers:
+                        p.kill()
+                    for p in sleepers:
+                        p.wait()
+                rows.append(row)
+                print(f"  {gpus} GPUs x {per_gpu} processes done", file=sys.stderr)
+    print_table(rows, have_nvitop)
+    return 0
+
+
+def summarise(r: dict) -> dict:
+    tick = statistics.median(r["cpu_per_tick"])
+    return {"cpu_s_per_h": tick * TICKS_PER_HOUR, "core_pct": 100 * tick / INTERVAL, "rss_mib": r["rss"] / 2**20,
+            "p50_ms": 1000 * statistics.median(r["scrape"]), "p99_ms": 1000 * pct(r["scrape"], 0.99),
+            "kib": r["bytes"] / 1024, "seen": r["gpu_processes"]}
+
+
+def print_table(rows: list[dict], have_nvitop: bool) -> None:
+    head = ("| GPUs | procs/GPU | exporter | CPU s/h | % of a core | RSS MiB | scrape p50 ms | scrape p99 ms "
+            "| /metrics KiB | GPU procs seen |")
+    print(head)
+    print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
+    for row in rows:
+        for kind in ("ours", "nvitop") if have_nvitop else ("ours",):
+            s = summarise(row[kind])
+            print(f"| {row['gpus']} | {row['procs']} | {kind} | {s['cpu_s_per_h']:.1f} | {s['core_pct']:.2f} "
+                  f"| {s['rss_mib']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['kib']:.0f} | {s['seen']} |")
+    if have_nvitop:
+        print()
+        print("| GPUs | procs/GPU | CPU ours/nvitop | RSS ours/nvitop | scrape p50 ours/nvitop | scrape p99 ours/nvitop |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            o, n = summarise(row["ours"]), summarise(row["nvitop"])
+            print(f"| {row['gpus']} | {row['procs']} | {o['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} "
+                  f"| {o['rss_mib'] / n['rss_mib']:.2f} | {o['p50_ms'] / n['p50_ms']:.2f} | {o['p99_ms'] / n['p99_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
