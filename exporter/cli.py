@@ -59,6 +59,19 @@ def _build_runtime(config: Config, simulate, speed=1.0, at=None):
         raise click.ClickException(str(exc)) from exc
 
 
+def _make_recorder(config: Config, clock):
+    if not config.recorder.directory:
+        return None
+    from .recorder import FlightRecorder
+
+    r = config.recorder
+    try:
+        return FlightRecorder(r.directory, r.window_seconds, r.max_files, r.max_total_bytes,
+                              r.debounce_seconds, now=clock.now)
+    except ValueError as exc:
+        raise click.ClickException(f"invalid configuration: recorder: {exc}") from exc
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], **_COMMON_ENV})
 @click.version_option(__version__, prog_name="gpu-memory-exporter")
 @click.option("--log-level", default="info", show_default=True,
@@ -96,34 +109,40 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
         except ConfigError as exc:
             raise click.ClickException(f"invalid web config: {exc}") from exc
     runtime = _build_runtime(config, simulate, speed=speed)
-    daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds, analyzer=make_analyzer(config))
-    registry = build_registry(lambda: daemon.state, runtime.clock.now)
-    app = make_app(registry, lambda: daemon.state, runtime.clock.now, config.effective_stale_after,
+    clock = runtime.clock
+    daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=make_analyzer(config),
+                    recorder=_make_recorder(config, clock))
+    registry = build_registry(lambda: daemon.state, clock.now)
+    app = make_app(registry, lambda: daemon.state, clock.now, config.effective_stale_after,
                    auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
     host, port = parse_listen(config.listen)
     try:
         server = HttpServer(app, host, port, web).start()
     except OSError as exc:
+        runtime.close()
         raise click.ClickException(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
     log.info("serving on %s://%s:%d/metrics (%s host, every %.1f s)", "https" if server.tls else "http",
              host, server.port, f"simulated '{simulate}' x{speed:g}" if simulate else "real",
              config.interval_seconds)
 
     stopping = threading.Event()
-    state = {"runtime": runtime}
 
     def reload(*_):
-        """SIGHUP: re-read the configuration; a bad file keeps the running one."""
+        """SIGHUP: re-read the configuration and rebuild the sources over the same host (its
+        clock, NVML and simulated servers carry on); a bad file keeps the running one. The
+        listener, web config, kubelet, history and recorder settings change only on restart."""
+        from .runtime import make_sampler
+
         try:
             new_config = _load(config_file, **overrides)
-            new_runtime = _build_runtime(new_config, simulate, speed=speed)
-        except click.ClickException as exc:
-            log.error("reload failed, keeping the running configuration: %s", exc.message)
+            make_analyzer(new_config)  # the detectors' own constraints
+            sampler = make_sampler(new_config, runtime.host)
+        except (click.ClickException, ConfigError) as exc:
+            log.error("reload failed, keeping the running configuration: %s",
+                      getattr(exc, "message", None) or exc)
             return
-        if new_config.listen != config.listen or new_config.web_config_file != config.web_config_file:
-            log.warning("listen address and web config change only on restart")
-        old, state["runtime"] = state["runtime"], new_runtime
-        daemon.sampler, daemon.interval = new_runtime.sampler, new_config.interval_seconds
+        old, runtime.sampler = runtime.sampler, sampler
+        daemon.sampler, daemon.interval = sampler, new_config.interval_seconds
         old.close()
         log.info("configuration reloaded")
 
@@ -139,7 +158,7 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
         log.info("stopping")
         daemon.stop()
         server.stop()
-        state["runtime"].close()
+        runtime.close()
 
 
 @main.command()

@@ -68,6 +68,17 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class RecorderConfig:
+    """The flight recorder (exporter/recorder.py): off while `directory` is empty."""
+
+    directory: str = ""
+    window_seconds: float = 3600.0  # how much full-resolution history each file holds
+    max_files: int = 20
+    max_total_bytes: int = 512 << 20
+    debounce_seconds: float = 300.0  # at most one file per trigger kind this often
+
+
+@dataclass(frozen=True)
 class KubeletConfig:
     """Pod names for processes, from the node's kubelet (exporter/sources/kubelet.py)."""
 
@@ -98,6 +109,7 @@ class Config:
     vllm_endpoints: tuple[EndpointConfig, ...] = ()
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     kubelet: KubeletConfig = field(default_factory=KubeletConfig)
+    recorder: RecorderConfig = field(default_factory=RecorderConfig)
 
     @property
     def effective_stale_after(self) -> float:
@@ -118,6 +130,7 @@ _FILE_LAYOUT: dict[str, Any] = {
     "vllm": {"endpoints": "vllm_endpoints"},
     "admission": "admission",
     "kubelet": "kubelet",
+    "recorder": "recorder",
 }
 
 
@@ -185,6 +198,8 @@ def _flatten(data: dict, layout: dict, where: str, out: dict) -> None:
             out[target] = _endpoints(value, path)
         elif target == "admission":
             out[target] = _build(AdmissionConfig, value, path + ".")
+        elif target == "recorder":
+            out[target] = _build(RecorderConfig, value, path + ".")
         elif target == "kubelet":
             if isinstance(value, dict) and isinstance(value.get("enabled"), bool):
                 value = {**value, "enabled": "true" if value["enabled"] else "false"}  # YAML's true
@@ -210,6 +225,13 @@ def validate(config: Config) -> Config:
         raise ConfigError("admission: need 0 < open_below < close_above <= 1 "
                           f"(got open_below={a.open_below}, close_above={a.close_above})")
     _validate_kubelet(config.kubelet)
+    r = config.recorder
+    if r.directory:
+        if not 0 < r.window_seconds <= config.history_raw_seconds:
+            raise ConfigError("recorder.window_seconds: must be positive and at most history.raw_seconds "
+                              f"({config.history_raw_seconds:g}), the full-resolution history kept")
+        if r.max_files < 1 or r.max_total_bytes < 1 << 20 or r.debounce_seconds < 0:
+            raise ConfigError("recorder: need max_files >= 1, max_total_bytes >= 1MiB, debounce_seconds >= 0")
     for i, ep in enumerate(config.vllm_endpoints):
         if not re.match(r"^https?://[^/\s]+", ep.url):
             raise ConfigError(f"vllm.endpoints[{i}].url: expected http(s)://host:port/metrics, got {ep.url!r}")

@@ -56,6 +56,12 @@ class Sampler:
         self.assign_roles = assign_roles  # (gpus, vllm_samples, host) -> gpus
         self.profiles = profiles  # has .attach(vllm_samples) -> vllm_samples with memory_profile
 
+    def close(self) -> None:
+        self.nvml.close()
+        for source in (self.vllm, self.logs):
+            if source is not None:
+                source.close()
+
     def sample(self) -> Snapshot:
         timestamp = self.now()
         reading = self.nvml.sample()

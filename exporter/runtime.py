@@ -18,17 +18,36 @@ log = logging.getLogger("exporter.runtime")
 
 
 @dataclass
-class Runtime:
-    sampler: Sampler
+class Host:
+    """What lives as long as the process: the NVML module, the HostView, the clock, and when
+    simulated the scenario's fake vLLM servers (with their start-up logs)."""
+
+    nvml_module: object
+    view: object  # HostView
     clock: object
     simulated: bool = False
+    sim_endpoints: tuple = ()  # VllmEndpoint of each simulated vLLM server
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
-        self.sampler.nvml.close()
-        if self.sampler.vllm is not None:
-            self.sampler.vllm.close()
         self._cleanup.close()
+
+
+@dataclass
+class Runtime:
+    """A Host and the sampler built over it from one configuration. A reload (SIGHUP) builds
+    a new sampler over the same host: the simulated clock and NVML module carry on."""
+
+    host: Host
+    sampler: Sampler
+
+    @property
+    def clock(self):
+        return self.host.clock
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.host.close()
 
 
 def _endpoint(ep: EndpointConfig, where: str):
@@ -65,46 +84,55 @@ def kubelet_pods(config: Config, env=None):
                                unknown_refresh_seconds=k.unknown_pod_refresh_seconds)
 
 
-def build(config: Config, simulate: str | None = None, speed: float = 1.0,
-          at: float | None = None) -> Runtime:
+def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
+              at: float | None = None) -> Host:
     """`simulate`: a scenario name or file. `at`: freeze the simulated clock at that scenario
-    time (for `snapshot`). Raises ConfigError / ScenarioError on bad input."""
+    time (for `snapshot`). Raises ScenarioError on a bad scenario."""
     stack = contextlib.ExitStack()
-    endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm_endpoints)]
-    if simulate:
-        import time
-
-        from .sim import fake_nvml
-        from .sim.fake_vllm import FakeVllmServer
-        from .sim.host import SimulatedHost
-        from .sim.scenario import load as load_scenario
-
-        scenario = load_scenario(simulate)
-        # Start simulated time on a whole minute: history buckets align the same way every run,
-        # so a replayed scenario gives the same findings at the same moments.
-        start = float(int(time.time()) // 60 * 60)
-        clock = FixedClock(start, at) if at is not None else VirtualClock(start, speed=speed)
-        fake_nvml.configure(scenario, clock)
-        stack.callback(fake_nvml.configure, None, None)
-        nvml_module = fake_nvml
-        host = SimulatedHost(scenario, clock)
-        from .sources.vllm import VllmEndpoint
-        for i in range(len(scenario.vllm)):
-            server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
-            host.alias_port(server.port, scenario.vllm[i].port)
-            endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}"))
-    else:
-        import pynvml as nvml_module
+    if not simulate:
+        import pynvml
 
         from .sources.host import LocalHost
 
-        clock = SystemClock()
         pods = kubelet_pods(config)
         if pods is not None:
             stack.callback(pods.close)
-        host = LocalHost(config.proc_root, pods=pods)
+        return Host(pynvml, LocalHost(config.proc_root, pods=pods), SystemClock(), _cleanup=stack)
 
-    nvml = NvmlSource(nvml_module, host.memory, now=clock.now,
+    import tempfile
+    import time
+
+    from .sim import fake_nvml
+    from .sim.fake_vllm import FakeVllmServer, startup_log
+    from .sim.host import SimulatedHost
+    from .sim.scenario import load as load_scenario
+    from .sources.vllm import VllmEndpoint
+
+    scenario = load_scenario(simulate)
+    # Start simulated time on a whole minute: history buckets align the same way every run,
+    # so a replayed scenario gives the same findings at the same moments.
+    start = float(int(time.time()) // 60 * 60)
+    clock = FixedClock(start, at) if at is not None else VirtualClock(start, speed=speed)
+    fake_nvml.configure(scenario, clock)
+    stack.callback(fake_nvml.configure, None, None)
+    view = SimulatedHost(scenario, clock)
+    logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
+    endpoints = []
+    for i, spec in enumerate(scenario.vllm):
+        server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
+        view.alias_port(server.port, spec.port)
+        log_file = f"{logs}/vllm-{i}.log"  # what a real server logs at start-up about its memory
+        with open(log_file, "w") as fh:
+            fh.write(startup_log(scenario, i))
+        endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}", log_file=log_file))
+    return Host(fake_nvml, view, clock, simulated=True, sim_endpoints=tuple(endpoints), _cleanup=stack)
+
+
+def make_sampler(config: Config, host: Host) -> Sampler:
+    """The configuration-dependent part: endpoints, log files, what to read. Raises ConfigError."""
+    endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm_endpoints)]
+    endpoints += host.sim_endpoints
+    nvml = NvmlSource(host.nvml_module, host.view.memory, now=host.clock.now,
                       retry_initial_seconds=config.nvml_retry_initial_seconds,
                       retry_max_seconds=config.nvml_retry_max_seconds)
     vllm = assign_roles = profiles = None
@@ -112,13 +140,23 @@ def build(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sources.vllm import VllmSource
         from .sources.vllm_log import ProfileCache
         from .sources.vllm_procs import assign_roles
-        vllm = VllmSource(endpoints, host=host)
+        vllm = VllmSource(endpoints, host=host.view)
         profiles = ProfileCache({ep.label: ep.log_file for ep in endpoints if ep.log_file})
     logs = None
     log_files = list(config.log_files) + [ep.log_file for ep in config.vllm_endpoints if ep.log_file]
     if log_files:
         from .sources.logs import LogSource
         logs = LogSource(log_files)
-    sampler = Sampler(nvml, host, now=clock.now, read_cmdline=config.read_cmdline, vllm=vllm,
-                      logs=logs, assign_roles=assign_roles, profiles=profiles)
-    return Runtime(sampler, clock, simulated=bool(simulate), _cleanup=stack)
+    return Sampler(nvml, host.view, now=host.clock.now, read_cmdline=config.read_cmdline, vllm=vllm,
+                   logs=logs, assign_roles=assign_roles, profiles=profiles)
+
+
+def build(config: Config, simulate: str | None = None, speed: float = 1.0,
+          at: float | None = None) -> Runtime:
+    """A host and a sampler over it, for one-shot use (snapshot, tests, benchmarks)."""
+    host = open_host(config, simulate, speed, at)
+    try:
+        return Runtime(host, make_sampler(config, host))
+    except BaseException:
+        host.close()
+        raise

@@ -140,8 +140,12 @@ def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
         time.sleep(0.5)
         cfg.write_text("interval_seconds: 0.3\n")
         d.proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        time.sleep(1.0)
         d.wait_healthy()
+        # The reloaded sources run over the same simulated host: NVML still answers.
+        m = d.metrics()
+        assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 1
+        assert any(n == "gpumem_process_memory_used_bytes" for n, _ in m)
     finally:
         code, out = d.stop()
     assert code == 0
@@ -188,3 +192,24 @@ def test_analyze_input_errors_exit_2(tmp_path):
     assert cli("analyze", check=False).returncode == 2  # neither traces nor --prometheus
     proc = cli("explain", str(tmp_path / "missing.log"), check=False)
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(f"recorder: {{directory: {tmp_path / 'traces'}, debounce_seconds: 0}}\n")
+    # stale-memory: the vLLM server exits at 600 s of scenario time (about 1 s here).
+    d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "600", "--interval", "5")
+    try:
+        d.wait_healthy()
+        deadline = time.time() + 20
+        while time.time() < deadline and not list((tmp_path / "traces").glob("*vllm_exit*.csv")):
+            time.sleep(0.2)
+        files = list((tmp_path / "traces").glob("*vllm_exit*.csv"))
+        assert files, "no trace written"
+        assert d.metrics()[("gpumem_recorder_writes_total", ())] >= 1
+    finally:
+        d.stop()
+    header = files[0].read_text().splitlines()[0]
+    assert header.startswith("timestamp,gpu,pid,process,used_bytes")
+    out = json.loads(cli("analyze", str(files[0]), "--format", "json").stdout)
+    assert "findings" in out

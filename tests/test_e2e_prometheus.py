@@ -16,8 +16,8 @@ alerts/tests instead.
 
 Scenarios: `leak` (GpuMemoryLeakSuspected reaches Alertmanager naming the process), `pressure`
 (GpuMemoryHigh pages above 90 % and resolves when memory drops), and `contention` with a minute
-of vLLM HTTP errors added (every dashboard query returns data, except the explicit
-NO_DATA_IN_SIMULATION set below, with reasons).
+of vLLM HTTP errors added (every dashboard query returns data; the simulated vLLM servers write
+a start-up log, so the memory-profile panels are fed as from a real server).
 """
 from __future__ import annotations
 
@@ -37,20 +37,6 @@ FAST_FOR = "2s"
 # The leak scenario's leaking process (exporter/sim/scenarios/leak.yaml).
 LEAK_PID, LEAK_PROCESS = "3150", "VLLM::EngineCor"
 
-# Panels whose queries over gpumem_vllm_memory_profile_bytes get no data from any simulated
-# scenario, each with the reason. That family comes from a vLLM server's start-up log, and the
-# simulator's vLLM servers write none (runtime.build adds their endpoints without a log_file).
-# Only those queries are excused: the panels' other targets are checked. The excused queries
-# must stay empty (checked below), so an entry goes as soon as the simulator can feed it; their
-# exposition is covered by tests/test_exposition.py, the queries by test_dashboards.py's
-# Prometheus over a fixed exposition.
-PROFILE_METRIC = "gpumem_vllm_memory_profile_bytes"
-NO_DATA_IN_SIMULATION = {
-    ("memory-budget", "panel 'vLLM memory profile'"):
-        "shows the start-up profile itself",
-    ("memory-budget", "panel 'GPU $gpu: where the memory goes'"):
-        "weights, KV cache, other profiled parts and 'vLLM beyond its profile' join on the profile",
-}
 # Data that exists only in another scenario than the one the dashboards are checked on: the
 # leak annotation (`== 1`) needs a leak, which test_leak_alert_reaches_alertmanager checks.
 LEAK_ANNOTATION = ("leak-investigation", "annotation 'Leak suspected'")
@@ -201,10 +187,9 @@ def test_every_dashboard_query_returns_data_from_the_live_exporter(stack, tmp_pa
         dashboard = load(path)
         every += [(path.stem, where, expr) for where, expr in queries(dashboard)]
         every += [(path.stem, "variable", _label_values_selector(q)) for q in variable_queries(dashboard)]
-    excused = [q for q in every if q[:2] in NO_DATA_IN_SIMULATION and PROFILE_METRIC in q[2]]
     leak_only = [q for q in every if q[:2] == LEAK_ANNOTATION]
-    assert {q[:2] for q in excused} == set(NO_DATA_IN_SIMULATION) and len(leak_only) == 1
-    checked = [q for q in every if q not in excused and q not in leak_only]
+    assert len(leak_only) == 1
+    checked = [q for q in every if q not in leak_only]
 
     def without_data(selected):
         missing = {}
@@ -228,5 +213,4 @@ def test_every_dashboard_query_returns_data_from_the_live_exporter(stack, tmp_pa
     except AssertionError:
         assert missing == {}  # show which queries stayed empty
         raise
-    # The exceptions are real: were the simulator to feed them, they would belong in the check.
-    assert set(without_data(excused)) == set(excused)
+
