@@ -108,19 +108,28 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
             web = load_web_config(config.web_config_file)
         except ConfigError as exc:
             raise click.ClickException(f"invalid web config: {exc}") from exc
+    analyzer = make_analyzer(config)
     runtime = _build_runtime(config, simulate, speed=speed)
     clock = runtime.clock
-    daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=make_analyzer(config),
-                    recorder=_make_recorder(config, clock))
-    registry = build_registry(lambda: daemon.state, clock.now)
-    app = make_app(registry, lambda: daemon.state, clock.now, config.effective_stale_after,
-                   auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
-    host, port = parse_listen(config.listen)
-    try:
-        server = HttpServer(app, host, port, web).start()
-    except OSError as exc:
+    recorder = None
+    try:  # a failure from here on must not leave simulated servers or threads behind
+        recorder = _make_recorder(config, clock)
+        daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder)
+        registry = build_registry(lambda: daemon.state, clock.now)
+        current = {"config": config}  # what a reload changes
+        app = make_app(registry, lambda: daemon.state, clock.now,
+                       lambda: current["config"].effective_stale_after,
+                       auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
+        host, port = parse_listen(config.listen)
+        try:
+            server = HttpServer(app, host, port, web).start()
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
         runtime.close()
-        raise click.ClickException(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+        raise
     log.info("serving on %s://%s:%d/metrics (%s host, every %.1f s)", "https" if server.tls else "http",
              host, server.port, f"simulated '{simulate}' x{speed:g}" if simulate else "real",
              config.interval_seconds)
@@ -141,9 +150,9 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
             log.error("reload failed, keeping the running configuration: %s",
                       getattr(exc, "message", None) or exc)
             return
-        old, runtime.sampler = runtime.sampler, sampler
-        daemon.sampler, daemon.interval = sampler, new_config.interval_seconds
-        old.close()
+        current["config"] = new_config
+        daemon.replace_sampler(sampler)  # swapped (and the old one closed) between two ticks
+        daemon.interval = new_config.interval_seconds
         log.info("configuration reloaded")
 
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -158,7 +167,8 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
         log.info("stopping")
         daemon.stop()
         server.stop()
-        runtime.close()
+        daemon.sampler.close()  # the sampler in use, which a reload may have replaced
+        runtime.host.close()
 
 
 @main.command()
@@ -184,6 +194,8 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
         state = daemon.tick()
     finally:
         runtime.close()
+    if state.snapshot is None:
+        _fail("sampling failed; see the log above")
     if fmt == "json":
         out = {"snapshot": dataclasses.asdict(state.snapshot),
                "analysis": dataclasses.asdict(state.analysis) if state.analysis else None}

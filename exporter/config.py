@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -34,10 +35,13 @@ def parse_size(value: Any, where: str) -> int:
         if value < 0:
             raise ConfigError(f"{where}: must not be negative")
         return value
-    m = _SIZE_RE.match(str(value))
+    m = _SIZE_RE.match(str(value)[:64])
     if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"{where}: expected a size like 8MiB or 1048576, got {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        raise ConfigError(f"{where}: expected a size like 8MiB or 1048576, got {str(value)[:64]!r}")
+    size = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not math.isfinite(size) or size > 1 << 62:
+        raise ConfigError(f"{where}: {str(value)[:64]!r} is too large")
+    return int(size)
 
 
 def parse_listen(value: str, where: str = "listen") -> tuple[str, int]:
@@ -143,8 +147,8 @@ def _unknown_key(key: str, known, where: str) -> ConfigError:
 def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Check one scalar against the field's declared type."""
     if typ in ("float", float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if typ in ("bool", bool):
         if not isinstance(value, bool):
@@ -216,8 +220,15 @@ def _flatten(data: dict, layout: dict, where: str, out: dict) -> None:
 def validate(config: Config) -> Config:
     """Checks that concern more than one value."""
     parse_listen(config.listen)
-    if config.interval_seconds <= 0:
-        raise ConfigError("interval_seconds: must be positive")
+    for key, value in (("interval_seconds", config.interval_seconds),
+                       ("history.raw_seconds", config.history_raw_seconds),
+                       ("history.retention_seconds", config.history_retention_seconds),
+                       ("nvml.retry_initial_seconds", config.nvml_retry_initial_seconds),
+                       ("nvml.retry_max_seconds", config.nvml_retry_max_seconds)):
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive")
+    if config.stale_after_seconds < 0:
+        raise ConfigError("stale_after_seconds: must not be negative (0: three intervals)")
     if config.history_raw_seconds > config.history_retention_seconds:
         raise ConfigError("history.raw_seconds: must not exceed history.retention_seconds")
     a = config.admission

@@ -5,6 +5,7 @@ interval; scrapes only read the last published State (a reference swap, no lock 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -55,6 +56,25 @@ class Sampler:
         self.logs = logs  # has .sample() -> (tuple[OomEvent, ...], tuple[SourceError, ...])
         self.assign_roles = assign_roles  # (gpus, vllm_samples, host) -> gpus
         self.profiles = profiles  # has .attach(vllm_samples) -> vllm_samples with memory_profile
+        self._roles: dict[tuple, tuple[str, str]] = {}  # process identity -> (role, endpoint)
+
+    def _sticky_roles(self, gpus):
+        """A process serves its server for life. When a server shuts down, its listener goes
+        first and its workers free their GPU memory a moment later: keep their role meanwhile,
+        so the exit is seen as a serving process's exit."""
+        roles, out = {}, []
+        for gpu in gpus:
+            procs = []
+            for p in gpu.processes:
+                if p.role == "other" and p.start_time is not None and p.identity in self._roles:
+                    role, endpoint = self._roles[p.identity]
+                    p = dataclasses.replace(p, role=role, endpoint=endpoint)
+                if p.role != "other" and p.start_time is not None:
+                    roles[p.identity] = (p.role, p.endpoint)
+                procs.append(p)
+            out.append(dataclasses.replace(gpu, processes=tuple(procs)))
+        self._roles = roles  # only processes alive now: bounded by the process table
+        return tuple(out)
 
     def close(self) -> None:
         self.nvml.close()
@@ -87,7 +107,7 @@ class Sampler:
             if self.profiles is not None:
                 vllm = self.profiles.attach(vllm)
             if self.assign_roles is not None:
-                gpus = self.assign_roles(gpus, vllm, self.host)
+                gpus = self._sticky_roles(self.assign_roles(gpus, vllm, self.host))
             sources.append(SourceStatus("vllm", all(v.up for v in vllm), time.perf_counter() - started))
 
         events = ()
@@ -123,8 +143,21 @@ class Daemon:
         self._ooms: Counter = Counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pending: Sampler | None = None
+
+    def replace_sampler(self, sampler: Sampler) -> None:
+        """Use `sampler` from the next tick on (a configuration reload). The swap happens on the
+        sampling thread between ticks, so no tick ever runs on sources being closed."""
+        self._pending = sampler
+
+    def _swap_sampler(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            old, self.sampler = self.sampler, pending
+            old.close()
 
     def tick(self) -> State:
+        self._swap_sampler()
         started = time.perf_counter()
         try:
             snapshot = self.sampler.sample()
@@ -177,5 +210,8 @@ class Daemon:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._pending is not None:  # a reload that no tick picked up
+            self._pending.close()
+            self._pending = None
         if self.recorder is not None:
             self.recorder.close()  # finishes a pending write

@@ -181,8 +181,10 @@ class MetricsCache:
         return [entry[2]]
 
 
-def make_app(registry, get_state: Callable[[], State], now: Callable[[], float], stale_after: float,
-             auth: BasicAuth | None = None):
+def make_app(registry, get_state: Callable[[], State], now: Callable[[], float],
+             stale_after: float | Callable[[], float], auth: BasicAuth | None = None):
+    """`stale_after`: seconds, or a callable giving them (it follows configuration reloads)."""
+    stale_limit = stale_after if callable(stale_after) else (lambda: stale_after)
     metrics_app = MetricsCache(registry, get_state)
 
     def respond(start_response, status: str, body: bytes, ctype: str = "application/json"):
@@ -206,10 +208,11 @@ def make_app(registry, get_state: Callable[[], State], now: Callable[[], float],
             return metrics_app(environ, start_response)
         if path == "/healthz":
             age = None if state.last_sample_at is None else now() - state.last_sample_at
-            healthy = age is not None and age <= stale_after
+            limit = stale_limit()
+            healthy = age is not None and age <= limit
             sources = {s.source: s.up for s in state.snapshot.sources} if state.snapshot else {}
             body = {"status": "ok" if healthy else "stale", "sample_age_seconds": age,
-                    "stale_after_seconds": stale_after, "sources_up": sources}
+                    "stale_after_seconds": limit, "sources_up": sources}
             return respond(start_response, "200 OK" if healthy else "503 Service Unavailable", as_json(body))
         if path == "/admission":
             return respond(start_response, *admission(state, parse_qs(environ.get("QUERY_STRING", ""))))

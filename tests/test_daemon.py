@@ -73,3 +73,21 @@ def test_run_loop_keeps_time_on_the_clock_and_stops_promptly():
         rt.close()
     assert 8 <= daemon.state.samples_total <= 25
     assert isinstance(rt.clock, VirtualClock)
+
+
+def test_a_serving_process_keeps_its_role_while_its_server_shuts_down(runtime_at):
+    from exporter.model import GpuSample, ProcessSample
+
+    sampler = runtime_at("steady", 600).sampler
+
+    def gpus(role, endpoint="", start=100.0):
+        return (GpuSample(index="0", uuid="GPU-a", processes=(
+            ProcessSample(pid=7, used_bytes=1, role=role, endpoint=endpoint, start_time=start),)),)
+
+    assert sampler._sticky_roles(gpus("vllm", "sim-0"))[0].processes[0].role == "vllm"
+    # The listener is gone, the worker still holds its memory: still the server's.
+    kept = sampler._sticky_roles(gpus("other"))[0].processes[0]
+    assert (kept.role, kept.endpoint) == ("vllm", "sim-0")
+    # The same PID reused by another process is not.
+    assert sampler._sticky_roles(gpus("other", start=200.0))[0].processes[0].role == "other"
+    assert sampler._sticky_roles(gpus("other"))[0].processes[0].role == "other"  # forgotten once gone
