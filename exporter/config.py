@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from .boundedio import read_head
+
 MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_PORT = 9842
 
@@ -272,11 +274,10 @@ def _validate_kubelet(k: KubeletConfig) -> None:
 
 def load_file(path: str) -> dict:
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        raw, more = read_head(path, MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
-    if len(raw) > MAX_CONFIG_BYTES:
+    if more:
         raise ConfigError(f"{path}: config file larger than {MAX_CONFIG_BYTES} bytes")
     try:
         data = yaml.safe_load(raw.decode("utf-8", errors="replace"))
@@ -310,7 +311,6 @@ def load(path: str | None = None, overrides: dict | None = None) -> Config:
 def read_secret_file(path: str, where: str) -> str:
     """A bearer token from a file: bounded, stripped, never echoed in errors."""
     try:
-        with open(os.path.expanduser(path), "rb") as fh:
-            return fh.read(64 << 10).decode("utf-8", errors="replace").strip()
+        return read_head(os.path.expanduser(path), 64 << 10)[0].decode("utf-8", errors="replace").strip()
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read token file {path}: {exc.strerror or exc}") from exc

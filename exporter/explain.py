@@ -10,7 +10,8 @@ import json
 
 from .analysis.oom import OomParser, event_to_dict, format_bytes
 from .model import OomEvent
-from .sources.logs import DEFAULT_MAX_LINE_BYTES, iter_file_lines, open_regular
+from .boundedio import open_regular
+from .sources.logs import DEFAULT_MAX_LINE_BYTES, iter_file_lines
 
 MAX_FILE_BYTES = 256 * 1024 * 1024
 FORMATS = ("text", "json")

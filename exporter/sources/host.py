@@ -6,11 +6,11 @@ NVML reports host PIDs, and only there can they be looked up.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import psutil
 
+from ..boundedio import read_head
 from ..model import GpuSample, HostMemory
 from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
@@ -22,8 +22,7 @@ TREE_CACHE_SECONDS = 10.0
 
 def _read_small(path: str) -> str:
     try:
-        with open(path, "rb") as fh:
-            return fh.read(_MAX_PROC_FILE).decode("utf-8", errors="replace")
+        return read_head(path, _MAX_PROC_FILE)[0].decode("utf-8", errors="replace")
     except OSError:
         return ""  # vanished or unreadable: a normal race, the field is simply unknown
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import requests
 import urllib3
 
+from ..boundedio import read_head
 from ..model import SourceError
 
 log = logging.getLogger("exporter.sources.kubelet")
@@ -243,8 +244,7 @@ def read_token(path: str) -> str:
     """The service account token, read on every fetch (projected tokens rotate). Bounded; the
     token itself never appears in an error."""
     try:
-        with open(path, "rb") as fh:
-            token = fh.read(MAX_TOKEN_BYTES).decode("ascii", errors="replace").strip()
+        token = read_head(path, MAX_TOKEN_BYTES)[0].decode("ascii", errors="replace").strip()
     except OSError as exc:
         raise KubeletError("token_unreadable", f"cannot read token file {path}: {exc.strerror or exc}") from None
     if not token:

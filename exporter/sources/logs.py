@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import BinaryIO, Iterator
 
 from ..analysis.oom import OomParser
+from ..boundedio import open_regular
 from ..model import OomEvent, SourceError
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
@@ -83,22 +84,6 @@ def _classify_os_error(exc: OSError) -> str:
     if exc.errno == errno.ENOENT:
         return "missing"
     return "io"
-
-
-def open_regular(path: str) -> BinaryIO:
-    """Open a regular file for reading without ever blocking (a FIFO would hang `open`).
-    Raises IsADirectoryError / OSError(EINVAL) for anything that is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class LogTailer:

@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Iterable
 
+from ..boundedio import read_head
+
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 MAX_LINE_CHARS = 4096
 MAX_LINES = 200_000
@@ -134,8 +136,7 @@ def read_profile(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> MemoryProfile
     """Parse the head of a vLLM log (the profile is logged at start-up). Never raises: an
     unreadable file gives an empty profile with `error` saying why."""
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(max_bytes)
+        head, _ = read_head(path, max_bytes)  # never blocks: a FIFO here must not hang sampling
     except OSError as exc:
         return MemoryProfile(error=f"cannot read {path}: {exc.strerror or exc}")
     text = head.decode("utf-8", errors="replace").replace("\x00", "")

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 
 import psutil
 
+from ..boundedio import read_head
 from ..model import GpuSample, VllmSample
 from .hostview import HostView
 from .vllm import VllmEndpoint
@@ -35,11 +36,10 @@ class PidFileError(ValueError):
 def read_pid_file(path: str, max_bytes: int = MAX_PID_FILE_BYTES) -> int:
     """The PID in `path`; PidFileError with a clear reason when it is missing or not a PID."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(max_bytes + 1)
+        raw, more = read_head(path, max_bytes)
     except OSError as exc:
         raise PidFileError(f"cannot read PID file {path}: {exc.strerror or exc}") from None
-    if len(raw) > max_bytes:
+    if more:
         raise PidFileError(f"PID file {path} is longer than {max_bytes} bytes")
     text = raw.decode("ascii", errors="replace").strip()
     if not text.isdigit():
