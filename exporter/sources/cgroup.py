@@ -9,12 +9,14 @@ Shapes seen in the field, all handled:
 """
 from __future__ import annotations
 
+import functools
 import re
 
 _CONTAINER = re.compile(r"(?:^|[/-])(?:cri-containerd-|crio-|docker-|libpod-|containerd-)?([0-9a-f]{64})(?:\.scope)?$")
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 
 
+@functools.lru_cache(maxsize=4096)  # a process's cgroup text is read every tick, and rarely new
 def parse_cgroup(text: str) -> tuple[str, str]:
     """Return (container_id, pod_uid); empty strings where the process is in neither."""
     container = pod = ""
