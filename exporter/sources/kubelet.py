@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import urllib3
 
 from ..boundedio import read_head
 from ..model import SourceError
+from .httpbody import BodyError, read_body
 
 log = logging.getLogger("exporter.sources.kubelet")
 
@@ -40,7 +40,6 @@ DEFAULT_CA_FILE = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
 KUBELET_PORT = 10250
 MAX_TOKEN_BYTES = 64 << 10
 MAX_ERRORS_KEPT = 100  # errors waiting to be collected; more are counted as dropped
-_CHUNK = 64 << 10
 _RUNTIME_PREFIXES = ("containerd://", "cri-o://", "docker://", "crio://")
 
 
@@ -215,29 +214,11 @@ class KubeletPods:
             raise KubeletError("parse", f"not JSON: {_short(exc)}") from None
 
     def _read_body(self, resp: requests.Response, deadline: float) -> bytes:
-        """Read with a total deadline (a slow drip never holds sampling) and a size bound,
-        counted after decompression so a gzip bomb is bounded too."""
-        chunks: list[bytes] = []
-        total = 0
         try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise KubeletError("timeout", f"no complete answer within {self.timeout_seconds:g} s")
-                sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
-                if sock is not None:  # a silent server must not hold one read past the deadline
-                    sock.settimeout(max(remaining, 0.001))
-                data = resp.raw.read1(_CHUNK, decode_content=True)
-                if not data:
-                    return b"".join(chunks)
-                total += len(data)
-                if total > self.max_response_bytes:
-                    raise KubeletError("too_large", f"answer larger than {self.max_response_bytes} bytes")
-                chunks.append(data)
-        except (TimeoutError, socket.timeout, urllib3.exceptions.TimeoutError):
-            raise KubeletError("timeout", f"no complete answer within {self.timeout_seconds:g} s") from None
-        except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as exc:
-            raise KubeletError("truncated", f"answer ended early after {total} bytes ({type(exc).__name__})") from None
+            return read_body(resp, self.max_response_bytes, deadline, self.timeout_seconds)
+        except BodyError as exc:
+            kind = "truncated" if exc.kind in ("parse", "connection") else exc.kind
+            raise KubeletError(kind, f"answer: {_short(exc)}") from None
 
 
 def read_token(path: str) -> str:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 import urllib3.exceptions
 
+from .httpbody import BodyError, read_body
 from ..model import VllmSample
 from .hostview import HostView
 from .vllm_normalise import ParseError, normalise
@@ -28,7 +29,6 @@ from .vllm_normalise import ParseError, normalise
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
-READ_CHUNK_BYTES = 16 * 1024  # also caps what one gzip read may inflate to
 MAX_ERROR_CHARS = 300
 # Stable tokens, counted as gpumem_vllm_scrape_errors_total{kind}.
 ERROR_KINDS = ("refused", "timeout", "http_status", "too_large", "parse", "truncated", "connection")
@@ -161,46 +161,11 @@ def _fetch(endpoint: VllmEndpoint, session: requests.Session, deadline: float) -
 
 
 def _read_body(response: requests.Response, endpoint: VllmEndpoint, deadline: float) -> bytes:
-    label = endpoint.label
-    chunks: list[bytes] = []
-    total = 0
     try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _ScrapeFailure("timeout", f"{label}: body not complete within {endpoint.timeout_seconds:g}s")
-            _limit_next_read(response, remaining)
-            data = response.raw.read1(READ_CHUNK_BYTES, decode_content=True)
-            if not data:
-                return b"".join(chunks)
-            total += len(data)
-            if total > endpoint.max_response_bytes:
-                raise _ScrapeFailure("too_large", f"{label}: response exceeds the "
-                                                  f"{endpoint.max_response_bytes}-byte limit")
-            chunks.append(data)
-    except _ScrapeFailure:
-        raise
-    except (TimeoutError, socket.timeout, urllib3.exceptions.TimeoutError):
-        raise _ScrapeFailure("timeout", f"{label}: body not complete within {endpoint.timeout_seconds:g}s") from None
-    except urllib3.exceptions.DecodeError:
-        raise _ScrapeFailure("parse", f"{label}: body could not be decoded") from None
-    except (urllib3.exceptions.ProtocolError, urllib3.exceptions.IncompleteRead,
-            requests.exceptions.ChunkedEncodingError) as exc:
-        raise _ScrapeFailure("truncated", f"{label}: body ended early after {total} bytes "
-                                          f"({type(exc).__name__})") from None
-    except OSError as exc:
-        raise _ScrapeFailure("connection", f"{label}: {_describe(exc, endpoint)}") from None
-
-
-def _limit_next_read(response: requests.Response, seconds: float) -> None:
-    """Shrink the socket timeout to what is left of the deadline, so a silent server cannot
-    hold one read for the full per-read timeout. Best effort: urllib3 internals may differ."""
-    sock = getattr(getattr(response.raw, "connection", None), "sock", None)
-    if sock is not None:
-        try:
-            sock.settimeout(max(seconds, 0.001))
-        except OSError:
-            pass
+        return read_body(response, endpoint.max_response_bytes, deadline, endpoint.timeout_seconds)
+    except BodyError as exc:
+        detail = _describe(exc.cause, endpoint) if exc.cause is not None else exc.detail
+        raise _ScrapeFailure(exc.kind, f"{endpoint.label}: {detail}") from None
 
 
 def _content_length(response: requests.Response) -> int | None:

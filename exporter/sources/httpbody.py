@@ -1,0 +1,61 @@
+"""Reading an HTTP response body from a server we do not control (vLLM, the kubelet): a hard
+total deadline, so a server that drips one byte a second never holds sampling, and a size
+bound counted after decompression, so neither a huge body nor a gzip bomb gets through."""
+from __future__ import annotations
+
+import socket
+import time
+
+import requests
+import urllib3
+
+CHUNK_BYTES = 16 << 10  # also caps what one gzip read may inflate to
+
+
+class BodyError(Exception):
+    """kind: timeout | too_large | parse | truncated | connection; `cause` for connection."""
+
+    def __init__(self, kind: str, detail: str, cause: BaseException | None = None):
+        super().__init__(detail)
+        self.kind, self.detail, self.cause = kind, detail, cause
+
+
+def read_body(response: requests.Response, max_bytes: int, deadline: float, timeout_seconds: float) -> bytes:
+    """The body of a streamed `response` (stream=True), read by `deadline` (time.monotonic)."""
+    late = f"body not complete within {timeout_seconds:g}s"
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BodyError("timeout", late)
+            _limit_next_read(response, remaining)
+            data = response.raw.read1(CHUNK_BYTES, decode_content=True)
+            if not data:
+                return b"".join(chunks)
+            total += len(data)
+            if total > max_bytes:
+                raise BodyError("too_large", f"response exceeds the {max_bytes}-byte limit")
+            chunks.append(data)
+    except BodyError:
+        raise
+    except (TimeoutError, socket.timeout, urllib3.exceptions.TimeoutError):
+        raise BodyError("timeout", late) from None
+    except urllib3.exceptions.DecodeError:
+        raise BodyError("parse", "body could not be decoded") from None
+    except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException) as exc:
+        raise BodyError("truncated", f"body ended early after {total} bytes ({type(exc).__name__})") from None
+    except OSError as exc:
+        raise BodyError("connection", str(exc), cause=exc) from None
+
+
+def _limit_next_read(response: requests.Response, seconds: float) -> None:
+    """Shrink the socket timeout to what is left of the deadline, so a silent server cannot
+    hold one read for the full per-read timeout. Best effort: urllib3 internals may differ."""
+    sock = getattr(getattr(response.raw, "connection", None), "sock", None)
+    if sock is not None:
+        try:
+            sock.settimeout(max(seconds, 0.001))
+        except OSError:
+            pass
