@@ -44,6 +44,7 @@ class StateCollector(Collector):
         yield from self._processes(snap)
         yield from self._host(snap)
         yield from self._vllm(state)
+        yield from self._oom_events(state)
         if state.analysis is not None:
             yield from self._analysis(state.analysis)
         if state.recorder is not None:
@@ -188,6 +189,8 @@ class StateCollector(Collector):
         for (endpoint, kind), n in sorted(state.vllm_errors_total.items()):
             errors.add_metric([endpoint, kind], n)
         yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile, errors)
+
+    def _oom_events(self, state: State):
         ooms = CounterMetricFamily("gpumem_oom_events", "Out-of-memory events found in the watched logs.",
                                    labels=["kind", "class"])
         for (kind, klass), n in sorted(state.oom_events_total.items()):
