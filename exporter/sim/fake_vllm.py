@@ -130,6 +130,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a scraper that gave up mid-answer (its deadline) is normal, not a traceback
+
+
 class FakeVllmServer:
     """Serves scenario server `server_index` on host:port (0: any free port) until stop()."""
 
@@ -163,7 +170,7 @@ class FakeVllmServer:
         if self._httpd is not None:
             return self
         handler = type("Handler", (_Handler,), {"sim": self})
-        self._httpd = ThreadingHTTPServer((self.host, self._requested_port), handler)
+        self._httpd = _QuietServer((self.host, self._requested_port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-vllm",
                                         kwargs={"poll_interval": 0.05}, daemon=True)
