@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
+from .boundedio import read_head
 from .model import GpuSample, HostMemory, ProcessSample, Snapshot
 
 # Bounds on outside input: a trace is read whole into memory, so cap what we accept.
@@ -274,13 +275,10 @@ def _process_cells(ts: str, g: GpuSample, p: ProcessSample) -> list[str]:
 def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
                          max_rows: int = MAX_ROWS) -> list[TraceRow]:
     """Rows from a `/api/v1/query_range` response (or a list of them) of gpumem_* series."""
-    size = os.path.getsize(path)
-    if size > max_bytes:
-        raise TraceError(f"{path}: {size} bytes, over the {max_bytes} byte limit for JSON")
-    with open(path, encoding="utf-8-sig", errors="replace") as handle:
-        text = handle.read(max_bytes + 1)
-    if len(text) > max_bytes:
+    raw, more = read_head(path, max_bytes)
+    if more:
         raise TraceError(f"{path}: over the {max_bytes} byte limit for JSON")
+    text = raw.decode("utf-8-sig", errors="replace")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -396,9 +394,8 @@ def _attach_rss(rows: list[TraceRow], rss_rows: list[TraceRow]) -> list[TraceRow
 
 def read_rows(path: str) -> list[TraceRow]:
     """The rows of one trace file, CSV or Prometheus JSON (told apart by their first byte)."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+    try:  # a regular file only: a FIFO or device would hang or never end
+        head = read_head(path, 64)[0].lstrip(b"\xef\xbb\xbf \t\r\n")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if head[:1] in (b"{", b"["):

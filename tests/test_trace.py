@@ -262,3 +262,14 @@ def test_several_files_merge_process_and_gpu_series(tmp_path):
     assert [(s.gpus[0].used_bytes, s.gpus[0].processes[0].used_bytes) for s in snaps] == [
         (40, 30), (41, 31)]
     assert snaps == snapshots_from_rows(list(read_csv_rows(gpus)) + list(read_csv_rows(procs)))
+
+
+def test_a_fifo_given_as_trace_is_refused_not_waited_on(tmp_path):
+    import os
+
+    from exporter.trace import TraceError, read_rows
+
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(TraceError, match="not a regular file"):
+        read_rows(str(fifo))
