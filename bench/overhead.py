@@ -20,6 +20,11 @@ its own; the fake vLLM servers run in this parent process. Measured per worker:
 Our exporter runs sources + analysis (history and every detector) + its collector, the way the
 daemon does; nvitop-exporter runs its own `update_host()` + `update_device()` loop body. Both
 serve /metrics with prometheus_client's HTTP server, so the listener is the same.
+
+Ours runs twice: with the 4 vLLM endpoints ("ours"), and without them ("ours, no vLLM"), which
+is the same work nvitop-exporter does. The simulated vLLM servers answer with a page the size
+of a real one (about 500 lines: vLLM's request histograms, the API server's http_* families)
+over keep-alive connections, as uvicorn does.
 """
 from __future__ import annotations
 
@@ -99,9 +104,10 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
 
     clock = FixedClock(float(int(time.time()) // 60 * 60), at=600.0)
     fake_nvml.configure(from_dict(spec), clock)
-    host = LocalHost()
+    host = LocalHost(monotonic=clock.now)  # its caches expire on the played clock, as in 5 s ticks
     nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
-    vllm = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host)
+    vllm = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host) \
+        if endpoints else None  # as the daemon: no endpoint configured, no vLLM source
     sampler = Sampler(nvml, host, now=clock.now, vllm=vllm, assign_roles=assign_roles)
     analyzer = make_analyzer(build_config())
     state = State()
@@ -230,7 +236,8 @@ def main() -> int:
                         urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
                                 for i in range(VLLM_ENDPOINTS)]
                         row = {"gpus": gpus, "procs": per_gpu,
-                               "ours": run_worker("ours", spec_file, urls, "", args.ticks, args.scrapes)}
+                               "ours": run_worker("ours", spec_file, urls, "", args.ticks, args.scrapes),
+                               "ours, no vLLM": run_worker("ours", spec_file, [], "", args.ticks, args.scrapes)}
                         if have_nvitop:
                             row["nvitop"] = run_worker("nvitop", spec_file, [], args.nvitop_site, args.ticks,
                                                        args.scrapes)
@@ -258,18 +265,20 @@ def print_table(rows: list[dict], have_nvitop: bool) -> None:
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
     for row in rows:
-        for kind in ("ours", "nvitop") if have_nvitop else ("ours",):
+        for kind in ("ours", "ours, no vLLM", "nvitop") if have_nvitop else ("ours", "ours, no vLLM"):
             s = summarise(row[kind])
             print(f"| {row['gpus']} | {row['procs']} | {kind} | {s['cpu_s_per_h']:.1f} | {s['core_pct']:.2f} "
                   f"| {s['rss_mib']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['kib']:.0f} | {s['seen']} |")
     if have_nvitop:
         print()
-        print("| GPUs | procs/GPU | CPU ours/nvitop | RSS ours/nvitop | scrape p50 ours/nvitop | scrape p99 ours/nvitop |")
-        print("|---|---|---|---|---|---|")
+        print("| GPUs | procs/GPU | CPU ours/nvitop | CPU ours, no vLLM/nvitop | RSS ours/nvitop "
+              "| scrape p50 ours/nvitop | scrape p99 ours/nvitop |")
+        print("|---|---|---|---|---|---|---|")
         for row in rows:
-            o, n = summarise(row["ours"]), summarise(row["nvitop"])
+            o, b, n = summarise(row["ours"]), summarise(row["ours, no vLLM"]), summarise(row["nvitop"])
             print(f"| {row['gpus']} | {row['procs']} | {o['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} "
-                  f"| {o['rss_mib'] / n['rss_mib']:.2f} | {o['p50_ms'] / n['p50_ms']:.2f} | {o['p99_ms'] / n['p99_ms']:.2f} |")
+                  f"| {b['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} | {o['rss_mib'] / n['rss_mib']:.2f} "
+                  f"| {o['p50_ms'] / n['p50_ms']:.2f} | {o['p99_ms'] / n['p99_ms']:.2f} |")
 
 
 if __name__ == "__main__":

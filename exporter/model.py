@@ -24,6 +24,7 @@ class ProcessSample:
     pod: str = ""
     namespace: str = ""
     ns_pid: int | None = None  # PID inside the process's own PID namespace
+    ppid: int | None = None  # parent PID: tells which vLLM server a worker belongs to
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm
     cmdline: str = ""  # only filled when the operator opted in
@@ -99,7 +100,7 @@ class VllmSample:
     scrape_duration_seconds: float = 0.0
     engines: tuple[VllmEngineStats, ...] = ()
     cache_config: CacheConfig | None = None
-    pids: tuple[int, ...] = ()  # the server's processes (listener and descendants)
+    pids: tuple[int, ...] = ()  # the server's root processes (listener or PID file); descendants belong too
     memory_profile: tuple[tuple[str, int], ...] = ()  # (component, bytes) from its start-up log
 
 

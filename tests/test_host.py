@@ -41,23 +41,6 @@ def test_vanished_process_is_none(child):
     child.kill()
     child.wait()
     assert LocalHost().process(pid) is None
-    assert LocalHost().descendants(pid) == []
-
-
-def test_descendants():
-    parent = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(60)' & wait"])
-    try:
-        host = LocalHost()
-        deadline = time.time() + 5
-        while not host.descendants(parent.pid) and time.time() < deadline:
-            time.sleep(0.05)
-        kids = host.descendants(parent.pid)
-        assert len(kids) == 1 and host.process(kids[0]).name.startswith("python")
-    finally:
-        for pid in LocalHost().descendants(parent.pid):
-            os.kill(pid, 9)
-        parent.kill()
-        parent.wait()
 
 
 def test_pid_listening_on():
@@ -85,3 +68,122 @@ def test_enrich_fills_identity_and_keeps_vanished(child):
     assert alive.name.startswith("python") and alive.host_rss_bytes and alive.start_time
     assert alive.identity == (child.pid, alive.start_time)
     assert gone == gpus[0].processes[1]  # exited before we looked: what NVML said is kept
+
+
+# -- a known process is cheap, a reused PID is a new process -----------------------------------
+_opened: list[str] | None = None  # paths opened while a test records them
+
+
+def _record_opens(event, args):
+    if _opened is not None and event == "open" and isinstance(args[0], str) and args[0].startswith("/proc"):
+        _opened.append(args[0])
+
+
+sys.addaudithook(_record_opens)  # audit hooks stay for the interpreter's life: it only records when asked
+
+
+def _opens_during(call) -> list[str]:
+    global _opened
+    _opened = []
+    try:
+        call()
+        return _opened
+    finally:
+        _opened = None
+
+
+def test_a_known_process_costs_two_small_reads_per_tick(child):
+    host = LocalHost()
+    first = _opens_during(lambda: host.process(child.pid))
+    assert f"/proc/{child.pid}/cgroup" in first and f"/proc/{child.pid}/status" in first
+    again = _opens_during(lambda: host.process(child.pid))
+    assert sorted(again) == [f"/proc/{child.pid}/stat", f"/proc/{child.pid}/statm"]
+
+
+def test_rss_is_read_fresh_every_tick():
+    grower = subprocess.Popen([sys.executable, "-c", "import sys\nx = []\nfor line in sys.stdin:\n"
+                               "    x.append(bytearray(64 << 20)); print('ok', flush=True)"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        host = LocalHost()
+        grower.stdin.write("grow\n")
+        grower.stdin.flush()
+        assert grower.stdout.readline() == "ok\n"
+        before = host.process(grower.pid).rss_bytes
+        grower.stdin.write("grow\n")
+        grower.stdin.flush()
+        assert grower.stdout.readline() == "ok\n"
+        assert host.process(grower.pid).rss_bytes - before >= 60 << 20
+    finally:
+        grower.kill()
+        grower.wait()
+
+
+class FakeProc:
+    """A /proc-shaped tree that psutil reads (LocalHost(proc_root=...) as for /host/proc)."""
+
+    def __init__(self, root):
+        self.root = root
+        (root / "stat").write_text("cpu  1 2 3 4\nbtime 1700000000\n")
+
+    def put(self, pid, name, starttime, ppid=1, cgroup="0::/system.slice/a.service\n", rss_pages=256):
+        d = self.root / str(pid)
+        d.mkdir(exist_ok=True)
+        rest = " ".join(["0"] * 40)
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        # cutime cstime priority nice threads itrealvalue starttime ...
+        (d / "stat").write_text(f"{pid} ({name}) S {ppid} 1 1 0 -1 0 0 0 0 0 1 1 0 0 20 0 1 0 {starttime} {rest}\n")
+        (d / "statm").write_text(f"1000 {rss_pages} 10 1 0 100 0\n")
+        (d / "cgroup").write_text(cgroup)
+        (d / "status").write_text(f"Name:\t{name}\nNSpid:\t{pid}\t7\n")
+        (d / "cmdline").write_bytes(name.encode() + b"\0")
+
+
+@pytest.fixture
+def fake_proc(tmp_path, monkeypatch):
+    import psutil
+    monkeypatch.setattr(psutil, "PROCFS_PATH", psutil.PROCFS_PATH)  # restored after the test
+    clock = [0.0]
+    proc = FakeProc(tmp_path)
+    return proc, LocalHost(proc_root=str(tmp_path), monotonic=lambda: clock[0]), clock
+
+
+def test_a_reused_pid_is_read_afresh(fake_proc):
+    import os as _os
+    proc, host, _ = fake_proc
+    ticks = _os.sysconf("SC_CLK_TCK")
+    proc.put(4242, "vllm", starttime=100 * ticks, cgroup="0::/system.slice/docker-aaaa.scope\n")
+    first = host.process(4242)
+    assert (first.name, first.start_time, first.ns_pid) == ("vllm", 1_700_000_100, 7)
+    proc.put(4242, "notebook", starttime=900 * ticks, cgroup="0::/user.slice/b.scope\n", rss_pages=512)
+    second = host.process(4242)
+    assert second.start_time == 1_700_000_900 and second.name == "notebook"
+    assert second.cgroup == "0::/user.slice/b.scope\n" and second.rss_bytes == 512 * _os.sysconf("SC_PAGE_SIZE")
+
+
+def test_name_and_parent_are_refreshed_cgroup_is_kept(fake_proc):
+    from exporter.sources.host import IDENTITY_REFRESH_SECONDS
+    proc, host, clock = fake_proc
+    proc.put(5000, "python3", starttime=500, ppid=10)
+    assert (host.process(5000).name, host.process(5000).ppid) == ("python3", 10)
+    proc.put(5000, "VLLM::Worker", starttime=500, ppid=1, cgroup="0::/elsewhere\n")  # same process
+    clock[0] += IDENTITY_REFRESH_SECONDS - 1
+    assert host.process(5000).name == "python3"  # not re-read on every tick
+    clock[0] += 1
+    info = host.process(5000)
+    assert (info.name, info.ppid) == ("VLLM::Worker", 1)
+    assert info.cgroup == "0::/system.slice/a.service\n"  # a process keeps its cgroup for life
+
+
+def test_processes_not_asked_about_are_forgotten(fake_proc):
+    from exporter.sources.host import FORGET_AFTER_SECONDS
+    proc, host, clock = fake_proc
+    proc.put(6000, "a", starttime=600)
+    host.process(6000)
+    proc.put(6000, "a", starttime=600, cgroup="0::/moved\n")
+    clock[0] += FORGET_AFTER_SECONDS + 1
+    host.process(1)  # any look-up sweeps
+    assert host.process(6000).cgroup == "0::/moved\n"  # forgotten, so read as new
+    import shutil
+    shutil.rmtree(proc.root / "6000")
+    assert host.process(6000) is None

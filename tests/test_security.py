@@ -223,7 +223,11 @@ class EchoAuth(BaseHTTPRequestHandler):
 
     def do_GET(self):
         got = self.headers.get("Authorization", "")
-        body = (f"# {got}\nvllm:num_requests_running{{model_name=\"{got}\"}} 1\n{got} garbage\n").encode()
+        if self.path.endswith("/garbage"):  # unparseable, with the credentials in the bad line
+            body = f"vllm:num_requests_running{{model_name=\"{got}}} 1\n".encode()
+        else:  # a valid page with the credentials in its labels, and in a broken unrelated line
+            body = (f"# {got}\nvllm:num_requests_running{{model_name=\"{got}\"}} 1\n"
+                    f"vllm:cache_config_info{{cache_dtype=\"{got}\",engine=\"0\"}} 1\n{got} garbage\n").encode()
         self.send_response(500 if self.path.endswith("/fail") else 200)
         self.send_header("X-Echo", got)
         self.send_header("Content-Length", str(len(body)))
@@ -266,6 +270,7 @@ def test_no_secret_in_metrics_api_or_logs(tmp_path, echo, caplog, monkeypatch, r
     config_file.write_text(json.dumps({"host": {"read_cmdline": read_cmdline}, "vllm": {"endpoints": [
         {"url": f"http://127.0.0.1:{echo}/metrics", "name": "ok", "bearer_token_file": str(token_file)},
         {"url": f"http://127.0.0.1:{echo}/fail", "name": "fail", "bearer_token_file": str(token_file)},
+        {"url": f"http://127.0.0.1:{echo}/garbage", "name": "garbage", "bearer_token_file": str(token_file)},
         {"url": f"http://user:{TOKEN}@127.0.0.1:{echo}/metrics", "name": "", "timeout_seconds": 1}]}}))
     from exporter.config import load
     config = load(str(config_file))
@@ -288,7 +293,11 @@ def test_no_secret_in_metrics_api_or_logs(tmp_path, echo, caplog, monkeypatch, r
         rt.close()
     outputs["logs"] = caplog.text
     outputs["state"] = repr([(v.endpoint, v.error) for v in state.snapshot.vllm])
-    assert [v.up for v in state.snapshot.vllm] == [False, False, False]  # every page above is bad
+    # The pages that parse are used; the token they echo into labels is not.
+    assert [(v.up, v.error_kind) for v in state.snapshot.vllm] == [(True, ""), (False, "http_status"),
+                                                                   (False, "parse"), (True, "")]
+    assert state.snapshot.vllm[0].engines[0].model == "Bearer <redacted>"
+    assert 'model="Bearer <redacted>"' in outputs["/metrics"]
     assert any(f.kind == "leak" for f in state.analysis.findings), "a finding must be in the output"
     for where, text in outputs.items():
         for secret in (TOKEN, ENV_TOKEN, CMD_TOKEN):

@@ -187,3 +187,48 @@ def test_startup_log_gives_the_ramp_as_vllm_logs_it():
     assert profile.weights_bytes == pytest.approx(ramp["weights"], rel=1e-3)
     assert profile.kv_cache_bytes == pytest.approx(ramp["kv_cache"], rel=1e-3)
     assert profile.cuda_graph_bytes == pytest.approx(ramp["cuda_graphs"], rel=1e-2)
+
+
+def test_page_carries_what_a_real_vllm_page_carries(served):
+    """vLLM's request histograms with its own buckets, the API server's http_* families and
+    Python's collectors: the bulk a scraper must get through on a real server."""
+    server, clock = served
+    families = {f.name: f for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)}
+    ttft = families["vllm:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    buckets = [s.labels["le"] for s in ttft.samples if s.name.endswith("_bucket")]
+    assert buckets[:3] == ["0.001", "0.005", "0.01"] and buckets[-2:] == ["2560.0", "+Inf"]
+    prompt = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert prompt[:4] == ["1.0", "2.0", "5.0", "10.0"] and prompt[-2:] == ["20000.0", "+Inf"]
+    histograms = [name for name, f in families.items() if name.startswith("vllm:") and f.type == "histogram"]
+    assert len(histograms) == 14
+    assert {"http_requests", "http_request_duration_highr_seconds", "python_gc_objects_collected"} <= set(families)
+    series: dict[tuple, list[float]] = {}
+    for f in families.values():
+        for s in f.samples:
+            if s.name.endswith("_bucket"):
+                key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")))
+                series.setdefault(key, []).append(s.value)
+    assert series and all(counts == sorted(counts) for counts in series.values())  # cumulative
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
+               if s.name.endswith("_total")}
+    clock.advance(60)
+    later = {s.labels["finished_reason"]: s.value
+             for s in next(f for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)
+                           if f.name == "vllm:request_success").samples if s.name.endswith("_total")}
+    assert set(success) == {"stop", "length", "abort"} and later["stop"] > success["stop"]
+
+
+def test_keep_alive_like_uvicorn_and_stop_drops_open_connections():
+    server = FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START, 700)).start()
+    url = server.url
+    with requests.Session() as session:
+        first = session.get(url, timeout=5)
+        second = session.get(url, timeout=5)
+        assert first.status_code == second.status_code == 200
+        assert first.headers.get("Connection", "").lower() != "close"
+        assert len(server._connections) == 1  # both answers came over one connection
+        server.stop()
+        # A stopped server answers nobody, not even a client holding a kept-alive connection.
+        with pytest.raises(requests.exceptions.ConnectionError):
+            session.get(url, timeout=2)

@@ -87,17 +87,6 @@ def test_kubernetes_cgroup_shapes(env):
     assert re.search(r"([0-9a-f]{64})\.scope", burstable.cgroup).group(1) == CONTAINER
 
 
-def test_descendants(env):
-    host, clock = env
-    assert host.descendants(100) == [110, 120]
-    assert host.descendants(110) == [120]
-    assert host.descendants(120) == []
-    assert sorted(host.descendants(300)) == [301]  # a cycle ends instead of looping
-    clock.at = 600
-    assert host.descendants(100) == [110]  # the worker has exited
-    assert host.descendants(424242) == []
-
-
 def test_pid_listening_on(env):
     host, _ = env
     assert host.pid_listening_on(8000) == 100
@@ -111,7 +100,7 @@ def test_listener_follows_a_restart_on_the_same_port():
     assert host.pid_listening_on(8000) is None
     clock.at = 1000
     assert host.pid_listening_on(8000) == 4300
-    assert host.descendants(4300) == [4350]
+    assert host.process(4350).ppid == 4300
 
 
 def test_memory(env):

@@ -150,3 +150,37 @@ def test_arbitrary_text_only_ever_raises_parse_error(text):
     except ParseError:
         return
     assert all(isinstance(e, VllmEngineStats) for e in result.engines)
+
+
+def _real_sized_page() -> str:
+    from exporter.clock import FixedClock
+    from exporter.sim import scenario as sc
+    from exporter.sim.fake_vllm import FakeVllmServer
+
+    return FakeVllmServer(sc.load("steady"), FixedClock(1_700_000_000.0, 3600)).render().decode()
+
+
+def test_a_real_sized_page_gives_what_its_vllm_gauges_and_counters_say():
+    page = _real_sized_page()
+    assert page.count("\n") > 400 and "_bucket{" in page and "http_requests_total" in page
+    wanted = "".join(line + "\n" for line in page.splitlines()
+                     if line.startswith(("vllm:kv_cache", "vllm:num_", "vllm:prefix_cache", "vllm:cache_config")))
+    assert normalise(page) == normalise(wanted)
+    engine = normalise(page).engines[0]
+    assert 0 < engine.kv_cache_usage_ratio < 1 and engine.prefix_cache_queries_total > 0
+
+
+def test_a_broken_line_in_a_family_we_never_read_does_not_lose_the_page():
+    page = _real_sized_page()
+    broken = page.replace('http_requests_total{handler="/health"', 'http_requests_total{handler="/health', 1)
+    assert broken != page
+    assert normalise(broken) == normalise(page)
+    broken_bucket = page.replace('vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3"',
+                                 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3', 1)
+    assert broken_bucket != page and normalise(broken_bucket) == normalise(page)
+
+
+def test_a_broken_line_in_a_family_we_read_fails_the_page():
+    broken = _real_sized_page().replace('vllm:num_requests_running{engine="0"', 'vllm:num_requests_running{engine="0', 1)
+    with pytest.raises(ParseError, match="not Prometheus text format"):
+        normalise(broken)

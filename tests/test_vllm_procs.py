@@ -28,15 +28,6 @@ class FakeHost:
         name, ppid, cgroup = self.processes[pid]
         return ProcessInfo(pid=pid, name=name, rss_bytes=None, start_time=None, ppid=ppid, cgroup=cgroup)
 
-    def descendants(self, pid):
-        found, frontier = [], [pid]
-        while frontier:
-            parent = frontier.pop()
-            children = [p for p, (_, ppid, _) in self.processes.items() if ppid == parent]
-            found += children
-            frontier += children
-        return found
-
     def pid_listening_on(self, port):
         return self.listeners.get(port)
 
@@ -63,9 +54,9 @@ def host():
     return FakeHost(dict(TREE), listeners={8000: 100, 8001: 200})
 
 
-def test_listener_and_all_descendants():
-    assert server_pids(VllmEndpoint("http://127.0.0.1:8000/metrics"), host()) == (100, 101, 102, 103)
-    assert server_pids(VllmEndpoint("http://localhost:8001"), host()) == (200, 201)
+def test_the_listener_is_the_servers_root():
+    assert server_pids(VllmEndpoint("http://127.0.0.1:8000/metrics"), host()) == (100,)
+    assert server_pids(VllmEndpoint("http://localhost:8001"), host()) == (200,)
 
 
 def test_nobody_listening_or_remote_host():
@@ -78,7 +69,7 @@ def test_pid_file_override(tmp_path):
     pid_file = tmp_path / "vllm.pid"
     pid_file.write_text("200\n")
     endpoint = VllmEndpoint("http://192.0.2.10:8000/metrics", pid_file=str(pid_file))
-    assert server_pids(endpoint, host()) == (200, 201)
+    assert server_pids(endpoint, host()) == (200,)
 
 
 @pytest.mark.parametrize("content, reason", [
@@ -128,15 +119,26 @@ def gpu(index, *pids):
                                      for p in pids))
 
 
-def test_assign_roles_tags_server_processes_and_others():
+def test_assign_roles_tags_descendants_of_a_server_root_and_others():
     gpus = (gpu("0", 102, 300), gpu("1", 103, 201))
-    samples = (VllmSample(endpoint="chat", up=True, pids=(100, 101, 102, 103)),
-               VllmSample(endpoint="embed", up=False, pids=(200, 201)))
+    samples = (VllmSample(endpoint="chat", up=True, pids=(100,)),
+               VllmSample(endpoint="embed", up=False, pids=(200,)))
     tagged = assign_roles(gpus, samples, host())
     roles = {(g.index, p.pid): (p.role, p.endpoint) for g in tagged for p in g.processes}
     assert roles == {("0", 102): ("vllm", "chat"), ("0", 300): ("other", ""),
                      ("1", 103): ("vllm", "chat"), ("1", 201): ("vllm", "embed")}
     assert gpus[0].processes[1].endpoint == "stale"  # inputs are not mutated
+
+
+def test_assign_roles_uses_the_parent_the_host_look_up_gave():
+    """enrich() filled each GPU process's ppid: only ancestors above it are read again."""
+    fake = host()
+    gpus = (GpuSample(index="0", uuid="GPU-0", processes=(
+        ProcessSample(pid=102, used_bytes=1, ppid=101), ProcessSample(pid=103, used_bytes=1, ppid=101),
+        ProcessSample(pid=300, used_bytes=1, ppid=1))),)
+    tagged = assign_roles(gpus, (VllmSample(endpoint="chat", up=True, pids=(100,)),), fake)
+    assert [p.endpoint for p in tagged[0].processes] == ["chat", "chat", ""]
+    assert fake.lookups == 1  # 101, the EngineCore; 102, 103 and 300 came with their parent
 
 
 def test_assign_roles_finds_workers_spawned_after_the_pid_list():
@@ -153,3 +155,10 @@ def test_assign_roles_survives_vanished_processes_and_parent_loops():
     tagged = assign_roles((gpu("0", 500, 777),), (VllmSample(endpoint="x", up=True, pids=(1000,)),), fake)
     assert [p.role for p in tagged[0].processes] == ["other", "other"]
     assert fake.lookups <= 2 + 1  # parents are looked up once each per call
+
+
+def test_assign_roles_reads_nothing_when_no_server_has_a_process():
+    fake = host()
+    tagged = assign_roles((gpu("0", 102, 300),), (VllmSample(endpoint="chat", up=False),), fake)
+    assert [p.role for p in tagged[0].processes] == ["other", "other"]
+    assert fake.lookups == 0

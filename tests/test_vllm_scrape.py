@@ -305,9 +305,6 @@ class FakeHost:
     def process(self, pid, with_cmdline=False):
         return None
 
-    def descendants(self, pid):
-        return [pid + 1, pid + 2]
-
     def pid_listening_on(self, port):
         return self.listeners.get(port)
 
@@ -324,5 +321,26 @@ def test_source_resolves_server_pids_even_when_down(server):
         up, down = source.sample()
     finally:
         source.close()
-    assert up.pids == (100, 101, 102)
-    assert not down.up and down.pids == (200, 201, 202)
+    assert up.pids == (100,)
+    assert not down.up and down.pids == (200,)
+
+
+def test_source_ignores_a_proxy_from_the_environment(server, monkeypatch):
+    """A proxy named in the environment would see the bearer token: it is never used."""
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen()
+    proxy.setblocking(False)
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    source = VllmSource([VllmEndpoint(url(server, "/auth/metrics"), bearer_token=TOKEN)])
+    try:
+        (sample,) = source.sample()
+    finally:
+        source.close()
+    assert sample.up and server.seen[-1] == ("/auth/metrics", f"Bearer {TOKEN}")
+    with pytest.raises(BlockingIOError):
+        proxy.accept()  # nobody connected to the proxy
+    proxy.close()

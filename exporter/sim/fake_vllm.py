@@ -6,22 +6,135 @@ of the scenario's server at the clock's time: `vllm:kv_cache_usage_perc`,
 `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` (each labelled
 model_name, engine="0") and `vllm:cache_config_info`. prometheus_client renders it.
 
+Around them it serves what a real server's page also carries, so that a scrape costs what it
+costs against vLLM: the token and request counters, the fourteen request histograms with
+vLLM's own buckets, the API server's `http_*` families (prometheus-fastapi-instrumentator) and
+the Python process and GC collectors. Their values grow with the server's uptime.
+
 If the scenario restarts a server on the same port, the endpoint serves whichever one is alive,
 as a real port would. While none is, and during the scenario's vLLM faults, it answers the way
 a sick server does: 503, an error status, a slow answer or unparseable text.
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily,
+)
 
 from .scenario import Scenario, State, VllmState
 
 LABELS = ["model_name", "engine"]
+MAX_MODEL_LEN = 32768
+REQUESTS_PER_SECOND = 2.0  # the simulated traffic behind the counters and histograms
+
+
+def _one_two_five(max_value: int) -> list[float]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# (name, help, buckets, mean observation) as vllm/v1/metrics/loggers.py registers them.
+HISTOGRAMS = (
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _one_two_five(MAX_MODEL_LEN), 900.0),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", _one_two_five(MAX_MODEL_LEN), 250.0),
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+     [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0], 96.0),
+    ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+     _one_two_five(MAX_MODEL_LEN), 1024.0),
+    ("vllm:request_params_n", "Histogram of the n request parameter.", [1.0, 2.0, 5.0, 10.0, 20.0], 1.0),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+     _one_two_five(MAX_MODEL_LEN), 1024.0),
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+     [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+      40.0, 80.0, 160.0, 640.0, 2560.0], 0.2),
+    ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+     [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+      40.0, 80.0], 0.03),
+    ("vllm:time_per_prefill_token_request_seconds", "Time spent per token during prefill  phase in seconds",
+     [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0], 0.0004),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY, 7.5),
+    ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _LATENCY, 0.05),
+    ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     _LATENCY, 7.4),
+    ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", _LATENCY, 0.2),
+    ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", _LATENCY, 7.2),
+)
+HANDLERS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+HIGHR_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0,
+                 7.5, 10.0, 30.0, 60.0]
+
+
+def _histogram(name, doc, labels, values, buckets, count, mean, created=None):
+    """A histogram of `count` observations spread around `mean` (half below it, the rest
+    thinning out over the larger buckets)."""
+    h = HistogramMetricFamily(name, doc, labels=labels)
+    cumulative = [(str(le), float(round(count * le / (le + mean)))) for le in buckets]
+    h.add_metric(values, cumulative + [("+Inf", float(count))], sum_value=count * mean)
+    if created is not None:  # prometheus_client has no created= for histograms: add the sample
+        h.samples.append(h.samples[-1]._replace(name=f"{name}_created", value=created))
+    return h
+
+
+def _traffic(s: VllmState, labels: list[str], created: float, uptime: float):
+    """Token and request counters and request histograms: a real page's bulk."""
+    requests = int(REQUESTS_PER_SECOND * max(uptime, 0.0))
+    for name, doc, per_request in (("vllm:prompt_tokens", "Number of prefill tokens processed.", 900),
+                                   ("vllm:generation_tokens", "Number of generation tokens processed.", 250)):
+        c = CounterMetricFamily(name, doc, labels=LABELS)
+        c.add_metric(labels, requests * per_request, created=created)
+        yield c
+    c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                            labels=LABELS + ["finished_reason"])
+    for reason, share in (("stop", 0.9), ("length", 0.09), ("abort", 0.01)):
+        c.add_metric(labels + [reason], int(requests * share), created=created)
+    yield c
+    for name, doc, buckets, mean in HISTOGRAMS:
+        yield _histogram(name, doc, LABELS, labels, buckets, requests, mean, created)
+
+
+def _api_server(uptime: float):
+    """The API server's own families, as prometheus-fastapi-instrumentator exports them."""
+    requests = int(REQUESTS_PER_SECOND * max(uptime, 0.0))
+    total = CounterMetricFamily("http_requests", "Total number of requests by method, status and handler.",
+                                labels=["handler", "method", "status"])
+    size = SummaryMetricFamily("http_request_size_bytes", "Content length of incoming requests by handler. "
+                               "Only value of header is respected. Otherwise ignored. No percentile calculated. ",
+                               labels=["handler"])
+    response = SummaryMetricFamily("http_response_size_bytes", "Content length of outgoing responses by handler. "
+                                   "Only value of header is respected. Otherwise ignored. No percentile calculated. ",
+                                   labels=["handler"])
+    latency = HistogramMetricFamily("http_request_duration_seconds",
+                                    "Latency with only few buckets by handler. Made to be only used if aggregation "
+                                    "by handler is important. ", labels=["handler", "method"])
+    for i, handler in enumerate(HANDLERS):
+        n = requests // (i + 1)
+        method = "POST" if handler.startswith("/v1/c") else "GET"
+        total.add_metric([handler, method, "2xx"], n)
+        total.add_metric([handler, method, "4xx"], n // 100)
+        size.add_metric([handler], n, n * 2048.0)
+        response.add_metric([handler], n, n * 4096.0)
+        latency.add_metric([handler, method], [(str(le), float(n * le / (le + 1))) for le in (0.1, 0.5, 1.0)]
+                           + [("+Inf", float(n))], sum_value=n * 1.0)
+    yield from (total, size, response, latency)
+    yield _histogram("http_request_duration_highr_seconds",
+                     "Latency with many buckets but no API specific labels. Made for more accurate percentile "
+                     "calculations. ", [], [], HIGHR_BUCKETS, requests, 1.0)
 
 
 def _pick(state: State, port: int, index: int) -> VllmState:
@@ -92,11 +205,24 @@ class _VllmCollector:
                               labels=list(info))
         g.add_metric(list(info.values()), 1)
         yield g
+        uptime = self.server.clock.now() - created
+        yield from _traffic(s, labels, created, uptime)
+        yield from _api_server(uptime)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "uvicorn"  # what vLLM's API server answers with
+    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn does: scrapers reuse the connection
+    disable_nagle_algorithm = True  # TCP_NODELAY, as uvicorn: else a kept-alive answer stalls 40 ms
     sim: "FakeVllmServer"
+
+    def setup(self):
+        super().setup()
+        self.sim._connections.add(self.connection)
+
+    def finish(self):
+        self.sim._connections.discard(self.connection)
+        super().finish()
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
@@ -154,7 +280,10 @@ class FakeVllmServer:
         self._thread: threading.Thread | None = None
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_VllmCollector(self))
+        for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
+            self._registry.register(collector)  # the Python families every vLLM page ends with
         self._render_lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open keep-alive connections
 
     def state(self) -> State:
         return self.scenario.state_for(self.clock)
@@ -182,6 +311,11 @@ class FakeVllmServer:
             return
         self._httpd.shutdown()
         self._httpd.server_close()
+        for connection in list(self._connections):  # a stopped server drops its clients too
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._thread.join(timeout=5)
         self._httpd = self._thread = None
 

@@ -27,7 +27,7 @@ def cgroup_text(proc: ProcessState) -> str:
 
 
 class SimulatedHost:
-    """HostView over a scenario: process(pid), descendants(pid), pid_listening_on(port), memory()."""
+    """HostView over a scenario: process(pid), pid_listening_on(port), memory()."""
 
     def __init__(self, scenario: Scenario, clock):
         self.scenario = scenario
@@ -55,22 +55,6 @@ class SimulatedHost:
             ns_pid=proc.ns_pid if proc.ns_pid is not None else proc.pid,
             cmdline=(proc.cmdline or proc.name) if with_cmdline else "",
         )
-
-    def descendants(self, pid: int) -> list[int]:
-        state = self._state()
-        if state.process(pid) is None:
-            return []
-        children: dict[int, list[int]] = {}
-        for p in state.processes:
-            children.setdefault(p.ppid, []).append(p.pid)
-        out, todo, seen = [], [pid], {pid}
-        while todo:
-            for child in children.get(todo.pop(), []):
-                if child not in seen:  # a scenario could make a cycle; never loop on it
-                    seen.add(child)
-                    out.append(child)
-                    todo.append(child)
-        return sorted(out)
 
     def pid_listening_on(self, port: int) -> int | None:
         port = self._ports.get(port, port)

@@ -17,7 +17,9 @@ from .hostview import HostView, ProcessInfo
 
 _MAX_PROC_FILE = 64 << 10  # /proc files are small; never read more than this
 _PROCESS_ERRORS = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError)
-TREE_CACHE_SECONDS = 10.0
+IDENTITY_REFRESH_SECONDS = 30.0  # a process renames itself or is re-parented rarely
+FORGET_AFTER_SECONDS = 60.0
+MAX_TRACKED = 16384
 
 
 def _read_small(path: str) -> str:
@@ -27,76 +29,89 @@ def _read_small(path: str) -> str:
         return ""  # vanished or unreadable: a normal race, the field is simply unknown
 
 
+@dataclasses.dataclass
+class _Tracked:
+    """A process seen before: its psutil handle and what stays fixed or changes rarely."""
+    proc: psutil.Process
+    start: float  # Unix seconds
+    cgroup: str  # a process keeps its cgroup and PID namespace for life
+    ns_pid: int | None
+    name: str
+    ppid: int | None
+    named_at: float  # when name and ppid were read
+    seen_at: float
+
+
 class LocalHost(HostView):
-    def __init__(self, proc_root: str = "/proc", listener_cache_seconds: float = 30.0, pods=None):
+    def __init__(self, proc_root: str = "/proc", listener_cache_seconds: float = 30.0, pods=None,
+                 monotonic=time.monotonic):
         self.proc_root = proc_root
         self.pods = pods  # a kubelet.KubeletPods in Kubernetes, else None: enrich() uses it
         if proc_root != "/proc":
             psutil.PROCFS_PATH = proc_root  # e.g. the host's /proc mounted at /host/proc
+        self._monotonic = monotonic  # the caches' clock; the overhead benchmark plays it fast
         self._listener_ttl = listener_cache_seconds
         self._listeners: dict[int, int] = {}
         self._listeners_at = float("-inf")
-        self._children: dict[int, list[int]] = {}  # ppid -> pids, the whole process table
-        self._fixed: dict[int, tuple[float, str, int | None]] = {}  # pid -> (start, cgroup, NSpid)
-        self._children_at = float("-inf")
+        self._tracked: dict[int, _Tracked] = {}
+        self._swept_at = monotonic()
 
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
+        # Every tick looks up the same GPU processes: keep their psutil handles, so a tick
+        # costs two small reads per process (stat for liveness and PID reuse, statm for RSS)
+        # instead of five. Name and parent are re-read every IDENTITY_REFRESH_SECONDS.
+        now = self._monotonic()
+        self._sweep(now)
+        tracked = self._tracked.get(pid)
         try:
-            proc = psutil.Process(pid)
-            with proc.oneshot():
-                name = proc.name()
-                start = proc.create_time()
-                ppid = proc.ppid()
+            # is_running() is False when the PID is gone or now belongs to a new process.
+            if tracked is None or not tracked.proc.is_running():
+                tracked = self._tracked[pid] = self._track(pid, now)
+            elif now - tracked.named_at >= IDENTITY_REFRESH_SECONDS:
+                with tracked.proc.oneshot():
+                    tracked.name, tracked.ppid = tracked.proc.name(), tracked.proc.ppid()
+                tracked.named_at = now
+            try:
+                rss = tracked.proc.memory_info().rss
+            except _PROCESS_ERRORS:
+                rss = None
+            cmdline = ""
+            if with_cmdline:
                 try:
-                    rss = proc.memory_info().rss
+                    cmdline = " ".join(tracked.proc.cmdline())[:4096]
                 except _PROCESS_ERRORS:
-                    rss = None
-                cmdline = ""
-                if with_cmdline:
-                    try:
-                        cmdline = " ".join(proc.cmdline())[:4096]
-                    except _PROCESS_ERRORS:
-                        pass
+                    pass
         except _PROCESS_ERRORS:
+            self._tracked.pop(pid, None)
             return None
-        # A process keeps its cgroup and PID namespace for life: read them once per process
-        # (pid + start time, so a reused PID is read afresh), not on every tick.
-        fixed = self._fixed.get(pid)
-        if fixed is None or fixed[0] != start:
-            if len(self._fixed) >= 16384:  # bounded under any churn; refilled on the next ticks
-                self._fixed.clear()
-            base = f"{self.proc_root}/{pid}"
-            fixed = self._fixed[pid] = (start, _read_small(f"{base}/cgroup"),
-                                        _innermost_nspid(_read_small(f"{base}/status")))
-        return ProcessInfo(pid=pid, name=name, rss_bytes=rss, start_time=start, ppid=ppid,
-                           cgroup=fixed[1], ns_pid=fixed[2], cmdline=cmdline)
+        tracked.seen_at = now
+        return ProcessInfo(pid=pid, name=tracked.name, rss_bytes=rss, start_time=tracked.start,
+                           ppid=tracked.ppid, cgroup=tracked.cgroup, ns_pid=tracked.ns_pid, cmdline=cmdline)
 
-    def descendants(self, pid: int) -> list[int]:
-        # Walking the process tree reads every /proc/<pid>/stat: do it once for all servers,
-        # and reuse it a few seconds (serving processes fork their workers at start-up).
-        age = time.monotonic() - self._children_at
-        if age > TREE_CACHE_SECONDS or (pid not in self._children and age > 1.0):
-            children: dict[int, list[int]] = {}
-            for proc in psutil.process_iter(["ppid"]):
-                ppid = proc.info.get("ppid")
-                if ppid is not None and ppid != proc.pid:  # pid 0 is its own parent on some kernels
-                    children.setdefault(ppid, []).append(proc.pid)
-            self._children, self._children_at = children, time.monotonic()
-        out, todo, seen = [], list(self._children.get(pid, ())), {pid}
-        while todo:
-            child = todo.pop()
-            if child not in seen:
-                seen.add(child)
-                out.append(child)
-                todo.extend(self._children.get(child, ()))
-        return out
+    def _track(self, pid: int, now: float) -> _Tracked:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            name, start, ppid = proc.name(), proc.create_time(), proc.ppid()
+        base = f"{self.proc_root}/{pid}"
+        return _Tracked(proc=proc, start=start, cgroup=_read_small(f"{base}/cgroup"),
+                        ns_pid=_innermost_nspid(_read_small(f"{base}/status")),
+                        name=name, ppid=ppid, named_at=now, seen_at=now)
+
+    def _sweep(self, now: float) -> None:
+        """Forget processes not asked about for a while: bounded under any churn."""
+        if now - self._swept_at < FORGET_AFTER_SECONDS and len(self._tracked) < MAX_TRACKED:
+            return
+        self._swept_at = now
+        self._tracked = {pid: t for pid, t in self._tracked.items() if now - t.seen_at < FORGET_AFTER_SECONDS}
+        if len(self._tracked) >= MAX_TRACKED:
+            self._tracked.clear()
 
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds: cache it, servers rarely move.
-        age = time.monotonic() - self._listeners_at
+        age = self._monotonic() - self._listeners_at
         if age > self._listener_ttl or (port not in self._listeners and age > 5.0):
             self._listeners = _listening_ports()
-            self._listeners_at = time.monotonic()
+            self._listeners_at = self._monotonic()
         return self._listeners.get(port)
 
     def memory(self) -> HostMemory | None:
@@ -170,7 +185,7 @@ def enrich(gpus: tuple[GpuSample, ...], host: HostView, with_cmdline: bool = Fal
             procs.append(dataclasses.replace(
                 p, name=info.name, host_rss_bytes=info.rss_bytes, start_time=info.start_time,
                 container=container[:12], pod_uid=pod_uid, pod=pod, namespace=namespace,
-                ns_pid=info.ns_pid, cmdline=info.cmdline if with_cmdline else ""))
+                ns_pid=info.ns_pid, ppid=info.ppid, cmdline=info.cmdline if with_cmdline else ""))
         out.append(dataclasses.replace(gpu, processes=tuple(procs)))
     return tuple(out)
 

@@ -28,9 +28,6 @@ class HostView(Protocol):
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
         """The process's identity, or None when it no longer exists (a normal race)."""
 
-    def descendants(self, pid: int) -> list[int]:
-        """PIDs of all children, grandchildren, ... of `pid` (empty when it is gone)."""
-
     def pid_listening_on(self, port: int) -> int | None:
         """The PID of the process with a TCP socket listening on `port`, if any is visible."""
 

@@ -116,9 +116,15 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session) -> VllmSample:
         return _failed(endpoint, "parse", str(exc), started)
     except Exception as exc:  # a bug or an exotic library error must not stop sampling
         return _failed(endpoint, "connection", f"{type(exc).__name__}: {exc}", started)
+    # A server that echoes our credentials into its labels must not make us export them.
+    engines = tuple(replace(e, model=_scrub(e.model, endpoint), engine=_scrub(e.engine, endpoint))
+                    for e in metrics.engines)
+    cache_config = metrics.cache_config
+    if cache_config is not None:
+        cache_config = replace(cache_config, cache_dtype=_scrub(cache_config.cache_dtype, endpoint))
     return VllmSample(
         endpoint=endpoint.label, up=True, scrape_duration_seconds=time.monotonic() - started,
-        engines=metrics.engines, cache_config=metrics.cache_config,
+        engines=engines, cache_config=cache_config,
     )
 
 
@@ -198,13 +204,23 @@ def _describe(exc: BaseException, endpoint: VllmEndpoint) -> str:
 
 def redact(text: str, endpoint: VllmEndpoint) -> str:
     """Remove the bearer token and any URL credentials from a message, and bound its length."""
-    if endpoint.bearer_token:
-        text = text.replace(endpoint.bearer_token, "<redacted>")
+    return _scrub(text, endpoint)[:MAX_ERROR_CHARS]
+
+
+def _scrub(text: str, endpoint: VllmEndpoint) -> str:
     parts = urlsplit(endpoint.url)
-    for secret in (parts.password, parts.username):
+    for secret in (endpoint.bearer_token, parts.password, parts.username):
         if secret:
             text = text.replace(secret, "<redacted>")
-    return text[:MAX_ERROR_CHARS]
+    return text
+
+
+def _plain_session() -> requests.Session:
+    session = requests.Session()
+    # No proxy from the environment (it would see the bearer token) and no ~/.netrc; reading
+    # both on every request was also a fifth of a scrape's CPU.
+    session.trust_env = False
+    return session
 
 
 def _failed(endpoint: VllmEndpoint, kind: str, message: str, started: float) -> VllmSample:
@@ -223,7 +239,7 @@ class VllmSource:
     WAIT_MARGIN_SECONDS = 0.25
 
     def __init__(self, endpoints: Iterable[VllmEndpoint], host: HostView | None = None,
-                 max_workers: int | None = None, session_factory: Callable[[], requests.Session] = requests.Session,
+                 max_workers: int | None = None, session_factory: Callable[[], requests.Session] | None = None,
                  pid_resolver: PidResolver | None = None):
         self.endpoints = tuple(endpoints)
         self.host = host
@@ -232,7 +248,7 @@ class VllmSource:
         self._resolve_pids = pid_resolver
         # One session per endpoint: requests sessions are not thread-safe, and the in-flight
         # guard below keeps a single request per endpoint at a time.
-        self._sessions = [session_factory() for _ in self.endpoints]
+        self._sessions = [(session_factory or _plain_session)() for _ in self.endpoints]
         # A worker per endpoint by default, so a stuck endpoint never takes another's thread.
         workers = max_workers if max_workers is not None else min(32, len(self.endpoints))
         self._pool = concurrent.futures.ThreadPoolExecutor(

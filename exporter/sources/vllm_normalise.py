@@ -5,10 +5,18 @@ vLLM renamed its metrics over time (V0 `gpu_cache_usage_perc` became V1 `kv_cach
 and its counters come out of prometheus_client as `<name>_total` plus a `<name>_created` gauge.
 We key on sample names with `_total` stripped, so typed, untyped and renamed families all land
 in the same place, and prefer the current name when a release exposes both.
+
+A real page is mostly histograms (fourteen request histograms per engine, the API server's
+`http_*` families, Python's collectors: about 500 lines) and we read none of them. Only the
+`vllm:` samples that are not histogram or summary series go to the parser, a small fraction of
+the page (bench/vllm_parse.py). The price: a malformed line in a family we never read no longer
+fails the scrape.
 """
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +35,12 @@ FIELD_METRICS: dict[str, tuple[str, ...]] = {
 _WANTED = {name: field for field, names in FIELD_METRICS.items() for name in names}
 _PREFERENCE = {name: rank for names in FIELD_METRICS.values() for rank, name in enumerate(names)}
 CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+
+# A `vllm:` sample line; histogram and summary series (and `_created`) are never read.
+_VLLM_LINE = re.compile(r"^[ \t]*vllm:[^\n]*", re.MULTILINE)
+_SERIES_SUFFIX = re.compile(r"[ \t]*[^{ \t]*_(?:bucket|sum|count|created)[{ \t]")
+_CACHE_CONFIG_LINE = re.compile(r"[ \t]*vllm:cache_config_info[{ \t]")
+MAX_CACHED_LINE_CHARS = 4096
 
 # A hostile or broken server must not blow up our own label cardinality or memory.
 MAX_ENGINES = 64
@@ -47,17 +61,24 @@ def normalise(text: str) -> NormalisedMetrics:
     """Parse exposition text; raise ParseError when it is not a vLLM metrics page."""
     values: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
     cache_labels: list[dict[str, str]] = []
+    lines = [line for line in _VLLM_LINE.findall(text) if not _SERIES_SUFFIX.match(line)]
+    if not lines:
+        _raise_why_no_vllm(text)
     saw_vllm = False
     try:
-        for family in text_string_to_metric_families(text):
+        samples = []
+        for line in lines:
+            if _CACHE_CONFIG_LINE.match(line):
+                saw_vllm = True
+                cache_labels.append(dict(_info_labels(line)))
+            else:
+                samples.append(line)
+        for family in text_string_to_metric_families("\n".join(samples) + "\n"):
             for sample in family.samples:
                 name = sample.name
                 if not name.startswith("vllm:") or name.endswith("_created"):
                     continue
                 saw_vllm = True
-                if name == CACHE_CONFIG_METRIC:
-                    cache_labels.append(dict(sample.labels))
-                    continue
                 base = name[: -len("_total")] if name.endswith("_total") else name
                 field = _WANTED.get(base)
                 if field is None or not _finite(sample.value):
@@ -80,6 +101,35 @@ def normalise(text: str) -> NormalisedMetrics:
         for (model, engine), fields in sorted(values.items())
     )
     return NormalisedMetrics(engines=engines, cache_config=_cache_config(cache_labels))
+
+
+def _info_labels(line: str) -> tuple[tuple[str, str], ...]:
+    """The labels of an info line (`vllm:cache_config_info{...} 1`). It is the same line on
+    every scrape and the costliest to parse (fifteen labels): parsed once, remembered."""
+    if len(line) > MAX_CACHED_LINE_CHARS:
+        return _parse_info_line(line)
+    return _cached_info_line(line)
+
+
+def _parse_info_line(line: str) -> tuple[tuple[str, str], ...]:
+    for family in text_string_to_metric_families(line + "\n"):
+        for sample in family.samples:
+            return tuple(sample.labels.items())
+    return ()
+
+
+_cached_info_line = functools.lru_cache(maxsize=64)(_parse_info_line)
+
+
+def _raise_why_no_vllm(text: str) -> None:
+    """No vLLM sample: say whether the body is exposition text at all (a wrong URL answers
+    with HTML or JSON) or valid text from something else."""
+    try:
+        for _ in text_string_to_metric_families(text):
+            pass
+    except Exception as exc:
+        raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
+    raise ParseError("no vllm: metrics in the response")
 
 
 def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: float) -> None:

@@ -4,6 +4,9 @@ A vLLM server is the process listening on the endpoint's port plus its descendan
 the API server, a `VLLM::EngineCore` child and, with tensor parallelism, `VLLM::Worker_TP*`
 grandchildren, and it is those children that hold GPU memory. Operators can override the
 look-up with a PID file, a container id or a process-name pattern.
+
+Descendants are found from the other end: each GPU process walks up its parents until it meets
+a server's root. That reads a few processes per tick instead of the whole process table.
 """
 from __future__ import annotations
 
@@ -52,16 +55,17 @@ def read_pid_file(path: str, max_bytes: int = MAX_PID_FILE_BYTES) -> int:
 
 def server_pids(endpoint: VllmEndpoint, host: HostView,
                 candidates: Sequence[int] = ()) -> tuple[int, ...]:
-    """The server's PIDs, sorted. The first configured override wins: pid_file, then
-    container_id, then process_pattern (the last two pick from `candidates`, usually the
-    PIDs NVML reports); without one, the listener on the endpoint's port when it is local."""
+    """The server's root PIDs, sorted: their descendants belong to it too (assign_roles).
+    The first configured override wins: pid_file, then container_id, then process_pattern
+    (the last two pick from `candidates`, usually the PIDs NVML reports); without one, the
+    listener on the endpoint's port when it is local."""
     if endpoint.pid_file:
         try:
             root = read_pid_file(endpoint.pid_file)
         except PidFileError as exc:
             _warn_once(endpoint.label, str(exc))
             return ()
-        return _with_descendants(host, [root])
+        return (root,)
     if endpoint.container_id:
         wanted = endpoint.container_id.strip()
         return _sorted(pid for pid in candidates if wanted in _cgroup(host, pid))
@@ -71,20 +75,19 @@ def server_pids(endpoint: VllmEndpoint, host: HostView,
     if not is_local_host(endpoint.hostname):
         return ()  # a remote server's processes are not on our GPUs
     listener = host.pid_listening_on(endpoint.port)
-    if listener is None:
-        return ()
-    return _with_descendants(host, [listener])
+    return () if listener is None else (listener,)
 
 
 def assign_roles(gpus: Iterable[GpuSample], vllm_samples: Iterable[VllmSample],
                  host: HostView) -> tuple[GpuSample, ...]:
     """New GpuSamples whose processes say role="vllm" and endpoint=<label> when they belong
-    to a server (they are in its PIDs, or descend from one of them), else role="other"."""
+    to a server (they are one of its PIDs, or descend from one), else role="other"."""
     owner: dict[int, str] = {}
     for sample in vllm_samples:
         for pid in sample.pids:
             owner.setdefault(pid, sample.endpoint)
-    parents: dict[int, int | None] = {}
+    # The host look-up already gave each GPU process its parent; only ancestors need reading.
+    parents: dict[int, int | None] = {p.pid: p.ppid for g in gpus for p in g.processes if p.ppid is not None}
     result = []
     for gpu in gpus:
         processes = []
@@ -98,6 +101,8 @@ def assign_roles(gpus: Iterable[GpuSample], vllm_samples: Iterable[VllmSample],
 def _owning_endpoint(pid: int, owner: dict[int, str], host: HostView,
                      parents: dict[int, int | None]) -> str:
     # Walk up the parents: a worker spawned after the PIDs were listed still belongs.
+    if not owner:
+        return ""
     current: int | None = pid
     for _ in range(MAX_ANCESTOR_DEPTH):
         if current is None or current <= 1:
@@ -128,16 +133,6 @@ def is_local_host(hostname: str) -> bool:
     except (OSError, psutil.Error):
         return False
     return str(address) in local
-
-
-def _with_descendants(host: HostView, roots: list[int]) -> tuple[int, ...]:
-    pids = set(roots)
-    for root in roots:
-        try:
-            pids.update(host.descendants(root))
-        except Exception as exc:  # a vanished process is a normal race
-            log.debug("descendants of %d: %s", root, exc)
-    return _sorted(pids)
 
 
 def _safe_process(host: HostView, pid: int):

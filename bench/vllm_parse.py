@@ -1,0 +1,103 @@
+"""Cost of reading one vLLM /metrics page: parsing all of it against reading only what we use.
+
+    python bench/vllm_parse.py [--repeats 300] [--engines 1]
+
+The page is the simulator's, which carries what a real vLLM V1 page carries (vLLM's fourteen
+request histograms with its own buckets, the API server's http_* families, Python's
+collectors), with `--engines` data-parallel engines. Timed side by side in one run, medians of
+`--repeats` rounds:
+- the whole page through prometheus_client's parser (what a scraper that reads every family pays);
+- `normalise()`, which hands the parser only the vllm: gauges and counters it reads;
+- one whole scrape of the one-engine page over loopback (HTTP over a kept-alive connection,
+  then `normalise()`), as CPU time of this process; the server runs in a child process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SERVE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from exporter.clock import FixedClock
+from exporter.sim import scenario as sc
+from exporter.sim.fake_vllm import FakeVllmServer
+with FakeVllmServer(sc.load("steady"), FixedClock(time.time() - 3600, 3600)) as server:
+    print(server.url, flush=True)
+    sys.stdin.read()
+"""
+
+
+def page(engines: int) -> str:
+    from exporter.clock import FixedClock
+    from exporter.sim import scenario as sc
+    from exporter.sim.fake_vllm import FakeVllmServer
+
+    text = FakeVllmServer(sc.load("steady"), FixedClock(time.time() - 3600, 3600)).render().decode()
+    if engines == 1:
+        return text
+    # Data parallelism: every engine-labelled series once per engine.
+    lines = []
+    for line in text.splitlines():
+        lines.append(line)
+        if 'engine="0"' in line:
+            lines += [line.replace('engine="0"', f'engine="{i}"') for i in range(1, engines)]
+    return "\n".join(lines) + "\n"
+
+
+def timed(fn, repeats: int, clock=time.perf_counter) -> float:
+    samples = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--engines", type=int, default=1)
+    args = ap.parse_args()
+
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from exporter.sources.vllm import VllmEndpoint, _plain_session, scrape
+    from exporter.sources.vllm_normalise import normalise
+
+    text = page(args.engines)
+    full = timed(lambda: list(text_string_to_metric_families(text)), args.repeats)
+    ours = timed(lambda: normalise(text), args.repeats)
+
+    server = subprocess.Popen([sys.executable, "-c", SERVE.format(repo=str(REPO))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        endpoint = VllmEndpoint(server.stdout.readline().strip())
+        session: requests.Session = _plain_session()
+        assert scrape(endpoint, session).up
+        whole = timed(lambda: scrape(endpoint, session), args.repeats, clock=time.process_time)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=10)
+
+    print(json.dumps({"lines": text.count("\n"), "kib": round(len(text) / 1024, 1)}))
+    print("| step | median ms |")
+    print("|---|---|")
+    print(f"| whole page through prometheus_client's parser | {1000 * full:.2f} |")
+    print(f"| normalise() (vllm: gauges and counters only) | {1000 * ours:.2f} |")
+    print(f"| one scrape over loopback, CPU (HTTP + normalise) | {1000 * whole:.2f} |")
+    print(f"\nnormalise / whole-page parse: {ours / full:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
