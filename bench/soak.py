@@ -135,9 +135,7 @@ class Soak:
         start = self._window_end
         self._window_end = start + self.window
         nxt = from_dict(window_doc(self.churn, self.gpus, start, self._window_end))
-        # Same Scenario object (the fake NVML module and the host hold it): new process list.
-        self.scenario.processes = nxt.processes
-        self.scenario._memo = None
+        self.scenario.replace_processes(nxt.processes)
 
     def tick(self):
         self.clock.advance(self.interval)

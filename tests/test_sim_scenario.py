@@ -437,3 +437,14 @@ def test_fleet_evaluates_well_under_10_ms():
         s.state_at(100 + i)
         best = min(best, time.perf_counter() - t0)
     assert best < 0.010
+
+
+def test_replace_processes_swaps_the_list_in_place():
+    def doc(pid, name):
+        return {"name": "n", "description": "", "duration": 3600, "gpus": [{"memory": "80GiB"}],
+                "host": {"memory": "64GiB"}, "processes": [{"pid": pid, "name": name, "gpu": 0, "memory": "1GiB"}]}
+    scenario = sc.from_dict(doc(100, "first"))
+    assert [p.pid for p in scenario.state_at(600).processes] == [100]
+    scenario.replace_processes(sc.from_dict(doc(777, "late")).processes)
+    after = scenario.state_at(600)  # same t: the remembered state must not be served
+    assert [p.pid for p in after.processes] == [777] and after.process(777).name == "late"

@@ -49,7 +49,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -622,6 +622,14 @@ class Scenario:
 
     def faults_at(self, t: float) -> tuple[FaultSpec, ...]:
         return tuple(f for f in self.faults if f.active_at(t))
+
+    def replace_processes(self, processes: Iterable[ProcessSpec]) -> None:
+        """Swap in a new process list, in place: the fake NVML module and the simulated host
+        keep holding this Scenario. For hosts with more processes over time than one scenario
+        may list (the soak benchmark's churn comes in windows)."""
+        with self._lock:
+            self.processes = tuple(processes)
+            self._memo = None
 
     def state_for(self, clock) -> State:
         """The state at the clock's scenario time (a VirtualClock or FixedClock: `elapsed()`),
