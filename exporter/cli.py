@@ -144,13 +144,14 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
 
         try:
             new_config = _load(config_file, **overrides)
-            make_analyzer(new_config)  # the detectors' own constraints
+            thresholds = make_analyzer(new_config).config  # checked against the detectors' needs
             sampler = make_sampler(new_config, runtime.host)
         except (click.ClickException, ConfigError) as exc:
             log.error("reload failed, keeping the running configuration: %s",
                       getattr(exc, "message", None) or exc)
             return
         current["config"] = new_config
+        analyzer.reconfigure(thresholds)
         daemon.replace_sampler(sampler)  # swapped (and the old one closed) between two ticks
         daemon.interval = new_config.interval_seconds
         log.info("configuration reloaded")

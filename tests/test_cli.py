@@ -153,6 +153,23 @@ def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
     assert "configuration reloaded" in out
 
 
+def test_sighup_reloads_admission_thresholds(tmp_path):
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("interval_seconds: 0.2\n")
+    d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "120")  # 20 GiB beyond budgets
+    try:
+        d.wait_healthy()
+        assert requests.get(d.url + "/admission", timeout=5).status_code == 200
+        cfg.write_text("interval_seconds: 0.2\nadmission: {close_above: 0.5, open_below: 0.4}\n")
+        d.proc.send_signal(signal.SIGHUP)  # at the default 0.90 this scenario never closes
+        deadline = time.monotonic() + 10
+        while requests.get(d.url + "/admission", timeout=5).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert requests.get(d.url + "/admission", timeout=5).status_code == 503
+    finally:
+        d.stop()
+
+
 def test_env_vars_configure_run():
     d = Daemon("--simulate", "steady", env={"GPUMEM_RUN_INTERVAL": "0.2"})
     try:

@@ -110,6 +110,13 @@ class Analyzer:
         """(finding, cleared_at) for every recorded finding; cleared_at None while active."""
         return [(e.finding, e.cleared_at) for e in self._episodes.values()]
 
+    def reconfigure(self, config: AnalysisConfig) -> None:
+        """Take new thresholds (a configuration reload) from the next tick on. The history's
+        sizes stay: they change only on restart, as resizing would drop what it holds."""
+        self.config = replace(config, history_raw_seconds=self.config.history_raw_seconds,
+                              history_retention_seconds=self.config.history_retention_seconds,
+                              history_dead_grace_seconds=self.config.history_dead_grace_seconds)
+
     def update(self, snapshot: Snapshot) -> Analysis:
         self.history.update(snapshot)
         now = snapshot.timestamp
