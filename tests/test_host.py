@@ -187,3 +187,90 @@ def test_processes_not_asked_about_are_forgotten(fake_proc):
     import shutil
     shutil.rmtree(proc.root / "6000")
     assert host.process(6000) is None
+
+
+# -- which process listens on a port ----------------------------------------------------------
+LISTENER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _listen(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fd_dirs_listed(call) -> set[str]:
+    global _opened
+    _opened = []
+    try:
+        call()
+        return {p for p in _opened if p.endswith("/fd")}
+    finally:
+        _opened = None
+
+
+def _record_listdirs(event, args):
+    if _opened is not None and event == "os.listdir" and isinstance(args[0], str):
+        _opened.append(args[0])
+
+
+sys.addaudithook(_record_listdirs)
+
+
+def test_a_known_listener_is_confirmed_from_its_own_sockets_and_a_restart_is_found():
+    from exporter.sources.host import LISTENER_RESCAN_SECONDS
+    clock = [0.0]
+    host = LocalHost(listener_cache_seconds=30, monotonic=lambda: clock[0])
+    port = _free_port()
+    first = _listen(port)
+    second = None
+    try:
+        walked = _fd_dirs_listed(lambda: host.pid_listening_on(port))  # the first look walks every process
+        assert f"/proc/{first.pid}/fd" in walked and f"/proc/{os.getpid()}/fd" in walked
+        assert host.pid_listening_on(port) == first.pid
+        clock[0] += 10
+        assert _fd_dirs_listed(lambda: host.pid_listening_on(port)) == set()  # within the TTL
+        clock[0] += 25
+        listed = _fd_dirs_listed(lambda: host.pid_listening_on(port))
+        assert listed == {f"/proc/{first.pid}/fd"}  # confirmed from its own sockets only
+        first.kill()
+        first.wait()
+        second = _listen(port)  # the server restarts on the same port
+        clock[0] += LISTENER_RESCAN_SECONDS
+        assert host.pid_listening_on(port) == second.pid
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_port_nobody_listens_on_is_not_rescanned_every_tick():
+    clock = [0.0]
+    host = LocalHost(listener_cache_seconds=30, monotonic=lambda: clock[0])
+    port = _free_port()
+    assert host.pid_listening_on(port) is None
+    clock[0] += 5
+    assert _fd_dirs_listed(lambda: host.pid_listening_on(port)) == set()
+    late = _listen(port)
+    try:
+        clock[0] += 25
+        assert host.pid_listening_on(port) == late.pid  # found at the next whole-table walk
+    finally:
+        late.kill()
+        late.wait()

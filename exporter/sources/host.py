@@ -20,6 +20,7 @@ _PROCESS_ERRORS = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProce
 IDENTITY_REFRESH_SECONDS = 30.0  # a process renames itself or is re-parented rarely
 FORGET_AFTER_SECONDS = 60.0
 MAX_TRACKED = 16384
+LISTENER_RESCAN_SECONDS = 5.0
 
 
 def _read_small(path: str) -> str:
@@ -51,8 +52,9 @@ class LocalHost(HostView):
             psutil.PROCFS_PATH = proc_root  # e.g. the host's /proc mounted at /host/proc
         self._monotonic = monotonic  # the caches' clock; the overhead benchmark plays it fast
         self._listener_ttl = listener_cache_seconds
-        self._listeners: dict[int, int] = {}
+        self._listeners: dict[int, int] = {}  # port -> pid, from the last whole-table scan
         self._listeners_at = float("-inf")
+        self._listener_checked: dict[int, float] = {}  # port -> when its pid was last confirmed
         self._tracked: dict[int, _Tracked] = {}
         self._swept_at = monotonic()
 
@@ -107,11 +109,22 @@ class LocalHost(HostView):
             self._tracked.clear()
 
     def pid_listening_on(self, port: int) -> int | None:
-        # Listing every socket walks every process's fds: cache it, servers rarely move.
-        age = self._monotonic() - self._listeners_at
-        if age > self._listener_ttl or (port not in self._listeners and age > 5.0):
-            self._listeners = _listening_ports()
-            self._listeners_at = self._monotonic()
+        # Listing every socket walks every process's fds (5 us each; a GPU host has tens of
+        # thousands). A known listener is confirmed from its own sockets once a TTL; the whole
+        # table is walked again only when it went away (a restart: within RESCAN_SECONDS) or,
+        # for a port nobody listened on, once a TTL.
+        now = self._monotonic()
+        pid = self._listeners.get(port)
+        if pid is not None and psutil.pid_exists(pid):
+            if now - self._listener_checked.get(port, self._listeners_at) < self._listener_ttl:
+                return pid
+            if _listens(pid, port):
+                self._listener_checked[port] = now
+                return pid
+        wait = LISTENER_RESCAN_SECONDS if pid is not None else self._listener_ttl
+        if now - self._listeners_at < wait:
+            return None
+        self._listeners, self._listeners_at, self._listener_checked = _listening_ports(), now, {}
         return self._listeners.get(port)
 
     def memory(self) -> HostMemory | None:
@@ -147,6 +160,14 @@ def _listening_ports() -> dict[int, int]:
         return {}
     return {c.laddr.port: c.pid for c in conns
             if c.status == psutil.CONN_LISTEN and c.pid and c.laddr}
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except _PROCESS_ERRORS:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 def _innermost_nspid(status: str) -> int | None:
