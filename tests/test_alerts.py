@@ -31,7 +31,7 @@ SEVERITIES = {"page", "ticket"}
 PLANNED_METRICS = frozenset("""
 gpumem_gpu_info gpumem_gpu_up gpumem_gpu_memory_total_bytes gpumem_gpu_memory_used_bytes
 gpumem_gpu_memory_free_bytes gpumem_gpu_memory_reserved_bytes gpumem_gpu_memory_utilization_ratio
-gpumem_gpu_memory_unattributed_bytes gpumem_gpu_time_to_full_seconds
+gpumem_gpu_memory_unattributed_bytes gpumem_gpu_memory_beyond_budget_bytes gpumem_gpu_time_to_full_seconds
 gpumem_process_memory_used_bytes gpumem_process_host_rss_bytes
 gpumem_process_memory_growth_bytes_per_second gpumem_leak_suspected gpumem_finding_active
 gpumem_admission_open gpumem_host_memory_total_bytes gpumem_host_memory_available_bytes
@@ -116,7 +116,8 @@ def test_promtool_unit_tests_pass():
 
 
 def test_promtool_catches_a_wrong_expectation(tmp_path):
-    """The harness must be able to fail: a GPU at 50 % does not page, so expecting it does fails."""
+    """The harness must be able to fail: a GPU at 50 % does not page (although all of it lies beyond
+    any vLLM budget), so expecting it does fails."""
     case = {
         "rule_files": [str(RULES)],
         "evaluation_interval": "1m",
@@ -125,6 +126,7 @@ def test_promtool_catches_a_wrong_expectation(tmp_path):
             "input_series": [
                 {"series": 'gpumem_gpu_memory_total_bytes{instance="h",job="j",gpu="0",uuid="u"}', "values": "100x20"},
                 {"series": 'gpumem_gpu_memory_used_bytes{instance="h",job="j",gpu="0",uuid="u"}', "values": "50x20"},
+                {"series": 'gpumem_gpu_memory_beyond_budget_bytes{instance="h",job="j",gpu="0",uuid="u"}', "values": "50x20"},
             ],
             "alert_rule_test": [{"eval_time": "15m", "alertname": "GpuMemoryHigh",
                                  "exp_alerts": [{"exp_labels": {"severity": "page", "instance": "h", "job": "j",

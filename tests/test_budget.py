@@ -1,6 +1,8 @@
 """Each vLLM server's budget (gpu_memory_utilization x GPU total) against its processes' use."""
 from __future__ import annotations
 
+import pytest
+
 from exporter.analysis.budget import Budget, memory_budgets
 from exporter.model import CacheConfig, GpuSample, ProcessSample, Snapshot, VllmSample
 
@@ -48,3 +50,30 @@ def test_no_server_processes_no_budget():
                     vllm=(VllmSample(endpoint="chat", up=True,
                                      cache_config=CacheConfig(gpu_memory_utilization=0.5)),))
     assert memory_budgets(snap) == ()
+
+
+# -- memory beyond the budgets: what GpuMemoryHigh and admission act on -------------------------
+def _gpu(used, uuid="GPU-a"):
+    from exporter.model import GpuSample
+    return GpuSample(index="0", uuid=uuid, total_bytes=80 * GiB, used_bytes=used)
+
+
+@pytest.mark.parametrize("used, budgets, beyond", [
+    (60 * GiB, [], 60 * GiB),  # no vLLM: everything used is beyond
+    (70 * GiB, [Budget("a", "0", "GPU-a", 72 * GiB, 69 * GiB)], 1 * GiB),  # healthy vLLM: only the rest
+    (80 * GiB, [Budget("a", "0", "GPU-a", 72 * GiB, 74 * GiB)], 8 * GiB),  # vLLM 2 GiB over its budget
+    (70 * GiB, [Budget("a", "0", "GPU-a", None, 69 * GiB)], 1 * GiB),  # budget unknown (starting)
+    (76 * GiB, [Budget("a", "0", "GPU-a", 36 * GiB, 30 * GiB),
+                Budget("b", "0", "GPU-a", 36 * GiB, 40 * GiB)], 10 * GiB),  # two servers, one over
+    (70 * GiB, [Budget("a", "0", "GPU-b", 72 * GiB, 69 * GiB)], 70 * GiB),  # another GPU's server
+    (70 * GiB, [Budget("a", "0", "GPU-a", 72 * GiB, None)], 70 * GiB),  # no per-process figure
+    (10 * GiB, [Budget("a", "0", "GPU-a", 72 * GiB, 69 * GiB)], 0),  # never negative
+])
+def test_beyond_budget_bytes(used, budgets, beyond):
+    from exporter.analysis.pressure import beyond_budget_bytes
+    assert beyond_budget_bytes(_gpu(used), budgets) == beyond
+
+
+def test_beyond_budget_is_unknown_without_used_memory():
+    from exporter.analysis.pressure import beyond_budget_bytes
+    assert beyond_budget_bytes(_gpu(None), [Budget("a", "0", "GPU-a", 72 * GiB, 69 * GiB)]) is None

@@ -211,6 +211,8 @@ gpumem_gpu_memory_free_bytes{gpu="0",uuid="GPU-0"} 4294967296
 gpumem_gpu_memory_free_bytes{gpu="1",uuid="GPU-1"} 85362475008
 gpumem_gpu_memory_unattributed_bytes{gpu="0",uuid="GPU-0"} 0
 gpumem_gpu_memory_unattributed_bytes{gpu="1",uuid="GPU-1"} 536870912
+gpumem_gpu_memory_beyond_budget_bytes{gpu="0",uuid="GPU-0"} 4294967296
+gpumem_gpu_memory_beyond_budget_bytes{gpu="1",uuid="GPU-1"} 536870912
 gpumem_gpu_time_to_full_seconds{gpu="0",uuid="GPU-0"} 7200
 gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 77309411328
 gpumem_process_memory_used_bytes{gpu="0",uuid="GPU-0",pid="4242",process="python",role="other"} 4294967296
