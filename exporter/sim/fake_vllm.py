@@ -91,7 +91,7 @@ def _histogram(name, doc, labels, values, buckets, count, mean, created=None):
     return h
 
 
-def _traffic(s: VllmState, labels: list[str], created: float, uptime: float):
+def _traffic(labels: list[str], created: float, uptime: float):
     """Token and request counters and request histograms: a real page's bulk."""
     requests = int(REQUESTS_PER_SECOND * max(uptime, 0.0))
     for name, doc, per_request in (("vllm:prompt_tokens", "Number of prefill tokens processed.", 900),
@@ -206,7 +206,7 @@ class _VllmCollector:
         g.add_metric(list(info.values()), 1)
         yield g
         uptime = self.server.clock.now() - created
-        yield from _traffic(s, labels, created, uptime)
+        yield from _traffic(labels, created, uptime)
         yield from _api_server(uptime)
 
 

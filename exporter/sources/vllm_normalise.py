@@ -64,21 +64,16 @@ def normalise(text: str) -> NormalisedMetrics:
     lines = [line for line in _VLLM_LINE.findall(text) if not _SERIES_SUFFIX.match(line)]
     if not lines:
         _raise_why_no_vllm(text)
-    saw_vllm = False
     try:
         samples = []
         for line in lines:
             if _CACHE_CONFIG_LINE.match(line):
-                saw_vllm = True
                 cache_labels.append(dict(_info_labels(line)))
             else:
                 samples.append(line)
         for family in text_string_to_metric_families("\n".join(samples) + "\n"):
             for sample in family.samples:
                 name = sample.name
-                if not name.startswith("vllm:") or name.endswith("_created"):
-                    continue
-                saw_vllm = True
                 base = name[: -len("_total")] if name.endswith("_total") else name
                 field = _WANTED.get(base)
                 if field is None or not _finite(sample.value):
@@ -94,8 +89,6 @@ def normalise(text: str) -> NormalisedMetrics:
         raise
     except Exception as exc:  # the parser raises ValueError, IndexError, ... on bad text
         raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
-    if not saw_vllm:
-        raise ParseError("no vllm: metrics in the response")
     engines = tuple(
         VllmEngineStats(model=model, engine=engine, **{f: v for f, (_, v) in fields.items()})
         for (model, engine), fields in sorted(values.items())
