@@ -144,6 +144,33 @@ def test_pressure_ignores_what_vllm_budgeted_but_not_the_cliff():
     assert found["2"].severity == "critical"  # >= 95 % is the cliff whoever owns the memory
 
 
+def test_a_raised_pressure_finding_holds_until_use_is_clearly_lower():
+    """Use hovering around 85 % raises the finding once, not every other tick."""
+    cfg = PressureConfig()
+    g = gpu(used=int(0.84 * 80 * GiB), index="0")  # just under the threshold, 10 % beyond budget
+
+    def found(ratio, raised, beyond=8 * GiB):
+        analysis = GpuAnalysis(g.index, g.uuid, ratio, True, None, 0, beyond)
+        return [f.gpu for f in detect_pressure((g,), [analysis], T0, cfg, raised=raised)]
+
+    assert found(0.84, frozenset()) == []  # not raised: 84 % is below 85 %
+    assert found(0.84, frozenset({g.uuid})) == ["0"]  # raised: held until below 83 %
+    assert found(0.829, frozenset({g.uuid})) == []
+    assert found(0.90, frozenset({g.uuid}), beyond=int(0.015 * 80 * GiB)) == ["0"]  # slack: held above 1 %
+    assert found(0.90, frozenset({g.uuid}), beyond=int(0.009 * 80 * GiB)) == []
+    assert found(0.90, frozenset(), beyond=int(0.015 * 80 * GiB)) == []  # not raised: needs > 2 %
+
+
+def test_pressure_hovering_at_the_threshold_is_one_episode_in_the_engine():
+    from exporter.analysis.engine import Analyzer
+    analyzer = Analyzer(log_findings=False)
+    for i in range(40):  # 84.5 % and 85.5 % in turn, nothing of it budgeted by vLLM
+        used = int((0.845 if i % 2 else 0.855) * 80 * GiB)
+        analyzer.update(snap(T0 + 5 * i, [gpu([proc(1, used)], used=used)]))
+    episodes = [f for f in analyzer.all_findings if f.kind == "pressure"]
+    assert len(episodes) == 1
+
+
 def test_pressure_config_rejects_inverted_thresholds():
     with pytest.raises(ValueError):
         PressureConfig(warning_ratio=0.96, critical_ratio=0.95)

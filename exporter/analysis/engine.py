@@ -131,7 +131,7 @@ class Analyzer:
              lambda: detect_contention(history, snapshot, cfg.contention)),
             ("stale_memory", "stale_memory", lambda: detect_stale(history, snapshot, cfg.stale)),
             ("pressure", "pressure",
-             lambda: detect_pressure(snapshot.gpus, gpus, now, cfg.pressure)),
+             lambda: detect_pressure(snapshot.gpus, gpus, now, cfg.pressure, self._raised("pressure"))),
             ("oom", "oom", lambda: self._ooms(snapshot)),
         ]
         findings = list(leak_findings or [])
@@ -147,6 +147,10 @@ class Analyzer:
                         gpus=tuple(gpus))
 
     # ------------------------------------------------------------------ internals
+    def _raised(self, kind: str) -> frozenset[str]:
+        """UUIDs of the GPUs with an active finding of this kind."""
+        return frozenset(f.uuid for _, f in self._active.values() if f.kind == kind and f.uuid)
+
     def _run(self, name: str, fn, on_error):
         """A bug in one detector must not silence the others; it is logged and counted."""
         try:

@@ -26,10 +26,15 @@ class PressureConfig:
     warning_ratio: float = 0.85  # used/total that raises a warning (the paging threshold) ...
     budget_slack_ratio: float = 0.02  # ... with more than this share of the GPU beyond vLLM's budgets
     critical_ratio: float = 0.95  # absolute: at the out-of-memory cliff whoever owns the memory
+    # A raised finding clears only this far below the warning ratio (or once the memory beyond
+    # budget fell to half the slack): use hovering around 85 % must not raise it every tick.
+    clear_margin_ratio: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0 < self.warning_ratio <= self.critical_ratio <= 1:
             raise ValueError("pressure: need 0 < warning_ratio <= critical_ratio <= 1")
+        if not 0 <= self.clear_margin_ratio < self.warning_ratio:
+            raise ValueError("pressure: need 0 <= clear_margin_ratio < warning_ratio")
 
 
 def memory_ratio(gpu: GpuSample, host: HostMemory | None) -> float | None:
@@ -70,8 +75,9 @@ def admission_open(previous: bool | None, ratio: float | None, beyond_ratio: flo
 
 
 def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnalysis],
-                    now: float, config: PressureConfig) -> list[Finding]:
-    """One pressure finding per GPU at or above the warning ratio."""
+                    now: float, config: PressureConfig, raised: frozenset[str] = frozenset()) -> list[Finding]:
+    """One pressure finding per GPU at or above the warning ratio. `raised` holds the UUIDs
+    whose finding is active: it stays until use is clear_margin_ratio below the threshold."""
     by_uuid = {g.uuid: g for g in snapshot_gpus}
     findings = []
     for a in analyses:
@@ -82,8 +88,10 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         beyond = (a.beyond_budget_bytes / gpu.total_bytes
                   if a.beyond_budget_bytes is not None and gpu.total_bytes else None)
         critical = ratio >= config.critical_ratio
-        if not critical and (ratio < config.warning_ratio
-                             or (beyond is not None and beyond <= config.budget_slack_ratio)):
+        held = a.uuid in raised
+        warning_ratio = config.warning_ratio - (config.clear_margin_ratio if held else 0.0)
+        slack = config.budget_slack_ratio / 2 if held else config.budget_slack_ratio
+        if not critical and (ratio < warning_ratio or (beyond is not None and beyond <= slack)):
             continue
         evidence: list[tuple[str, float | int | str]] = [("utilization_ratio", round(ratio, 4))]
         if a.beyond_budget_bytes is not None:
