@@ -84,8 +84,16 @@ def check(expect_leak: bool) -> dict:
 
 
 def main() -> None:
-    what = sys.argv[1] if len(sys.argv) > 1 else "nvml"
-    result = {"nvml": nvml, "start": start}.get(what, lambda: check("--expect-leak" in sys.argv))()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", nargs="?", choices=["nvml", "start", "check"], default="nvml")
+    ap.add_argument("--expect-leak", action="store_true", help="check: fail without a leak finding")
+    args = ap.parse_args()
+    if args.what == "check" and not STATE.exists():
+        ap.error(f"no {STATE}: run `start` first")
+    what = args.what
+    result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak)}[what]()
     (OUT / f"gpu-check-{what}.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str)[:4000])
 
