@@ -218,7 +218,7 @@ def _scrub(text: str, endpoint: VllmEndpoint) -> str:
 def _plain_session() -> requests.Session:
     session = requests.Session()
     # No proxy from the environment (it would see the bearer token) and no ~/.netrc; reading
-    # both on every request was also a fifth of a scrape's CPU.
+    # both on every request was also a tenth of a scrape's CPU.
     session.trust_env = False
     return session
 
