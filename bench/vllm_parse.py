@@ -71,7 +71,7 @@ def main() -> int:
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    from exporter.sources.vllm import VllmEndpoint, _plain_session, scrape
+    from exporter.sources.vllm import VllmEndpoint, _plain_session, prepare, scrape
     from exporter.sources.vllm_normalise import normalise
 
     text = page(args.engines)
@@ -83,8 +83,9 @@ def main() -> int:
     try:
         endpoint = VllmEndpoint(server.stdout.readline().strip())
         session: requests.Session = _plain_session()
-        assert scrape(endpoint, session).up
-        whole = timed(lambda: scrape(endpoint, session), args.repeats, clock=time.process_time)
+        request = prepare(endpoint, session)  # built once per endpoint, as VllmSource does
+        assert scrape(endpoint, session, request).up
+        whole = timed(lambda: scrape(endpoint, session, request), args.repeats, clock=time.process_time)
     finally:
         server.stdin.close()
         server.wait(timeout=10)
