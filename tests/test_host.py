@@ -1,5 +1,6 @@
 """LocalHost against the real /proc of this machine, with real child processes."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,15 +72,16 @@ def test_enrich_fills_identity_and_keeps_vanished(child):
 
 
 # -- a known process is cheap, a reused PID is a new process -----------------------------------
-_opened: list[str] | None = None  # paths opened while a test records them
+_opened: list[str] | None = None  # /proc paths opened or listed while a test records them
 
 
-def _record_opens(event, args):
-    if _opened is not None and event == "open" and isinstance(args[0], str) and args[0].startswith("/proc"):
+def _record_proc_reads(event, args):
+    if _opened is not None and event in ("open", "os.listdir") and isinstance(args[0], str) \
+            and args[0].startswith("/proc"):
         _opened.append(args[0])
 
 
-sys.addaudithook(_record_opens)  # audit hooks stay for the interpreter's life: it only records when asked
+sys.addaudithook(_record_proc_reads)  # audit hooks stay for the interpreter's life: it records when asked
 
 
 def _opens_during(call) -> list[str]:
@@ -149,16 +151,15 @@ def fake_proc(tmp_path, monkeypatch):
 
 
 def test_a_reused_pid_is_read_afresh(fake_proc):
-    import os as _os
     proc, host, _ = fake_proc
-    ticks = _os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
     proc.put(4242, "vllm", starttime=100 * ticks, cgroup="0::/system.slice/docker-aaaa.scope\n")
     first = host.process(4242)
     assert (first.name, first.start_time, first.ns_pid) == ("vllm", 1_700_000_100, 7)
     proc.put(4242, "notebook", starttime=900 * ticks, cgroup="0::/user.slice/b.scope\n", rss_pages=512)
     second = host.process(4242)
     assert second.start_time == 1_700_000_900 and second.name == "notebook"
-    assert second.cgroup == "0::/user.slice/b.scope\n" and second.rss_bytes == 512 * _os.sysconf("SC_PAGE_SIZE")
+    assert second.cgroup == "0::/user.slice/b.scope\n" and second.rss_bytes == 512 * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_name_and_parent_are_refreshed_cgroup_is_kept(fake_proc):
@@ -184,7 +185,6 @@ def test_processes_not_asked_about_are_forgotten(fake_proc):
     clock[0] += FORGET_AFTER_SECONDS + 1
     host.process(1)  # any look-up sweeps
     assert host.process(6000).cgroup == "0::/moved\n"  # forgotten, so read as new
-    import shutil
     shutil.rmtree(proc.root / "6000")
     assert host.process(6000) is None
 
@@ -215,21 +215,7 @@ def _free_port() -> int:
 
 
 def _fd_dirs_listed(call) -> set[str]:
-    global _opened
-    _opened = []
-    try:
-        call()
-        return {p for p in _opened if p.endswith("/fd")}
-    finally:
-        _opened = None
-
-
-def _record_listdirs(event, args):
-    if _opened is not None and event == "os.listdir" and isinstance(args[0], str):
-        _opened.append(args[0])
-
-
-sys.addaudithook(_record_listdirs)
+    return {p for p in _opens_during(call) if p.endswith("/fd")}
 
 
 def test_a_known_listener_is_confirmed_from_its_own_sockets_and_a_restart_is_found():
