@@ -111,7 +111,7 @@ class LocalHost(HostView):
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds (5 us each; a GPU host has tens of
         # thousands). A known listener is confirmed from its own sockets once a TTL; the whole
-        # table is walked again only when it went away (a restart: within RESCAN_SECONDS) or,
+        # table is walked again only when it went away (a restart: within LISTENER_RESCAN_SECONDS) or,
         # for a port nobody listened on, once a TTL.
         now = self._monotonic()
         pid = self._listeners.get(port)
