@@ -93,22 +93,25 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
     from exporter.cli import make_analyzer
     from exporter.clock import FixedClock
     from exporter.config import build as build_config
-    from exporter.daemon import Sampler, State
-    from exporter.exposition import build_registry
+    from exporter.daemon import Sampler
+    from exporter.model import State
+    from exporter.serve.exposition import build_registry
     from exporter.sim import fake_nvml
     from exporter.sim.scenario import from_dict
-    from exporter.sources.host import LocalHost
+    from exporter.sources.adapters import VllmServers
+    from exporter.sources.host import HostSource, LocalHost
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.vllm import VllmEndpoint, VllmSource
-    from exporter.sources.vllm_procs import assign_roles
 
     clock = FixedClock(float(int(time.time()) // 60 * 60), at=600.0)
     fake_nvml.configure(from_dict(spec), clock)
     host = LocalHost(monotonic=clock.now)  # its caches expire on the played clock, as in 5 s ticks
     nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
-    vllm = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host) \
-        if endpoints else None  # as the daemon: no endpoint configured, no vLLM source
-    sampler = Sampler(nvml, host, now=clock.now, vllm=vllm, assign_roles=assign_roles)
+    sources = [nvml, HostSource(host)]
+    if endpoints:  # as the daemon: no endpoint configured, no vLLM source
+        scraper = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host)
+        sources.append(VllmServers(scraper, host))
+    sampler = Sampler(sources, now=clock.now)
     analyzer = make_analyzer(build_config())
     state = State()
     registry = build_registry(lambda: state, clock.now)

@@ -20,8 +20,8 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from exporter.cli import make_analyzer  # noqa: E402
 from exporter.config import build as build_config  # noqa: E402
-from exporter.daemon import State  # noqa: E402
-from exporter.exposition import build_registry  # noqa: E402
+from exporter.model import State  # noqa: E402
+from exporter.serve.exposition import build_registry  # noqa: E402
 from exporter.runtime import build as build_runtime  # noqa: E402
 
 

@@ -39,10 +39,11 @@ from prometheus_client import generate_latest  # noqa: E402
 from exporter.analysis.engine import AnalysisConfig, Analyzer  # noqa: E402
 from exporter.clock import FixedClock  # noqa: E402
 from exporter.daemon import Daemon, Sampler  # noqa: E402
-from exporter.exposition import build_registry  # noqa: E402
+from exporter.serve.exposition import build_registry  # noqa: E402
 from exporter.sim import fake_nvml  # noqa: E402
 from exporter.sim.host import SimulatedHost  # noqa: E402
 from exporter.sim.scenario import from_dict  # noqa: E402
+from exporter.sources.host import HostSource  # noqa: E402
 from exporter.sources.nvml import NvmlSource  # noqa: E402
 
 DAY = 86400.0
@@ -123,7 +124,7 @@ class Soak:
         fake_nvml.configure(self.scenario, self.clock)
         self.host = SimulatedHost(self.scenario, self.clock)
         self.nvml = NvmlSource(fake_nvml, self.host.memory, now=self.clock.now)
-        self.sampler = Sampler(self.nvml, self.host, now=self.clock.now)
+        self.sampler = Sampler([self.nvml, HostSource(self.host)], now=self.clock.now)
         self.analyzer = Analyzer(AnalysisConfig(), log_findings=False)
         self.daemon = Daemon(self.sampler, self.clock, self.interval, analyzer=self.analyzer)
         self.registry = build_registry(lambda: self.daemon.state, self.clock.now)

@@ -9,7 +9,9 @@ collectors), with `--engines` data-parallel engines. Timed side by side in one r
 - the whole page through prometheus_client's parser (what a scraper that reads every family pays);
 - `normalise()`, which hands the parser only the vllm: gauges and counters it reads;
 - one whole scrape of the one-engine page over loopback (HTTP over a kept-alive connection,
-  then `normalise()`), as CPU time of this process; the server runs in a child process.
+  then `normalise()`), as CPU time of this process; the server runs in a child process;
+- following a server log: the most one tick reads (READ_BUDGET_BYTES of request lines around
+  vLLM 0.33's start-up lines, the rendered fixture) through LogFollower.
 """
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ def page(engines: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def follow_one_tick() -> None:
+    import tempfile
+
+    from exporter.sources.vllm_log import READ_BUDGET_BYTES, LogFollower
+
+    start = (REPO / "tests" / "fixtures" / "vllm" / "v0_33_failed_then_restarted.log").read_bytes()
+    request = b'(APIServer pid=1) INFO:     10.0.0.9:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK\n'
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        log.write(start + request * ((READ_BUDGET_BYTES - len(start)) // len(request)))
+        log.flush()
+        LogFollower(log.name).profile()
+
+
 def timed(fn, repeats: int, clock=time.perf_counter) -> float:
     samples = []
     for _ in range(repeats):
@@ -90,12 +105,15 @@ def main() -> int:
         server.stdin.close()
         server.wait(timeout=10)
 
+    log_tick = timed(follow_one_tick, max(3, args.repeats // 30))
+
     print(json.dumps({"lines": text.count("\n"), "kib": round(len(text) / 1024, 1)}))
     print("| step | median ms |")
     print("|---|---|")
     print(f"| whole page through prometheus_client's parser | {1000 * full:.2f} |")
     print(f"| normalise() (vllm: gauges and counters only) | {1000 * ours:.2f} |")
     print(f"| one scrape over loopback, CPU (HTTP + normalise) | {1000 * whole:.2f} |")
+    print(f"| a server log's largest tick (4 MiB of log lines) | {1000 * log_tick:.2f} |")
     print(f"\nnormalise / whole-page parse: {ours / full:.3f}")
     return 0
 

@@ -9,9 +9,10 @@ import sys
 import threading
 
 import click
+import yaml
 
 from . import __version__
-from .config import Config, ConfigError
+from .config import Config, ConfigError, file_form
 from .config import load as load_config
 
 log = logging.getLogger("exporter")
@@ -30,31 +31,32 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _load(config_file, **overrides) -> Config:
+# run's and snapshot's flags, as the key paths they override (their environment variables too)
+_FLAG_KEYS = {"vllm_endpoints": "vllm.endpoints"}
+
+
+def _load(config_file, **flags) -> Config:
+    """The one validation `run`, `check-config` and a reload share: the file, the flags and
+    environment over it, the files it names, and the detectors' own needs."""
     try:
-        return load_config(config_file, overrides)
+        return load_config(config_file, {_FLAG_KEYS.get(k, k): v for k, v in flags.items()})
     except ConfigError as exc:
-        raise click.ClickException(f"invalid configuration: {exc}") from exc
+        where = f" in {config_file}" if config_file else ""
+        raise click.ClickException(f"invalid configuration{where}:\n  " + str(exc).replace("\n", "\n  ")) from None
 
 
 def make_analyzer(config: Config):
-    from .analysis.engine import AnalysisConfig, Analyzer
+    from .analysis.engine import Analyzer
 
-    try:
-        return Analyzer(AnalysisConfig(admission_close_above=config.admission.close_above,
-                                       admission_open_below=config.admission.open_below,
-                                       history_raw_seconds=config.history_raw_seconds,
-                                       history_retention_seconds=config.history_retention_seconds))
-    except ValueError as exc:  # settings that conflict with what the detectors need
-        raise click.ClickException(f"invalid configuration: {exc}") from exc
+    return Analyzer(config.analysis())  # already checked against the detectors' needs by _load
 
 
-def _build_runtime(config: Config, simulate, speed=1.0, at=None):
+def _build_runtime(config: Config, simulate, speed=1.0, at=None, one_shot=False):
     from .runtime import build
     from .sim.scenario import ScenarioError
 
     try:
-        return build(config, simulate=simulate, speed=speed, at=at)
+        return build(config, simulate=simulate, speed=speed, at=at, one_shot=one_shot)
     except (ConfigError, ScenarioError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -62,7 +64,7 @@ def _build_runtime(config: Config, simulate, speed=1.0, at=None):
 def _make_recorder(config: Config, clock):
     if not config.recorder.directory:
         return None
-    from .recorder import FlightRecorder
+    from .postmortem.recorder import FlightRecorder
 
     r = config.recorder
     try:
@@ -92,15 +94,20 @@ def main(log_level: str) -> None:
               help="A vLLM /metrics URL to scrape; repeatable.")
 @click.option("--web-config", "web_config_file", type=click.Path(dir_okay=False),
               help="TLS and basic auth, in Prometheus exporter-toolkit's web config format.")
-def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_config_file) -> None:
+@click.option("--health-listen", help="HOST:PORT of a plain-HTTP listener for /healthz and /admission "
+              "only, without auth (for probes when basic auth is on).")
+def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_config_file, health_listen) -> None:
     """Run the daemon: sample, analyse and serve /metrics."""
     from .config import parse_listen
     from .daemon import Daemon
-    from .exposition import build_registry
-    from .web import BasicAuth, HttpServer, load_web_config, make_app
+    from .serve.auth import BasicAuth
+    from .serve.exposition import build_registry
+    from .serve.server import HttpServer
+    from .serve.web import HEALTH_PATHS, make_app
+    from .serve.webconfig import load_web_config
 
-    overrides = dict(listen=listen, interval_seconds=interval, web_config_file=web_config_file,
-                     vllm_endpoints=vllm_endpoints)
+    overrides = {"listen": listen, "interval_seconds": interval, "web_config_file": web_config_file,
+                 "vllm_endpoints": vllm_endpoints, "health_listen": health_listen}
     config = _load(config_file, **overrides)
     web = None
     if config.web_config_file:
@@ -112,48 +119,87 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
     runtime = _build_runtime(config, simulate, speed=speed)
     clock = runtime.clock
     recorder = None
+    servers = []
     try:  # a failure from here on must not leave simulated servers or threads behind
         recorder = _make_recorder(config, clock)
         daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder)
         registry = build_registry(lambda: daemon.state, clock.now)
         current = {"config": config}  # what a reload changes
-        app = make_app(registry, lambda: daemon.state, clock.now,
-                       lambda: current["config"].effective_stale_after,
-                       auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None)
-        host, port = parse_listen(config.listen)
-        try:
-            server = HttpServer(app, host, port, web).start()
-        except OSError as exc:
-            raise click.ClickException(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+        app_args = (registry, lambda: daemon.state, clock.now, lambda: current["config"].effective_stale_after)
+        sampled = f"simulated: scenario {simulate}" if simulate else "real"
+        app = make_app(*app_args, auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None,
+                       host=sampled)
+        listeners = [(config.listen, app, web)]
+        if config.health_listen:  # probes keep working when basic auth is on
+            listeners.append((config.health_listen, make_app(*app_args, paths=HEALTH_PATHS), None))
+        for where, served, web_config in listeners:
+            try:
+                servers.append(HttpServer(served, *parse_listen(where), web_config).start())
+            except OSError as exc:
+                raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}") from exc
     except BaseException:
+        for server in servers:
+            server.stop()
         if recorder is not None:
             recorder.close()
         runtime.close()
         raise
-    log.info("serving on %s://%s:%d/metrics (%s host, every %.1f s)", "https" if server.tls else "http",
-             host, server.port, f"simulated '{simulate}' x{speed:g}" if simulate else "real",
-             config.interval_seconds)
+    server = servers[0]
+    host = parse_listen(config.listen)[0]
+    log.info("serving on %s://%s:%d/metrics, sampling every %g s", "https" if server.tls else "http",
+             host, server.port, config.interval_seconds)
+    if config.health_listen:
+        log.info("serving /healthz and /admission without auth on http://%s", config.health_listen)
 
     stopping = threading.Event()
 
+    reloading = {"busy": False, "again": False}
+
     def reload(*_):
         """SIGHUP: re-read the configuration and rebuild the sources over the same host (its
-        clock, NVML and simulated servers carry on); a bad file keeps the running one. The
-        listener, web config, kubelet, history and recorder settings change only on restart."""
+        clock, NVML and simulated servers carry on). A reload that fails in any way keeps the
+        running configuration and says why: the daemon never dies of one. The listener, web
+        config, host, kubelet, history and recorder settings change only on restart."""
+        if reloading["busy"]:  # a signal during a reload: run once more when it is done
+            reloading["again"] = True
+            return
+        reloading["busy"] = True
+        try:
+            while True:
+                reloading["again"] = False
+                _reload_once()
+                if not reloading["again"]:
+                    break
+        finally:
+            reloading["busy"] = False
+
+    def _reload_once():
         from .runtime import make_sampler
 
+        sampler = None
         try:
             new_config = _load(config_file, **overrides)
-            thresholds = make_analyzer(new_config).config  # checked against the detectors' needs
             sampler = make_sampler(new_config, runtime.host)
-        except (click.ClickException, ConfigError) as exc:
-            log.error("reload failed, keeping the running configuration: %s",
-                      getattr(exc, "message", None) or exc)
+            analyzer.reconfigure(new_config.analysis())
+            daemon.replace_sampler(sampler)  # swapped (and the old one closed) between two ticks
+        except click.ClickException as exc:  # one log line, every problem in it
+            header, *problems = exc.message.splitlines()
+            log.error("reload failed, keeping the running configuration: %s %s", header,
+                      "; ".join(p.strip() for p in problems))
             return
+        except Exception as exc:  # building sources can fail in ways no check foresees
+            log.error("reload failed, keeping the running configuration: %s: %s", type(exc).__name__, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            if sampler is not None:
+                sampler.close()
+            return
+        old = current["config"]
         current["config"] = new_config
-        analyzer.reconfigure(thresholds)
-        daemon.replace_sampler(sampler)  # swapped (and the old one closed) between two ticks
         daemon.interval = new_config.interval_seconds
+        changed = [k for k in ("listen", "health_listen", "web_config_file", "host", "history", "recorder",
+                               "kubelet") if getattr(old, k) != getattr(new_config, k)]
+        if changed:
+            log.warning("changed settings that take effect only on restart: %s", ", ".join(changed))
         log.info("configuration reloaded")
 
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -167,7 +213,8 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
     finally:
         log.info("stopping")
         daemon.stop()
-        server.stop()
+        for server in servers:
+            server.stop()
         daemon.sampler.close()  # the sampler in use, which a reload may have replaced
         runtime.host.close()
 
@@ -185,10 +232,10 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
     from prometheus_client import generate_latest
 
     from .daemon import Daemon
-    from .exposition import build_registry
+    from .serve.exposition import build_registry
 
     config = _load(config_file, vllm_endpoints=vllm_endpoints)
-    runtime = _build_runtime(config, simulate, at=at if simulate else None)
+    runtime = _build_runtime(config, simulate, at=at if simulate else None, one_shot=True)
     try:
         daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds,
                         analyzer=make_analyzer(config))
@@ -197,6 +244,10 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
         runtime.close()
     if state.snapshot is None:
         _fail("sampling failed; see the log above")
+    if not simulate and state.snapshot.source_up("nvml") is False:
+        click.echo("No GPU could be read on this host. To see what the exporter reports, sample "
+                   "a simulated one: gpu-memory-exporter snapshot --simulate steady "
+                   "(`gpu-memory-exporter scenarios` lists them all).", err=True)
     if fmt == "json":
         out = {"snapshot": dataclasses.asdict(state.snapshot),
                "analysis": dataclasses.asdict(state.analysis) if state.analysis else None}
@@ -210,8 +261,8 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def explain(logfiles, fmt) -> None:
     """Find every out-of-memory event in server logs and explain it."""
-    from .explain import ExplainError
-    from .explain import explain as do_explain
+    from .postmortem.explain import ExplainError
+    from .postmortem.explain import explain as do_explain
 
     try:
         click.echo(do_explain(list(logfiles), fmt), nl=False)
@@ -234,15 +285,15 @@ def explain(logfiles, fmt) -> None:
               help="Server logs whose out-of-memory events go into the report; repeatable.")
 def analyze(traces, fmt, prometheus_url, start, end, step, selector, report_path, log_files) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
-    from .analyze import analyze_snapshots
-    from .explain import ExplainError, read_events
-    from .trace import TraceError, read_traces
+    from .postmortem.analyze import analyze_snapshots
+    from .postmortem.explain import ExplainError, read_events
+    from .postmortem.trace import TraceError, read_traces
 
     if bool(traces) == bool(prometheus_url):
         raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
     try:
         if prometheus_url:
-            from .promquery import fetch, parse_time
+            from .postmortem.promquery import fetch, parse_time
 
             if start is None:
                 raise click.UsageError("--prometheus needs --start")
@@ -275,9 +326,7 @@ def scenarios() -> None:
 @main.command("check-config")
 @click.argument("file", type=click.Path(dir_okay=False))
 def check_config(file) -> None:
-    """Validate a configuration file and print it as understood."""
+    """Validate a configuration file, and the files it names, as `run` would; print every
+    problem, or the configuration as understood (a file `check-config` accepts again)."""
     config = _load(file)
-    make_analyzer(config)  # the detectors' own constraints (e.g. how much raw history they need)
-    click.echo(f"{file}: OK")
-    out = dataclasses.asdict(config)
-    click.echo(json.dumps(out, indent=2, default=str))
+    click.echo(f"# {file}: OK\n" + yaml.safe_dump(file_form(config), sort_keys=False), nl=False)

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    speed: float
+
+    def now(self) -> float:
+        """Clock time, Unix seconds."""
+
+    def wait(self, seconds: float, stop: threading.Event) -> bool:
+        """Sleep `seconds` of clock time; return True when `stop` was set meanwhile."""
 
 
 class SystemClock:

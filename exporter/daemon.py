@@ -5,20 +5,15 @@ interval; scrapes only read the last published State (a reference swap, no lock 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Sequence
 
-from .analysis.budget import memory_budgets
-from .model import Analysis, Snapshot, SourceError, SourceStatus
-from .sources.host import enrich
-from .sources.hostview import HostView
-from .sources.nvml import NvmlSource
+from .model import Snapshot, State
+from .sources.source import Source, collect
 
 log = logging.getLogger("exporter.daemon")
 
@@ -26,100 +21,26 @@ log = logging.getLogger("exporter.daemon")
 MAX_COUNTER_SERIES = 1000
 
 
-@dataclass(frozen=True)
-class State:
-    """What a scrape renders. Replaced whole after every tick."""
-
-    snapshot: Snapshot | None = None
-    analysis: Analysis | None = None
-    errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (source, kind)
-    vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
-    oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
-    budgets: tuple = ()  # analysis.budget.Budget per (vLLM server, GPU)
-    recorder: object = None  # recorder.RecorderStats when the flight recorder is on
-    samples_total: int = 0
-    last_sample_at: float | None = None  # clock time the last tick completed
-    sample_duration_seconds: float = 0.0
-
-
 class Sampler:
-    """One tick of every source, assembled into a Snapshot."""
+    """One tick: every source in turn (nvml, host, kubelet, vllm, logs), each filling its part
+    of one Snapshot; a later source reads what the earlier ones filled in."""
 
-    def __init__(self, nvml: NvmlSource, host: HostView, now: Callable[[], float] = time.time,
-                 read_cmdline: bool = False, vllm=None, logs=None,
-                 assign_roles: Callable | None = None, profiles=None):
-        self.nvml = nvml
-        self.host = host
+    def __init__(self, sources: Sequence[Source], now: Callable[[], float] = time.time):
+        self.sources = tuple(sources)
         self.now = now
-        self.read_cmdline = read_cmdline
-        self.vllm = vllm  # has .sample() -> tuple[VllmSample, ...]
-        self.logs = logs  # has .sample() -> (tuple[OomEvent, ...], tuple[SourceError, ...])
-        self.assign_roles = assign_roles  # (gpus, vllm_samples, host) -> gpus
-        self.profiles = profiles  # has .attach(vllm_samples) -> vllm_samples with memory_profile
-        self._roles: dict[tuple, tuple[str, str]] = {}  # process identity -> (role, endpoint)
-
-    def _sticky_roles(self, gpus):
-        """A process serves its server for life. When a server shuts down, its listener goes
-        first and its workers free their GPU memory a moment later: keep their role meanwhile,
-        so the exit is seen as a serving process's exit."""
-        roles, out = {}, []
-        for gpu in gpus:
-            procs = []
-            for p in gpu.processes:
-                if p.role == "other" and p.start_time is not None and p.identity in self._roles:
-                    role, endpoint = self._roles[p.identity]
-                    p = dataclasses.replace(p, role=role, endpoint=endpoint)
-                if p.role != "other" and p.start_time is not None:
-                    roles[p.identity] = (p.role, p.endpoint)
-                procs.append(p)
-            out.append(dataclasses.replace(gpu, processes=tuple(procs)))
-        self._roles = roles  # only processes alive now: bounded by the process table
-        return tuple(out)
-
-    def close(self) -> None:
-        self.nvml.close()
-        for source in (self.vllm, self.logs):
-            if source is not None:
-                source.close()
 
     def sample(self) -> Snapshot:
-        timestamp = self.now()
-        reading = self.nvml.sample()
-        errors: list[SourceError] = list(reading.errors)
-        sources = [reading.status]
+        snapshot = Snapshot(timestamp=self.now())
+        for source in self.sources:
+            snapshot = collect(source, snapshot)
+        return snapshot
 
-        started = time.perf_counter()
-        host_memory = self.host.memory()
-        gpus = enrich(reading.gpus, self.host, self.read_cmdline)
-        sources.append(SourceStatus("host", host_memory is not None, time.perf_counter() - started,
-                                    "" if host_memory else "host memory unreadable"))
-        if host_memory is None:
-            errors.append(SourceError("host", "memory_unreadable"))
-        pods = getattr(self.host, "pods", None)  # the kubelet's pod list, in Kubernetes
-        if pods is not None:
-            errors.extend(pods.take_errors())
-            sources.append(SourceStatus("kubelet", pods.up))
-
-        vllm = ()
-        if self.vllm is not None:
-            started = time.perf_counter()
-            vllm = self.vllm.sample(candidates=[p.pid for g in gpus for p in g.processes])
-            if self.profiles is not None:
-                vllm = self.profiles.attach(vllm)
-            if self.assign_roles is not None:
-                gpus = self._sticky_roles(self.assign_roles(gpus, vllm, self.host))
-            sources.append(SourceStatus("vllm", all(v.up for v in vllm), time.perf_counter() - started))
-
-        events = ()
-        if self.logs is not None:
-            started = time.perf_counter()
-            events, log_errors = self.logs.sample(now=timestamp)
-            errors.extend(log_errors)
-            sources.append(SourceStatus("logs", not log_errors, time.perf_counter() - started))
-
-        return Snapshot(timestamp=timestamp, gpus=gpus, host=host_memory, vllm=tuple(vllm),
-                        sources=tuple(sources), errors=tuple(errors),
-                        driver_version=reading.driver_version, log_events=tuple(events))
+    def close(self) -> None:
+        for source in self.sources:
+            try:
+                source.close()
+            except Exception:  # closing one must not leave the others open
+                log.exception("closing source %s failed", source.name)
 
 
 def _bounded_add(counter: Counter, key, n: int = 1) -> None:
@@ -135,8 +56,8 @@ class Daemon:
         self.sampler = sampler
         self.clock = clock
         self.interval = interval_seconds
-        self.analyzer = analyzer  # has .update(snapshot) -> Analysis and .detector_errors
-        self.recorder = recorder  # recorder.FlightRecorder: writes traces in its own thread
+        self.analyzer = analyzer  # analysis.engine.Analyzer: update(snapshot) -> Analysis
+        self.recorder = recorder  # postmortem.recorder.FlightRecorder: writes on its own thread
         self.state = State()
         self._errors: Counter = Counter()
         self._vllm_errors: Counter = Counter()
@@ -144,14 +65,19 @@ class Daemon:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: Sampler | None = None
+        self._swap_lock = threading.Lock()  # replace_sampler runs on the reloading thread
 
     def replace_sampler(self, sampler: Sampler) -> None:
         """Use `sampler` from the next tick on (a configuration reload). The swap happens on the
         sampling thread between ticks, so no tick ever runs on sources being closed."""
-        self._pending = sampler
+        with self._swap_lock:
+            superseded, self._pending = self._pending, sampler
+        if superseded is not None:  # two reloads within one interval: the first never ran
+            superseded.close()
 
     def _swap_sampler(self) -> None:
-        pending, self._pending = self._pending, None
+        with self._swap_lock:
+            pending, self._pending = self._pending, None
         if pending is not None:
             old, self.sampler = self.sampler, pending
             old.close()
@@ -161,7 +87,7 @@ class Daemon:
         started = time.perf_counter()
         try:
             snapshot = self.sampler.sample()
-        except Exception:  # a bug in a source must not stop sampling; it shows in the counters
+        except Exception:  # sources cannot raise (see sources/source.py); a bug around them
             log.exception("sampling failed")
             _bounded_add(self._errors, ("sampler", "exception"))
             return self.state
@@ -179,10 +105,16 @@ class Daemon:
         for v in snapshot.vllm:
             if not v.up:
                 _bounded_add(self._vllm_errors, (v.endpoint, v.error_kind or "unknown"))
-        for ev in snapshot.log_events:
-            _bounded_add(self._ooms, (ev.kind, ev.klass))
+            if v.rejected_metrics:  # values vLLM cannot have sent (negative, NaN, usage > 1): dropped
+                _bounded_add(self._vllm_errors, (v.endpoint, "out_of_range"))
+        if analysis is not None:
+            for event in analysis.oom_events:
+                _bounded_add(self._ooms, (event.kind, event.klass))
+        else:  # counted even when the analysis failed, of unknown class
+            for message in snapshot.log_events:
+                _bounded_add(self._ooms, (message.kind, "unknown"))
         self.state = State(
-            snapshot=snapshot, analysis=analysis, budgets=memory_budgets(snapshot),
+            snapshot=snapshot, analysis=analysis,
             errors_total=MappingProxyType(dict(self._errors)),
             vllm_errors_total=MappingProxyType(dict(self._vllm_errors)),
             oom_events_total=MappingProxyType(dict(self._ooms)),
@@ -191,7 +123,8 @@ class Daemon:
             sample_duration_seconds=time.perf_counter() - started,
             recorder=self.recorder.stats() if self.recorder is not None else None)
         if self.recorder is not None and self.analyzer is not None:
-            self.recorder.observe(self.state, self.analyzer.history)  # never blocks on the disk
+            # Reacts to the transitions the analysis found; never blocks on the disk.
+            self.recorder.observe(self.state, self.analyzer.history.recent)
         return self.state
 
     def run(self) -> None:

@@ -6,7 +6,34 @@ threads without locks. Byte counts are ints; a field that a source could not rea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """PyTorch's CUDA caching allocator in one process on one GPU, as the in-process probe
+    (probe/, docs/probe.md) read it. None: that torch does not report the number."""
+
+    allocated_bytes: int | None = None  # held by live tensors
+    reserved_bytes: int | None = None  # taken from the driver: allocated + cached
+    active_bytes: int | None = None
+    inactive_split_bytes: int | None = None  # free pieces of split blocks: fragmentation
+    allocated_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
+    active_peak_bytes: int | None = None
+    inactive_split_peak_bytes: int | None = None
+    alloc_retries: int | None = None  # counter: cache flushed and cudaMalloc retried
+    ooms: int | None = None  # counter: out-of-memory errors the allocator raised
+    device_allocs: int | None = None  # counter: cudaMalloc calls
+    device_frees: int | None = None
+    # vLLM's sleep-mode pool, inside reserved_bytes; asleep, its physical memory is released
+    # behind PyTorch's back, so NVML's figure can drop below reserved_bytes.
+    cumem_bytes: int | None = None
+    backend: str = ""  # native | cudaMallocAsync
+    alloc_conf: tuple[tuple[str, str], ...] = ()  # (PYTORCH_[CUDA_]ALLOC_CONF, value) as set
+    probe_errors: int = 0  # faults the probe counted in the process (all kinds)
+    written_at: float = 0.0  # when the probe read these numbers (Unix s)
 
 
 @dataclass(frozen=True)
@@ -28,6 +55,7 @@ class ProcessSample:
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm
     cmdline: str = ""  # only filled when the operator opted in
+    allocator: AllocatorStats | None = None  # None: no probe in this process (or not read)
 
     @property
     def identity(self) -> tuple[int, float | None]:
@@ -68,13 +96,28 @@ class HostMemory:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """vLLM's `vllm:cache_config_info` labels, parsed."""
+    """vLLM's `vllm:cache_config_info` labels, parsed (engine 0's with data parallelism)."""
 
     gpu_memory_utilization: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     cache_dtype: str = ""
+    # --kv-cache-memory: the KV cache size per GPU; when set, vLLM ignores gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    # The KV capacity vLLM computed at start-up (0.11+), per data-parallel engine: tokens that fit
+    # (group-aware, so right for hybrid models where blocks x block size is not), and how many
+    # requests of max_model_len tokens fit at once.
+    kv_cache_size_tokens: int | None = None
+    kv_cache_max_concurrency: float | None = None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the KV cache holds: vLLM's own figure, else GPU blocks x block size."""
+        if self.kv_cache_size_tokens is not None:
+            return self.kv_cache_size_tokens
+        if self.num_gpu_blocks is not None and self.block_size is not None:
+            return self.num_gpu_blocks * self.block_size
+        return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +132,50 @@ class VllmEngineStats:
     preemptions_total: float | None = None
     prefix_cache_queries_total: float | None = None
     prefix_cache_hits_total: float | None = None
+    # vllm:engine_sleep_state, in vLLM's words: awake | weights_offloaded (sleep level 1) |
+    # discard_all (level 2) | asleep (no level given); "" when the server does not report it.
+    sleep_state: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """A vLLM server's own account of its memory at its latest start, from its log, per GPU
+    (the first worker's with tensor parallelism); None = not logged. See sources/vllm_log.py."""
+
+    weights_bytes: int | None = None
+    kv_cache_bytes: int | None = None  # negative when vLLM found no room: it then fails to start
+    activation_peak_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    cuda_graph_bytes: int | None = None  # measured at capture when logged, else vLLM's estimate
+    total_gpu_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    non_kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    # From the INFO start-up summary of vLLM 0.11+ (gpu_worker.py) and its neighbours:
+    free_at_start_bytes: int | None = None  # free on the device when the worker started
+    requested_bytes: int | None = None  # gpu_memory_utilization x total: the budget it sized within
+    consumed_bytes: int | None = None  # weights + non-torch, measured with cudaMemGetInfo
+    cuda_graph_estimate_bytes: int | None = None  # the profiler's estimate before capture
+    kv_cache_max_concurrency: float | None = None  # requests of max_model_len that fit
+    kv_cache_memory_flag_bytes: int | None = None  # --kv-cache-memory as the worker applied it
+    # Sleep mode (gpu_worker.py): the last "Sleep mode freed X GiB memory, Y GiB ... still in use".
+    sleep_freed_bytes: int | None = None
+    sleep_still_in_use_bytes: int | None = None
+    sleeps: int = 0  # sleep lines since this start
+    error: str = ""  # why the log could not be read
+
+    def components(self) -> dict[str, int]:
+        """The `component` values of gpumem_vllm_memory_profile_bytes that are known."""
+        named = {"weights": self.weights_bytes, "kv_cache": self.kv_cache_bytes,
+                 "activation_peak": self.activation_peak_bytes, "non_torch": self.non_torch_bytes,
+                 "cuda_graph": self.cuda_graph_bytes}
+        return {k: v for k, v in named.items() if v is not None}
+
+    @property
+    def empty(self) -> bool:
+        return not self.sleeps and all(getattr(self, f.name) is None for f in fields(self)
+                                       if f.name not in ("error", "sleeps"))
 
 
 @dataclass(frozen=True)
@@ -102,6 +189,10 @@ class VllmSample:
     cache_config: CacheConfig | None = None
     pids: tuple[int, ...] = ()  # the server's root processes (listener or PID file); descendants belong too
     memory_profile: tuple[tuple[str, int], ...] = ()  # (component, bytes) from its start-up log
+    startup: MemoryProfile | None = None  # all of its start-up log's figures (memory_profile's source)
+    # Metrics whose values were impossible (negative, NaN, a ratio over 1): dropped from this
+    # sample, to be counted as gpumem_vllm_scrape_errors_total{kind="out_of_range"}.
+    rejected_metrics: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,7 +223,8 @@ class Snapshot:
     sources: tuple[SourceStatus, ...] = ()
     errors: tuple[SourceError, ...] = ()
     driver_version: str = ""
-    log_events: tuple = field(default=())  # OOM events read from logs this tick
+    # Out-of-memory messages read from logs this tick, as parsed; the analysis classifies them.
+    log_events: tuple[OomMessage, ...] = ()
 
     def source_up(self, source: str) -> bool | None:
         for s in self.sources:
@@ -141,15 +233,38 @@ class Snapshot:
         return None
 
 
-@dataclass(frozen=True)
-class OomEvent:
-    """One out-of-memory message found in a log, parsed and classified."""
+# What an OomMessage can be (its `kind`), as sources/oom_messages.py finds them.
+OOM_KINDS = (
+    "torch_cuda_oom",  # PyTorch's caching allocator: CUDA, ROCm/HIP and Ascend NPU alike
+    "vllm_insufficient_memory",  # vLLM start-up: free memory below its budget; sampler warm-up
+    "vllm_kv_cache_too_small",
+    "sglang_kv_cache_too_small",
+    "tgi_warmup_oom",
+    "cuda_runtime_oom",  # a CUDA/HIP call outside PyTorch's allocator (cuBLAS, kernels, ...)
+    "nccl_oom",
+    "kernel_oom_kill",
+    "cgroup_oom",
+    "container_oom_killed",  # Kubernetes / Docker reporting a container OOM-killed
+    "ray_oom_kill",  # Ray's memory monitor killed a worker
+    "host_memory_error",  # Python MemoryError, PyTorch's CPU allocator
+)
+# The kinds about host RAM rather than GPU memory.
+HOST_OOM_KINDS = frozenset({"kernel_oom_kill", "cgroup_oom", "container_oom_killed",
+                            "ray_oom_kill", "host_memory_error"})
 
-    kind: str  # exporter.analysis.oom.KINDS: torch_cuda_oom, vllm_*, cuda_runtime_oom, nccl_oom, kernel_oom_kill, cgroup_oom, host_memory_error, ...
-    klass: str  # "class" in JSON: shortage | fragmentation | contention | configuration | host
+
+@dataclass(frozen=True)
+class OomMessage:
+    """An out-of-memory message found in a log, with the numbers it states (sources/oom_messages).
+
+    Sizes are bytes, None where the message does not say. The parser only reads; what the
+    numbers mean (the class, the advice) is decided in analysis/oom.py.
+    """
+
+    kind: str  # one of OOM_KINDS
     line: int  # 1-based line number in its file
     source: str = ""  # the log file
-    message: str = ""  # the line, truncated
+    message: str = ""  # the message, one line, truncated, secrets masked
     gpu: str | None = None
     timestamp: float | None = None  # when known (the daemon stamps live events)
     requested_bytes: int | None = None
@@ -158,8 +273,30 @@ class OomEvent:
     allocated_bytes: int | None = None  # allocated by PyTorch
     reserved_bytes: int | None = None  # reserved by PyTorch (allocated + cached)
     reserved_unallocated_bytes: int | None = None
-    process_bytes: int | None = None  # "this process has X memory in use"
-    other_processes: tuple[tuple[int, int], ...] = ()  # (pid, bytes)
+    # This process's GPU memory ("this process has X", or the listed process that is this one);
+    # for a host kill, the victim's resident memory.
+    process_bytes: int | None = None
+    other_processes: tuple[tuple[int, int], ...] = ()  # (pid, bytes): other GPU processes listed
+    processes_listed: bool = False  # the message carried the GPU's process list
+    allowed_bytes: int | None = None  # PyTorch's per-process cap ("X allowed")
+    allocator_hint: str = ""  # the allocator setting the message itself suggests
+    gpu_memory_utilization: float | None = None  # vLLM start-up: the configured fraction
+    max_model_len: int | None = None  # vLLM start-up: the configured --max-model-len
+    max_model_len_fits: int | None = None  # vLLM start-up: the length the KV cache can hold
+    batch: int | None = None  # warm-up batch that failed: vLLM dummy requests, TGI prefill tokens
+    victim_pid: int | None = None  # host kills: the killed process
+    victim_name: str = ""
+    memory_limit: str = ""  # host kills: the cgroup (or Ray threshold) whose limit was hit
+
+
+@dataclass(frozen=True, kw_only=True)
+class OomEvent(OomMessage):
+    """An OomMessage with its verdict (analysis/oom.classify): the class, why, and what to do."""
+
+    klass: str  # "class" in JSON: shortage | fragmentation | contention | configuration | host
+    verdict: str = ""  # the counterfactual that decided the class, with the numbers
+    shortfall_bytes: int | None = None  # requested - free, where both are known
+    causes: tuple[tuple[str, int], ...] = ()  # (cause, bytes) that contributed, largest first
     advice: tuple[str, ...] = ()
 
 
@@ -222,8 +359,46 @@ class GpuAnalysis:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A vLLM server's memory budget on one GPU (analysis.budget), against what it uses."""
+
+    endpoint: str
+    gpu: str
+    uuid: str
+    budget_bytes: int | None  # None: utilisation or the GPU's total unknown
+    used_bytes: int | None  # None: NVML gave no per-process figure for any of its processes
+
+
+# What changed at a tick that deserves a recording of the moments before it (the flight
+# recorder's triggers): an OOM event was read, a finding became critical, a serving process
+# left a GPU that stayed up.
+TRANSITIONS = ("oom", "critical", "vllm_exit")
+
+
+@dataclass(frozen=True)
 class Analysis:
+    """What the analysis decided at one tick; everything downstream reads it, nothing
+    recomputes it."""
+
     timestamp: float
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] = ()  # active now
     process_trends: tuple[ProcessTrend, ...] = ()
     gpus: tuple[GpuAnalysis, ...] = ()
+    budgets: tuple[Budget, ...] = ()  # per (vLLM server, GPU)
+    transitions: tuple[str, ...] = ()  # of TRANSITIONS, each at most once
+    oom_events: tuple[OomEvent, ...] = ()  # this tick's log messages, classified
+
+
+@dataclass(frozen=True)
+class State:
+    """What a scrape renders. Replaced whole after every tick."""
+
+    snapshot: Snapshot | None = None
+    analysis: Analysis | None = None
+    errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (source, kind)
+    vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
+    oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
+    recorder: object = None  # postmortem.recorder.RecorderStats when the flight recorder is on
+    samples_total: int = 0
+    last_sample_at: float | None = None  # clock time the last tick completed
+    sample_duration_seconds: float = 0.0

@@ -9,9 +9,10 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from .clock import FixedClock, SystemClock, VirtualClock
+from .clock import Clock, FixedClock, SystemClock, VirtualClock
 from .config import Config, EndpointConfig, read_secret_file
 from .daemon import Sampler
+from .sources.hostview import HostView
 from .sources.nvml import NvmlSource
 
 log = logging.getLogger("exporter.runtime")
@@ -19,12 +20,14 @@ log = logging.getLogger("exporter.runtime")
 
 @dataclass
 class Host:
-    """What lives as long as the process: the NVML module, the HostView, the clock, and when
-    simulated the scenario's fake vLLM servers (with their start-up logs)."""
+    """What lives as long as the process: the NVML module, the HostView, the clock, the
+    kubelet's pod list in Kubernetes, and when simulated the scenario's fake vLLM servers
+    (with their start-up logs)."""
 
-    nvml_module: object
-    view: object  # HostView
-    clock: object
+    nvml_module: object  # pynvml, or the simulator's drop-in
+    view: HostView
+    clock: Clock
+    pods: object = None  # kubelet.KubeletPods, or None outside Kubernetes
     simulated: bool = False
     sim_endpoints: tuple = ()  # VllmEndpoint of each simulated vLLM server
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -90,14 +93,18 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     time (for `snapshot`). Raises ScenarioError on a bad scenario."""
     stack = contextlib.ExitStack()
     if not simulate:
+        import psutil
         import pynvml
 
         from .sources.host import LocalHost
 
+        # psutil reads /proc through this one process-wide setting (its documented way to read
+        # a /proc mounted elsewhere); set once here, before anything reads /proc.
+        psutil.PROCFS_PATH = config.host.proc_root
         pods = kubelet_pods(config)
         if pods is not None:
             stack.callback(pods.close)
-        return Host(pynvml, LocalHost(config.proc_root, pods=pods), SystemClock(), _cleanup=stack)
+        return Host(pynvml, LocalHost(), SystemClock(), pods=pods, _cleanup=stack)
 
     import tempfile
     import time
@@ -109,6 +116,9 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     from .sources.vllm import VllmEndpoint
 
     scenario = load_scenario(simulate)
+    when = f"frozen at {at:g} s" if at is not None else f"{speed:g}x real time"
+    log.info("SIMULATED host, scenario %r: %s (%s; no real GPU or process is read)",
+             scenario.name, scenario.description, when)
     # Start simulated time on a whole minute: history buckets align the same way every run,
     # so a replayed scenario gives the same findings at the same moments.
     start = float(int(time.time()) // 60 * 60)
@@ -128,35 +138,41 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     return Host(fake_nvml, view, clock, simulated=True, sim_endpoints=tuple(endpoints), _cleanup=stack)
 
 
-def make_sampler(config: Config, host: Host) -> Sampler:
-    """The configuration-dependent part: endpoints, log files, what to read. Raises ConfigError."""
-    endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm_endpoints)]
+def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
+    """The configuration-dependent part: endpoints, log files, what to read. `one_shot`: for a
+    single sample (`snapshot`), where failures are not retried. Raises ConfigError."""
+    from .sources.adapters import OomLogs, PodNames, VllmServers
+    from .sources.host import HostSource
+
+    endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm.endpoints)]
     endpoints += host.sim_endpoints
-    nvml = NvmlSource(host.nvml_module, host.view.memory, now=host.clock.now,
-                      retry_initial_seconds=config.nvml_retry_initial_seconds,
-                      retry_max_seconds=config.nvml_retry_max_seconds)
-    vllm = assign_roles = profiles = None
+    sources: list = [
+        NvmlSource(host.nvml_module, host.view.memory, now=host.clock.now,
+                   retry_initial_seconds=config.nvml.retry_initial_seconds,
+                   retry_max_seconds=config.nvml.retry_max_seconds,
+                   label="simulated NVML" if host.simulated else "NVML", retry=not one_shot),
+        HostSource(host.view, read_cmdline=config.host.read_cmdline),
+    ]
+    if host.pods is not None:
+        sources.append(PodNames(host.pods))
     if endpoints:
         from .sources.vllm import VllmSource
         from .sources.vllm_log import ProfileCache
-        from .sources.vllm_procs import assign_roles
-        vllm = VllmSource(endpoints, host=host.view)
         profiles = ProfileCache({ep.label: ep.log_file for ep in endpoints if ep.log_file})
-    logs = None
-    log_files = list(config.log_files) + [ep.log_file for ep in config.vllm_endpoints if ep.log_file]
+        sources.append(VllmServers(VllmSource(endpoints, host=host.view), host.view, profiles))
+    log_files = list(config.logs.files) + [ep.log_file for ep in config.vllm.endpoints if ep.log_file]
     if log_files:
         from .sources.logs import LogSource
-        logs = LogSource(log_files)
-    return Sampler(nvml, host.view, now=host.clock.now, read_cmdline=config.read_cmdline, vllm=vllm,
-                   logs=logs, assign_roles=assign_roles, profiles=profiles)
+        sources.append(OomLogs(LogSource(log_files)))
+    return Sampler(sources, now=host.clock.now)
 
 
 def build(config: Config, simulate: str | None = None, speed: float = 1.0,
-          at: float | None = None) -> Runtime:
-    """A host and a sampler over it, for one-shot use (snapshot, tests, benchmarks)."""
+          at: float | None = None, one_shot: bool = False) -> Runtime:
+    """A host and a sampler over it (snapshot, tests, benchmarks)."""
     host = open_host(config, simulate, speed, at)
     try:
-        return Runtime(host, make_sampler(config, host))
+        return Runtime(host, make_sampler(config, host, one_shot))
     except BaseException:
         host.close()
         raise

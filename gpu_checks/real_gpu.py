@@ -38,18 +38,19 @@ for _ in range(900):
 def nvml() -> dict:
     import pynvml
 
+    from exporter.model import Snapshot
     from exporter.sources.host import LocalHost, enrich
     from exporter.sources.nvml import NvmlSource
 
     host = LocalHost()
-    reading = NvmlSource(pynvml, host.memory).sample()
-    assert reading.status.up, reading.errors
-    gpus = enrich(reading.gpus, host)
+    reading = NvmlSource(pynvml, host.memory).collect(Snapshot(timestamp=time.time()))
+    assert reading.up, reading.errors
+    gpus = enrich(reading.snapshot.gpus, host)
     for g in gpus:
         assert g.up and g.total_bytes and g.used_bytes is not None, g
         parts = g.used_bytes + g.free_bytes + (g.reserved_bytes or 0)
         assert abs(parts - g.total_bytes) <= 0.01 * g.total_bytes, (g.index, parts, g.total_bytes)
-    return {"driver": reading.driver_version, "errors": [e.kind for e in reading.errors],
+    return {"driver": reading.snapshot.driver_version, "errors": [e.kind for e in reading.errors],
             "gpus": [{"index": g.index, "name": g.name, "total": g.total_bytes, "used": g.used_bytes,
                       "free": g.free_bytes, "reserved": g.reserved_bytes, "unified": g.unified,
                       "processes": [(p.pid, p.name, p.used_bytes) for p in g.processes]} for g in gpus]}

@@ -7,8 +7,13 @@ from what this script writes. Run after editing: python grafana/generate.py
 from __future__ import annotations
 
 import json
+import string
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+JSON = dict[str, Any]  # one object of Grafana's dashboard model
 
 OUT = Path(__file__).resolve().parent / "dashboards"
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -19,27 +24,28 @@ EP = 'instance=~"$instance",endpoint=~"$endpoint"'
 
 
 # -- building blocks ------------------------------------------------------------------------
-def target(expr: str, legend: str = "", instant: bool = False, table: bool = False) -> dict:
-    t = {"datasource": DS, "expr": expr, "legendFormat": legend, "range": not instant, "instant": instant}
+def target(expr: str, legend: str = "", instant: bool = False, table: bool = False) -> JSON:
+    t: JSON = {"datasource": DS, "expr": expr, "legendFormat": legend, "range": not instant, "instant": instant}
     if table:
         t["format"] = "table"
     return t
 
 
-def _panel(kind: str, title: str, targets: list[dict], w: int, h: int, description: str, **extra) -> dict:
-    for ref, t in zip("ABCDEFGHIJKLMNOPQRSTUVWXYZ", targets):
+def _panel(kind: str, title: str, targets: list[JSON], w: int, h: int, description: str, **extra: Any) -> JSON:
+    for ref, t in zip(string.ascii_uppercase, targets, strict=False):
         t["refId"] = ref
-    p = {"type": kind, "title": title, "description": description, "datasource": DS,
+    p: JSON = {"type": kind, "title": title, "description": description, "datasource": DS,
          "targets": targets, "gridPos": {"w": w, "h": h}}
     p.update(extra)
     return p
 
 
-def timeseries(title, targets, unit="bytes", w=12, h=8, description="", stack=False, overrides=(),
-               max_=None, decimals=None):
+def timeseries(title: str, targets: list[JSON], unit: str = "bytes", w: int = 12, h: int = 8,
+               description: str = "", stack: bool = False, overrides: Iterable[JSON] = (),
+               max_: float | None = None, decimals: int | None = None) -> JSON:
     custom = {"fillOpacity": 60 if stack else 10, "lineWidth": 1, "showPoints": "never",
               "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
-    defaults = {"unit": unit, "custom": custom}
+    defaults: JSON = {"unit": unit, "custom": custom}
     if max_ is not None:
         defaults.update(min=0, max=max_)
     if decimals is not None:
@@ -51,16 +57,17 @@ def timeseries(title, targets, unit="bytes", w=12, h=8, description="", stack=Fa
                            "tooltip": {"mode": "multi", "sort": "desc"}})
 
 
-def per_gpu(expr: str) -> dict:
+def per_gpu(expr: str) -> JSON:
     """Table query reduced to the labels every per-GPU metric has, so the merge makes one row per GPU."""
     return target(f"max by (instance, gpu) ({expr})", instant=True, table=True)
 
 
-def per_process(expr: str) -> dict:
+def per_process(expr: str) -> JSON:
     return target(f"max by (instance, gpu, pid, process) ({expr})", instant=True, table=True)
 
 
-def stat(title, expr, unit="none", w=6, h=4, description="", thresholds=None):
+def stat(title: str, expr: str, unit: str = "none", w: int = 6, h: int = 4, description: str = "",
+         thresholds: list[JSON] | None = None) -> JSON:
     steps = thresholds or [{"color": "green", "value": None}]
     return _panel("stat", title, [target(expr, instant=True)], w, h, description,
                   fieldConfig={"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
@@ -68,7 +75,8 @@ def stat(title, expr, unit="none", w=6, h=4, description="", thresholds=None):
                   options={"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "background"})
 
 
-def table(title, targets, w=24, h=8, description="", hide=(), units=None):
+def table(title: str, targets: list[JSON], w: int = 24, h: int = 8, description: str = "",
+          hide: Sequence[str] = (), units: dict[str, str] | None = None) -> JSON:
     """Instant queries in table format, merged into one row per label set."""
     overrides = [{"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
                  for name, unit in (units or {}).items()]
@@ -80,8 +88,9 @@ def table(title, targets, w=24, h=8, description="", hide=(), units=None):
                   options={"showHeader": True})
 
 
-def bargauge(title, targets, unit="percentunit", w=12, h=8, description="", max_=1, steps=None):
-    defaults = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps or [
+def bargauge(title: str, targets: list[JSON], unit: str = "percentunit", w: int = 12, h: int = 8,
+             description: str = "", max_: float | None = 1, steps: list[JSON] | None = None) -> JSON:
+    defaults: JSON = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps or [
         {"color": "red", "value": None}, {"color": "orange", "value": 0.05}, {"color": "green", "value": 0.15}]}}
     if max_ is not None:
         defaults["max"] = max_
@@ -91,11 +100,11 @@ def bargauge(title, targets, unit="percentunit", w=12, h=8, description="", max_
                            "reduceOptions": {"calcs": ["lastNotNull"]}})
 
 
-def row(title: str) -> dict:
+def row(title: str) -> JSON:
     return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
 
 
-def threshold_line(ref: str, name: str) -> dict:
+def threshold_line(ref: str, name: str) -> JSON:
     """Draw a threshold series as a dashed line outside the stack."""
     return {"matcher": {"id": "byFrameRefID", "options": ref},
             "properties": [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
@@ -105,14 +114,14 @@ def threshold_line(ref: str, name: str) -> dict:
                            {"id": "displayName", "value": name}]}
 
 
-def variable(name: str, label: str, query: str, multi: bool = True) -> dict:
+def variable(name: str, label: str, query: str, multi: bool = True) -> JSON:
     return {"type": "query", "name": name, "label": label, "datasource": DS,
             "query": {"query": query, "refId": f"{name}-variable"}, "definition": query,
             "refresh": 2, "sort": 3, "includeAll": multi, "multi": multi, "allValue": ".*",
             "current": {}, "hide": 0, "options": [], "regex": ""}
 
 
-DATASOURCE = {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+DATASOURCE: JSON = {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
               "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
 INSTANCE = variable("instance", "Host", "label_values(gpumem_gpu_info, instance)")
 GPU_VAR = variable("gpu", "GPU", 'label_values(gpumem_gpu_info{instance=~"$instance"}, gpu)')
@@ -121,13 +130,13 @@ PROCESS = variable("process", "Process",
 ENDPOINT = variable("endpoint", "vLLM endpoint", 'label_values(gpumem_vllm_up{instance=~"$instance"}, endpoint)')
 
 
-def annotation(name: str, expr: str, title: str, text: str, color: str) -> dict:
+def annotation(name: str, expr: str, title: str, text: str, color: str) -> JSON:
     return {"name": name, "datasource": DS, "enable": True, "iconColor": color, "expr": expr,
             "step": "60s", "titleFormat": title, "textFormat": text, "tagKeys": "gpu,pid,kind",
             "useValueForTime": False}
 
 
-def layout(panels: list[dict]) -> list[dict]:
+def layout(panels: list[JSON]) -> list[JSON]:
     """Place panels left to right, wrapping at 24 columns, and give them ids."""
     x = y = row_h = 0
     for i, p in enumerate(panels, start=1):
@@ -142,8 +151,8 @@ def layout(panels: list[dict]) -> list[dict]:
     return panels
 
 
-def dashboard(uid: str, title: str, description: str, variables: list[dict], panels: list[dict],
-              annotations: list[dict] = (), time_from: str = "now-6h") -> dict:
+def dashboard(uid: str, title: str, description: str, variables: list[JSON], panels: list[JSON],
+              annotations: Sequence[JSON] = (), time_from: str = "now-6h") -> JSON:
     builtin = {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
                "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
                "type": "dashboard"}
@@ -158,7 +167,7 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict], pan
 
 
 # -- the dashboards -------------------------------------------------------------------------
-def overview() -> dict:
+def overview() -> JSON:
     util = f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}"
     panels = [
         stat("GPUs", f'count(gpumem_gpu_info{{{GPU}}}) or vector(0)', description="GPUs the exporters see."),
@@ -219,12 +228,13 @@ def _profile(components: str) -> str:
             f'(0 * gpumem_vllm_memory_budget_bytes{{{GPU}}} + 1))')
 
 
-def memory_budget() -> dict:
+def memory_budget() -> JSON:
     profiled = _profile("weights|kv_cache|activation_peak|non_torch|cuda_graph")
     stack = timeseries("GPU $gpu: where the memory goes", [
         target(_profile("weights"), "{{instance}} weights"),
         target(_profile("kv_cache"), "{{instance}} KV cache"),
-        target(_profile("activation_peak|non_torch|cuda_graph"), "{{instance}} scratch (activations, non-torch, CUDA graphs)"),
+        target(_profile("activation_peak|non_torch|cuda_graph"),
+               "{{instance}} scratch (activations, non-torch, CUDA graphs)"),
         target(f"clamp_min(instance_gpu:gpumem_vllm_process_memory:bytes{{{GPU}}} - on (instance, gpu) {profiled}, 0)",
                "{{instance}} vLLM beyond its profile"),
         target(f"instance_gpu:gpumem_other_process_memory:bytes{{{GPU}}}", "{{instance}} other processes"),
@@ -263,7 +273,7 @@ def memory_budget() -> dict:
                      "by whom, and what is left.", [INSTANCE, GPU_VAR, PROCESS], panels)
 
 
-def leak_investigation() -> dict:
+def leak_investigation() -> JSON:
     used = f"gpumem_process_memory_used_bytes{{{PROC}}}"
     panels = [
         timeseries("GPU memory per process", [target(used, "{{instance}} GPU {{gpu}} {{process}} ({{pid}})")],
@@ -304,7 +314,7 @@ def leak_investigation() -> dict:
                      annotations, time_from="now-24h")
 
 
-def vllm() -> dict:
+def vllm() -> JSON:
     panels = [
         timeseries("KV cache usage", [
             target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}"),
@@ -356,7 +366,7 @@ POD = variable("pod", "Pod", 'label_values(gpumem_process_memory_used_bytes{inst
 POD_SEL = 'instance=~"$instance",namespace=~"$namespace",pod=~"$pod"'
 
 
-def fleet() -> dict:
+def fleet() -> JSON:
     """Many GPU nodes at once: by node (instance; the ServiceMonitor sets it to the node's name),
     and by Kubernetes namespace and pod. On a single host without Kubernetes it still works:
     one node, and processes outside pods under an empty namespace and pod (the variables'
@@ -371,7 +381,8 @@ def fleet() -> dict:
         stat("Nodes", f"count(count by (instance) (gpumem_gpu_info{{{gpu}}})) or vector(0)",
              description="Hosts (Kubernetes nodes) whose exporter reports GPUs."),
         stat("GPUs", f"count(gpumem_gpu_info{{{gpu}}}) or vector(0)", description="GPUs on those hosts."),
-        stat("Fleet GPU memory in use", f"sum(gpumem_gpu_memory_used_bytes{{{gpu}}}) / sum(gpumem_gpu_memory_total_bytes{{{gpu}}})",
+        stat("Fleet GPU memory in use",
+             f"sum(gpumem_gpu_memory_used_bytes{{{gpu}}}) / sum(gpumem_gpu_memory_total_bytes{{{gpu}}})",
              unit="percentunit", description="Used / total over every GPU of the selected hosts.",
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.85}]),
         stat("GPUs above the page threshold",
@@ -414,7 +425,7 @@ def fleet() -> dict:
                      [INSTANCE, NAMESPACE, POD], panels)
 
 
-DASHBOARDS = {
+DASHBOARDS: dict[str, Callable[[], JSON]] = {
     "overview.json": overview,
     "fleet.json": fleet,
     "memory-budget.json": memory_budget,

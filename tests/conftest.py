@@ -2,10 +2,10 @@ import subprocess
 
 import pytest
 
-from exporter.analysis.budget import Budget
+from exporter.model import Budget
 from exporter.clock import FixedClock
-from exporter.recorder import RecorderStats
-from exporter.daemon import State
+from exporter.postmortem.recorder import RecorderStats
+from exporter.model import State
 from exporter.model import (Analysis, CacheConfig, Finding, GpuAnalysis, GpuSample, HostMemory,
                             ProcessSample, ProcessTrend, Snapshot, SourceStatus, VllmEngineStats,
                             VllmSample)
@@ -36,9 +36,9 @@ def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
     analysis = Analysis(timestamp=t, findings=(finding,),
                         process_trends=tuple(ProcessTrend("0", "GPU-aaaa", p.pid, p.name, p.role, 1.0, i == 0)
                                              for i, p in enumerate(procs)),
-                        gpus=(GpuAnalysis("0", "GPU-aaaa", 0.5, admission_open, 3600.0, 37 * GiB, 39 * GiB),))
+                        gpus=(GpuAnalysis("0", "GPU-aaaa", 0.5, admission_open, 3600.0, 37 * GiB, 39 * GiB),),
+                        budgets=(Budget("llama", "0", "GPU-aaaa", int(0.9 * 80 * GiB), GiB),))
     return State(snapshot=snap, analysis=analysis, errors_total={("nvml", "timeout"): 2},
-                 budgets=(Budget("llama", "0", "GPU-aaaa", int(0.9 * 80 * GiB), GiB),),
                  vllm_errors_total={("down", "refused"): 4}, oom_events_total={("torch_cuda_oom", "fragmentation"): 1},
                  samples_total=7, last_sample_at=t, sample_duration_seconds=0.02,
                  recorder=RecorderStats(writes_total=2, errors_total={"disk_full": 1}, triggers_total={"oom": 2},

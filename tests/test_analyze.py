@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from exporter.analysis.engine import Analyzer
-from exporter.analyze import analyze, replay
-from exporter.trace import TraceError, read_trace, write_csv
+from exporter.postmortem.analyze import analyze, replay
+from exporter.postmortem.trace import TraceError, read_trace, write_csv
 
 from test_detectors import GiB, MiB, T0, gpu, leaking_server, proc, snap, timeline, vllm_proc
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.analysis.budget import Budget, memory_budgets
+from exporter.analysis.budget import memory_budgets
+from exporter.model import Budget
 from exporter.model import CacheConfig, GpuSample, ProcessSample, Snapshot, VllmSample
 
 GiB = 2**30
@@ -34,14 +35,6 @@ def test_budget_per_endpoint_and_gpu():
         Budget(endpoint="embed", gpu="1", uuid="GPU-b", budget_bytes=None, used_bytes=None),
         Budget(endpoint="embed", gpu="2", uuid="GPU-c", budget_bytes=None, used_bytes=3 * GiB),
     )
-
-
-def test_headroom_and_ratio():
-    over = Budget(endpoint="chat", gpu="0", uuid="u", budget_bytes=72 * GiB, used_bytes=75 * GiB)
-    assert over.headroom_bytes == -3 * GiB
-    assert over.used_ratio == 75 / 72
-    unknown = Budget(endpoint="chat", gpu="0", uuid="u", budget_bytes=None, used_bytes=GiB)
-    assert unknown.headroom_bytes is None and unknown.used_ratio is None
 
 
 def test_no_server_processes_no_budget():

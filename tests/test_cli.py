@@ -116,6 +116,15 @@ def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
     assert out.count("NVML unavailable") == 1  # said once, not at every retry
 
 
+def test_snapshot_without_a_gpu_suggests_the_simulator():
+    proc = cli("snapshot", check=False)
+    if "NVML unavailable" not in proc.stderr:
+        pytest.skip("this host has a working NVML")
+    assert proc.returncode == 0 and "gpumem_exporter_source_up" in proc.stdout
+    assert "snapshot --simulate steady" in proc.stderr
+    assert "retrying" not in proc.stderr  # one sample: there is no retry to announce
+
+
 def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
     d = Daemon("--simulate", "steady", "--interval", "0.2", "--speed", "600")
     try:
@@ -127,6 +136,8 @@ def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
     finally:
         code, out = d.stop()
     assert code == 0 and "stopping" in out
+    # The log says plainly that nothing real is read, and which scenario runs.
+    assert "SIMULATED host, scenario 'steady'" in out and "simulated NVML initialised" in out
 
 
 def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):

@@ -1,7 +1,11 @@
 import pytest
 import yaml
+from pydantic import TypeAdapter
 
-from exporter.config import ConfigError, build, load, parse_listen, parse_size
+from exporter.config import ConfigError, build, load, parse_listen
+from exporter.config.fields import Size
+
+parse_size = TypeAdapter(Size).validate_python
 
 
 def write(tmp_path, data):
@@ -13,14 +17,14 @@ def write(tmp_path, data):
 def test_defaults_are_valid():
     config = build()
     assert config.interval_seconds == 5.0
-    assert config.read_cmdline is False
+    assert config.host.read_cmdline is False
     assert config.effective_stale_after == 15.0
 
 
 def test_file_sections_map_onto_fields(tmp_path):
     config = load(write(tmp_path, {
         "listen": "127.0.0.1:9999", "interval_seconds": 2,
-        "history": {"raw_seconds": 600, "retention_seconds": 7200},
+        "history": {"raw_seconds": 1800, "retention_seconds": 7200},
         "host": {"read_cmdline": True},
         "logs": {"files": ["/var/log/vllm.log"]},
         "admission": {"close_above": 0.95, "open_below": 0.7},
@@ -30,13 +34,13 @@ def test_file_sections_map_onto_fields(tmp_path):
     }))
     assert config.listen == "127.0.0.1:9999"
     assert config.interval_seconds == 2.0
-    assert config.history_raw_seconds == 600
-    assert config.read_cmdline is True
-    assert config.log_files == ("/var/log/vllm.log",)
+    assert config.history.raw_seconds == 1800
+    assert config.host.read_cmdline is True
+    assert config.logs.files == ("/var/log/vllm.log",)
     assert config.admission.close_above == 0.95
-    assert [e.url for e in config.vllm_endpoints] == ["http://127.0.0.1:8000/metrics",
+    assert [e.url for e in config.vllm.endpoints] == ["http://127.0.0.1:8000/metrics",
                                                       "http://127.0.0.1:8001/metrics"]
-    assert config.vllm_endpoints[1].max_response_bytes == 1 << 20
+    assert config.vllm.endpoints[1].max_response_bytes == 1 << 20
 
 
 def test_overrides_beat_the_file(tmp_path):
@@ -93,7 +97,7 @@ def test_oversized_file_is_refused(tmp_path):
 @pytest.mark.parametrize("text, expected", [("8MiB", 8 << 20), ("1.5GiB", 3 << 29), (1024, 1024),
                                             ("10 kb", 10_000), ("512", 512)])
 def test_sizes(text, expected):
-    assert parse_size(text, "x") == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text, expected", [("0.0.0.0:9842", ("0.0.0.0", 9842)), (":80", ("0.0.0.0", 80)),

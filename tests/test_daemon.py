@@ -33,7 +33,7 @@ def test_tick_publishes_a_new_state_and_counts_faults(runtime_at):
     assert second.errors_total[("nvml", "gpu_is_lost")] == 2
     assert [g.up for g in second.snapshot.gpus] == [True, False]
     assert second.last_sample_at == rt.clock.now()
-    assert second.analysis is not None and second.budgets
+    assert second.analysis is not None and second.analysis.budgets
 
 
 class BrokenAnalyzer:
@@ -78,7 +78,7 @@ def test_run_loop_keeps_time_on_the_clock_and_stops_promptly():
 def test_a_serving_process_keeps_its_role_while_its_server_shuts_down(runtime_at):
     from exporter.model import GpuSample, ProcessSample
 
-    sampler = runtime_at("steady", 600).sampler
+    sampler = next(s for s in runtime_at("steady", 600).sampler.sources if s.name == "vllm")
 
     def gpus(role, endpoint="", start=100.0):
         return (GpuSample(index="0", uuid="GPU-a", processes=(
@@ -91,3 +91,51 @@ def test_a_serving_process_keeps_its_role_while_its_server_shuts_down(runtime_at
     # The same PID reused by another process is not.
     assert sampler._sticky_roles(gpus("other", start=200.0))[0].processes[0].role == "other"
     assert sampler._sticky_roles(gpus("other"))[0].processes[0].role == "other"  # forgotten once gone
+
+
+def test_impossible_vllm_values_are_counted_as_out_of_range():
+    """The vLLM source drops impossible values (a negative KV usage, say); the daemon counts them."""
+    from exporter.daemon import Sampler
+    from exporter.model import VllmSample
+    from exporter.sources.source import Reading
+
+    class Server:
+        name = "vllm"
+
+        def collect(self, snapshot):
+            sample = VllmSample(endpoint="llama", up=True, rejected_metrics=("vllm:kv_cache_usage_perc",))
+            return Reading(snapshot.__class__(timestamp=snapshot.timestamp, vllm=(sample,)))
+
+        def close(self):
+            pass
+
+    clock = VirtualClock(1_000_000.0)
+    daemon = Daemon(Sampler([Server()], now=clock.now), clock, 5.0)
+    daemon.tick()
+    assert daemon.tick().vllm_errors_total == {("llama", "out_of_range"): 2}
+
+
+def test_a_sampler_superseded_before_any_tick_is_closed():
+    """Two reloads within one interval: the first new sampler never runs, and is closed."""
+    from exporter.daemon import Sampler
+
+    class Closing:
+        name = "nvml"
+        closed = 0
+
+        def collect(self, snapshot):
+            from exporter.sources.source import Reading
+            return Reading(snapshot)
+
+        def close(self):
+            self.closed += 1
+
+    clock = VirtualClock(1_000_000.0)
+    first, second, third = Closing(), Closing(), Closing()
+    daemon = Daemon(Sampler([first], now=clock.now), clock, 5.0)
+    daemon.replace_sampler(Sampler([second], now=clock.now))
+    daemon.replace_sampler(Sampler([third], now=clock.now))
+    assert (first.closed, second.closed, third.closed) == (0, 1, 0)
+    daemon.tick()
+    assert (first.closed, second.closed, third.closed) == (1, 1, 0)
+    assert daemon.sampler.sources == (third,)

@@ -87,7 +87,7 @@ def test_panels_have_unique_ids_and_fit_the_grid(path):
     assert len({p["id"] for p in panels}) == len(panels)
     for p in panels:
         pos = p["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
@@ -244,7 +244,7 @@ gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="kv_cache"}
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="activation_peak"} 2147483648
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="non_torch"} 1073741824
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="cuda_graph"} 536870912
-"""
+"""  # noqa: E501 (exposition lines do not wrap)
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +301,8 @@ def prometheus(tmp_path_factory):
         # Two scrapes and an evaluation after them: rate() and the rules have data.
         while True:
             try:
-                if query("count_over_time(up[1m]) >= 2 and on () count(instance_gpu:gpumem_memory_beyond_vllm_budget:bytes) == 2"
+                if query("count_over_time(up[1m]) >= 2"
+                         " and on () count(instance_gpu:gpumem_memory_beyond_vllm_budget:bytes) == 2"
                          " and on () count(endpoint_model:gpumem_vllm_prefix_cache_hit:ratio_rate5m) > 0"
                          " and on () count(endpoint_model:gpumem_vllm_preemptions:rate5m) > 0")["data"]["result"]:
                     break

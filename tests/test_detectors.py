@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from exporter.analysis.budget import memory_budgets
 from exporter.analysis.contention import ContentionConfig, detect_contention
 from exporter.analysis.engine import Analyzer
 from exporter.analysis.fragmentation import FragmentationConfig, detect_fragmentation
@@ -59,12 +60,15 @@ def feed(snapshots, history=None) -> History:
 
 
 def run_detector(detect, snapshots, config):
-    """Run a detector causally after every snapshot; return its findings per tick."""
+    """Run a detector causally after every snapshot, as the engine does (the tick's memory
+    budgets computed once, kept with the snapshot); return its findings per tick."""
     history = History()
     out = []
     for s in snapshots:
-        history.update(s)
-        out.append(detect(history, s, config))
+        budgets = memory_budgets(s)
+        history.update(s, budgets)
+        extra = (budgets,) if detect is detect_fragmentation else ()
+        out.append(detect(history, s, config, *extra))
     return out
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.analysis.oom import parse_size
-from exporter.explain import ExplainError, explain
+from exporter.postmortem.explain import ExplainError, explain
+from exporter.units import bytes_in_message as parse_size
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 CONTRACT_KEYS = {"line", "kind", "class", "requested_bytes", "total_bytes", "free_bytes",
@@ -39,6 +39,12 @@ def test_json_shape_and_numbers():
                                         {"pid": 20388, "bytes": gib("12.25 GiB")}]
     assert event["advice"] and all(isinstance(a, str) and a for a in event["advice"])
     assert doc["files"] == [{"file": path, "lines": 7, "truncated": False}]
+    # Beyond the contract: the counterfactual and its numbers.
+    assert event["shortfall_bytes"] == gib("8.00 GiB") - gib("5.12 GiB")
+    assert "freeing it would have made the allocation fit" in event["verdict"]
+    assert event["causes"][0] == {"cause": "other_processes",
+                                  "bytes": gib("30.50 GiB") + gib("12.25 GiB")}
+    assert event["process_bytes"] == gib("31.26 GiB") and event["processes_listed"] is True
 
 
 def test_json_over_many_files_keeps_each_events_file_and_null_for_missing_numbers():
@@ -58,6 +64,7 @@ def test_text_form_lists_location_class_numbers_and_advice():
     text = explain([path], "text")
     assert f"{path}:10: torch_cuda_oom (shortage) on GPU 0" in text
     assert "requested 3.91 GiB" in text and "total 79.19 GiB" in text and "free 1.02 GiB" in text
+    assert "shortfall 2.89 GiB" in text and "\n  why: Shortfall 2.89 GiB" in text
     assert "\n  - " in text  # advice bullets
     assert text.rstrip().endswith("1 out-of-memory event in 1 file(s).")
 

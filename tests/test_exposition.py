@@ -8,7 +8,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from exporter.exposition import StateCollector
+from exporter.serve.exposition import StateCollector
 from exporter.model import GpuSample, ProcessSample
 
 from conftest import make_state

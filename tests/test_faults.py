@@ -7,7 +7,6 @@ and it recovers without a restart.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,11 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.analysis.engine import Analyzer
 from exporter.clock import FixedClock
 from exporter.daemon import Daemon, Sampler
-from exporter.exposition import build_registry
+from exporter.serve.exposition import build_registry
 from exporter.sim import fake_nvml
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import loads
-from exporter.sources.host import LocalHost, enrich
+from exporter.sources.adapters import OomLogs, VllmServers
+from exporter.sources.host import HostSource, LocalHost, enrich
 from exporter.sources.logs import LogSource
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.vllm import VllmEndpoint, VllmSource
@@ -63,7 +63,12 @@ class Rig:
         self.host = host_class(self.scenario, self.clock)
         self.nvml = NvmlSource(fake_nvml, self.host.memory, now=self.clock.now,
                                retry_initial_seconds=5, retry_max_seconds=20)
-        self.sampler = Sampler(self.nvml, self.host, now=self.clock.now, vllm=vllm, logs=logs)
+        sources = [self.nvml, HostSource(self.host)]
+        if vllm is not None:
+            sources.append(VllmServers(vllm, self.host))
+        if logs is not None:
+            sources.append(OomLogs(logs))
+        self.sampler = Sampler(sources, now=self.clock.now)
         self.analyzer = Analyzer(log_findings=False)
         self.daemon = Daemon(self.sampler, self.clock, INTERVAL, analyzer=self.analyzer)
         self.registry = build_registry(lambda: self.daemon.state, self.clock.now)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.config import Config, ConfigError, build, load
-from exporter.trace import TraceError, read_rows
-from exporter.web import WebConfig, load_web_config
+from exporter.postmortem.trace import TraceError, read_rows
+from exporter.serve.webconfig import WebConfig, load_web_config
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

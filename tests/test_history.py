@@ -74,8 +74,8 @@ def test_pid_reuse_does_not_inherit_history():
     assert all(v >= 5000 for v in old.values)
     assert all(v == 10 for v in new.values)
     assert new.times[0] > old.times[-1]
-    assert h.first_seen("GPU-a", (7, T0 + 600)) == T0 + 5 * 120
-    assert h.first_seen("GPU-a", (7, T0 - 50)) == T0
+    assert h.process_memory("GPU-a", (7, T0 + 600), raw=True).times[0] == T0 + 5 * 120
+    assert h.process_memory("GPU-a", (7, T0 - 50), raw=True).times[0] == T0
 
 
 def test_pid_reuse_without_start_time_is_told_apart_by_name():
@@ -86,7 +86,7 @@ def test_pid_reuse_without_start_time_is_told_apart_by_name():
         h.update(snap(T0 + 5 * k, [proc(pid=9, start=None, name="new", used=10)]))
     view = h.process_memory("GPU-a", (9, None), raw=True)
     assert set(view.values) == {10}
-    assert h.first_seen("GPU-a", (9, None)) == T0 + 5 * 60
+    assert view.times[0] == T0 + 5 * 60
 
 
 def test_series_of_dead_processes_are_dropped_and_churn_is_bounded():
@@ -140,9 +140,44 @@ def test_out_of_order_snapshots_are_ignored():
 def test_unknown_series_and_bad_arguments():
     h = History()
     assert h.process_memory("nope", (1, None)) == SeriesView((), ())
-    assert h.first_seen("nope", (1, None)) is None
+    assert h.process_memory("nope", (1, None), raw=True) == SeriesView((), ())
     assert h.recent(0) == []
     with pytest.raises(ValueError):
         History(raw_seconds=0)
     with pytest.raises(ValueError):
         History(max_series=0)
+    with pytest.raises(ValueError):
+        History(max_raw_samples=1)
+
+
+def test_fast_sampling_is_bounded_by_samples_not_only_by_seconds():
+    """At 0.2 s a raw window of 3600 s would hold 18,000 snapshots per series; with
+    max_raw_samples 400 it holds about 400, still spanning the whole window, the newest kept,
+    and no snapshot with a log event thinned away."""
+    from exporter.model import OomEvent
+    h = History(raw_seconds=3600, max_raw_samples=400)
+    event = OomEvent(kind="torch_cuda_oom", klass="shortage", line=1)
+    n = 2 * 18_000  # two hours at 0.2 s
+    for k in range(n):
+        t = T0 + 0.2 * k
+        events = (event,) if k % 5000 == 0 else ()
+        h.update(Snapshot(timestamp=t, gpus=snap(t, [proc(used=k)], used=k).gpus, log_events=events))
+    last = T0 + 0.2 * (n - 1)
+    raw = h.process_memory("GPU-a", (10, T0 - 100), raw=True)
+    frames = h.recent(0)
+    assert len(raw) <= 400 + 2 and len(frames) <= 400 + 2 + 4  # + the snapshots with events
+    assert raw.times[-1] == last and frames[-1].timestamp == last  # the newest is always kept
+    assert raw.times[0] - (last - 3600) < 10 and frames[0].timestamp - (last - 3600) < 10
+    gaps = [b - a for a, b in zip(raw.times, raw.times[1:-1])]
+    assert min(gaps) >= 3600 / 400
+    kept_events = [f.timestamp for f in frames if f.log_events]
+    assert kept_events == [T0 + 0.2 * k for k in range(0, n, 5000) if T0 + 0.2 * k >= last - 3600]
+    tier = h.process_memory("GPU-a", (10, T0 - 100))
+    assert tier.times[-1] > last - 120 and tier.values[-1] > n - 1 - 600  # medians keep up
+
+
+def test_sampling_slower_than_the_bound_keeps_every_sample():
+    h = History(raw_seconds=3600, max_raw_samples=4096)
+    for k in range(800):
+        h.update(snap(T0 + 5 * k, [proc(used=k)]))
+    assert len(h.recent(0)) == 721 and len(h.process_memory("GPU-a", (10, T0 - 100), raw=True)) == 721

@@ -122,7 +122,7 @@ def test_rss_is_read_fresh_every_tick():
 
 
 class FakeProc:
-    """A /proc-shaped tree that psutil reads (LocalHost(proc_root=...) as for /host/proc)."""
+    """A /proc-shaped tree that psutil and LocalHost read (psutil.PROCFS_PATH, as for /host/proc)."""
 
     def __init__(self, root):
         self.root = root
@@ -144,10 +144,10 @@ class FakeProc:
 @pytest.fixture
 def fake_proc(tmp_path, monkeypatch):
     import psutil
-    monkeypatch.setattr(psutil, "PROCFS_PATH", psutil.PROCFS_PATH)  # restored after the test
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))  # as runtime.open_host sets it
     clock = [0.0]
     proc = FakeProc(tmp_path)
-    return proc, LocalHost(proc_root=str(tmp_path), monotonic=lambda: clock[0]), clock
+    return proc, LocalHost(monotonic=lambda: clock[0]), clock
 
 
 def test_a_reused_pid_is_read_afresh(fake_proc):

@@ -43,12 +43,16 @@ class Kubelet:
         self.body: bytes = json.dumps(pod_list(pod_item(UID_A, "llama-0"))).encode()
         self.status = 200
         self.delay_per_chunk = 0.0
+        self.redirect_body_mib = 0  # > 0: answer with a 302 that streams this many MiB
+        self.sent: list[int] = []
         self.requests: list[dict] = []
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 owner.requests.append({"path": self.path, "authorization": self.headers.get("Authorization")})
+                if owner.redirect_body_mib:
+                    return self.redirect_with_a_huge_body()
                 self.send_response(owner.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(owner.body)))
@@ -60,6 +64,21 @@ class Kubelet:
                         time.sleep(owner.delay_per_chunk)
                 else:
                     self.wfile.write(owner.body)
+
+            def redirect_with_a_huge_body(self):
+                self.send_response(302)
+                self.send_header("Location", "/pods")
+                self.send_header("Content-Length", str(owner.redirect_body_mib << 20))
+                self.end_headers()
+                sent = 0
+                try:
+                    for _ in range(owner.redirect_body_mib):
+                        self.wfile.write(bytes(1 << 20))
+                        sent += 1 << 20
+                except OSError:
+                    pass  # the client hung up without reading it
+                owner.sent.append(sent)
+                self.close_connection = True
 
             def log_message(self, *args):
                 pass
@@ -215,6 +234,18 @@ def test_slow_drip_hits_the_total_deadline(kubelet, clock):
     started = time.monotonic()
     fail_then_check(kubelet, pods, clock, "timeout")
     assert time.monotonic() - started < 2.0
+
+
+def test_a_redirect_is_an_error_and_its_body_is_never_read(kubelet, clock):
+    pods = client(kubelet.url, clock)
+    pods.lookup(UID_A)
+    kubelet.redirect_body_mib = 400
+    errors = fail_then_check(kubelet, pods, clock, "http_status")
+    assert "302" in errors[0].message and "not followed" in errors[0].message
+    deadline = time.monotonic() + 30  # the server notices the hang-up on its next write
+    while not kubelet.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kubelet.sent[0] < 64 << 20, "only what fits in socket buffers left the server"
 
 
 def test_nothing_listening(clock):

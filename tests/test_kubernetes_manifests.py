@@ -231,11 +231,13 @@ def test_daemonset_shares_the_host_pid_namespace_and_reads_proc_read_only(pod, c
 
 def test_the_configmap_is_a_valid_exporter_configuration(rendered, pod, container):
     config = build_config(yaml.safe_load(by_kind(rendered, "ConfigMap")["data"]["config.yaml"]))
-    assert config.kubelet.enabled == "auto" and config.read_cmdline is False
+    assert config.kubelet.enabled == "auto" and config.host.read_cmdline is False
     config_mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "config")
     assert container["args"] == ["run", "--config", f"{config_mount}/config.yaml"]
     port = int(config.listen.rsplit(":", 1)[1])
-    assert container["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+    health_port = int(config.health_listen.rsplit(":", 1)[1])
+    assert container["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"},
+                                  {"name": "health", "containerPort": health_port, "protocol": "TCP"}]
 
 
 def test_gpus_come_from_the_nvidia_runtime_not_a_gpu_request(pod, container):
@@ -261,9 +263,10 @@ def test_resources_have_requests_and_limits(container):
         assert key in res["requests"] and key in res["limits"]
 
 
-def test_probes_check_healthz_on_the_metrics_port(container):
+def test_probes_check_healthz_on_the_health_port(container):
+    # The health listener needs no credentials, so the probes work with basic auth on.
     for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     # Liveness gives a slow start and a stuck NVML call time before a restart.
     live = container["livenessProbe"]
     assert live["initialDelaySeconds"] >= 30 and live["periodSeconds"] * live["failureThreshold"] >= 60

@@ -4,7 +4,8 @@ import random
 import pytest
 
 from exporter.analysis.history import History, SeriesView
-from exporter.analysis.leak import LeakConfig, LeakLatch, assess, last_large_step, time_to_full
+from exporter.analysis.leak import (LeakAssessor, LeakConfig, LeakLatch, assess, last_large_step,
+                                    time_to_full)
 from exporter.model import GpuSample, ProcessSample, Snapshot
 
 T0 = 1_700_000_000.0
@@ -139,9 +140,10 @@ def test_stale_series_gets_no_verdict():
 def test_verdict_is_memoised_per_view_and_config():
     times = tuple(T0 + 60 * i for i in range(120))
     view = SeriesView(times, tuple(float(GiB + i * 50 * MiB) for i in range(120)))
-    first = assess(view, TOTAL, times[-1])
-    assert assess(view, TOTAL, times[-1] + 5) is first
-    strict = assess(view, TOTAL, times[-1], LeakConfig(min_growth_bytes=1024 * GiB))
+    assessor = LeakAssessor()
+    first = assessor("p", view, TOTAL, times[-1])
+    assert assessor("p", view, TOTAL, times[-1] + 5) is first
+    strict = assessor("p", view, TOTAL, times[-1], LeakConfig(min_growth_bytes=1024 * GiB))
     assert not strict.suspected and first.suspected
 
 

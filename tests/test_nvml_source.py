@@ -1,12 +1,13 @@
 """The real NVML code path (exporter/sources/nvml.py) against the simulator's pynvml module:
 every fall-back and error path, driven by scenario faults."""
 import textwrap
+from types import SimpleNamespace
 
 import pynvml
 import pytest
 
 from exporter.clock import FixedClock
-from exporter.model import HostMemory
+from exporter.model import HostMemory, Snapshot
 from exporter.sim import fake_nvml
 from exporter.sim.scenario import load
 from exporter.sources.nvml import NvmlSource
@@ -41,14 +42,21 @@ def make(tmp_path):
     fake_nvml.configure(None, None)
 
 
+def sample(source):
+    """One tick of the source alone: what it read, whether it is up, the faults it saw."""
+    r = source.collect(Snapshot(timestamp=0.0))
+    return SimpleNamespace(up=r.up, gpus=r.snapshot.gpus, errors=r.errors,
+                           driver_version=r.snapshot.driver_version)
+
+
 def kinds(reading):
     return [e.kind for e in reading.errors]
 
 
 def test_reads_gpus_and_processes(make):
     source, _ = make()
-    r = source.sample()
-    assert r.status.up and not r.errors
+    r = sample(source)
+    assert r.up and not r.errors
     assert [g.index for g in r.gpus] == ["0", "1"]
     g0 = r.gpus[0]
     assert g0.total_bytes == 80 * GiB and g0.reserved_bytes == 512 << 20
@@ -61,62 +69,62 @@ def test_reads_gpus_and_processes(make):
 def test_no_driver_is_source_down_and_retried_with_backoff(make):
     source, clock = make()
     fake_nvml.configure(None, None)  # a host with no NVIDIA driver
-    r = source.sample()
-    assert not r.status.up and r.gpus == () and kinds(r) == ["library_not_found"]
+    r = sample(source)
+    assert not r.up and r.gpus == () and kinds(r) == ["library_not_found"]
     clock.advance(1)
-    assert kinds(source.sample()) == []  # waiting for the back-off, not hammering the library
+    assert kinds(sample(source)) == []  # waiting for the back-off, not hammering the library
     clock.advance(5)
-    assert kinds(source.sample()) == ["library_not_found"]  # retried; next wait doubles to 10 s
+    assert kinds(sample(source)) == ["library_not_found"]  # retried; next wait doubles to 10 s
     clock.advance(6)
-    assert kinds(source.sample()) == []
+    assert kinds(sample(source)) == []
     # The driver appears (installed, or the container got the GPU): recovered without restart.
     fake_nvml.configure(make.scenario, clock)
     clock.advance(10)
-    r = source.sample()
-    assert r.status.up and len(r.gpus) == 2
+    r = sample(source)
+    assert r.up and len(r.gpus) == 2
 
 
 def test_init_failure_window_then_recovery(make):
     source, clock = make("faults:\n  - {kind: init_failure, error: driver_not_loaded, at: 0, until: 30}\n")
-    r = source.sample()
-    assert not r.status.up and kinds(r) == ["driver_not_loaded"]
+    r = sample(source)
+    assert not r.up and kinds(r) == ["driver_not_loaded"]
     clock.advance(40)
-    r = source.sample()
-    assert r.status.up and len(r.gpus) == 2
+    r = sample(source)
+    assert r.up and len(r.gpus) == 2
 
 
 def test_driver_upgrade_under_us_reinitialises(make):
     source, clock = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetCount, error: LibRmVersionMismatch, at: 10, until: 20}\n")
-    assert source.sample().status.up
+    assert sample(source).up
     clock.advance(10)
-    r = source.sample()
-    assert not r.status.up and kinds(r) == ["lib_rm_version_mismatch"]
+    r = sample(source)
+    assert not r.up and kinds(r) == ["lib_rm_version_mismatch"]
     clock.advance(15)
-    assert source.sample().status.up
+    assert sample(source).up
 
 
 def test_lost_gpu_is_down_while_the_other_reports(make):
     source, clock = make("faults:\n  - {kind: gpu_lost, gpu: 1, at: 10, until: 20}\n")
-    uuid1 = source.sample().gpus[1].uuid
+    uuid1 = sample(source).gpus[1].uuid
     clock.advance(10)
-    r = source.sample()
+    r = sample(source)
     g0, g1 = r.gpus
     assert g0.up and g0.used_bytes > 0
     assert not g1.up and g1.error == "gpu_is_lost" and g1.uuid == uuid1 and g1.used_bytes is None
-    assert "gpu_is_lost" in kinds(r) and r.status.up
+    assert "gpu_is_lost" in kinds(r) and r.up
     clock.advance(10)
-    assert source.sample().gpus[1].up
+    assert sample(source).gpus[1].up
 
 
 def test_reset_required(make):
     source, _ = make("faults:\n  - {kind: reset_required, gpu: 0, at: 0}\n")
-    r = source.sample()
+    r = sample(source)
     assert r.gpus[0].error == "reset_required" and r.gpus[1].up
 
 
 def test_memory_info_v2_missing_falls_back_to_v1(make):
     source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound, at: 0}\n")
-    r = source.sample()
+    r = sample(source)
     g0 = r.gpus[0]
     assert g0.up and g0.total_bytes == 80 * GiB and g0.reserved_bytes is None
     assert g0.used_bytes is not None and not r.errors
@@ -124,7 +132,7 @@ def test_memory_info_v2_missing_falls_back_to_v1(make):
 
 def test_process_list_v3_missing_falls_back_to_v2(make):
     source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 0}\n")
-    r = source.sample()
+    r = sample(source)
     assert [(p.pid, p.used_bytes) for p in r.gpus[0].processes] == [(100, 30 * GiB)]
     assert not r.errors
 
@@ -135,14 +143,14 @@ def test_no_process_list_at_all_keeps_memory(make):
     source, _ = make("faults:\n"
                      "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 0}\n"
                      "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v2, error: FunctionNotFound, at: 0}\n")
-    r = source.sample()
+    r = sample(source)
     g0 = r.gpus[0]
-    assert g0.up and g0.processes == () and g0.used_bytes >= 30 * GiB and r.status.up
+    assert g0.up and g0.processes == () and g0.used_bytes >= 30 * GiB and r.up
 
 
 def test_no_permission_on_processes_keeps_gpu_up(make):
     source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: NoPermission, at: 0}\n")
-    r = source.sample()
+    r = sample(source)
     assert r.gpus[0].up and r.gpus[0].processes == () and r.gpus[0].used_bytes is not None
     assert "no_permission" in kinds(r)
 
@@ -157,7 +165,7 @@ def test_unified_memory_device_reads_host_memory(make):
         processes:
           - {pid: 100, name: vllm, gpu: 0, memory: 20GiB, rss: 1GiB}
         """)
-    g = source.sample().gpus[0]
+    g = sample(source).gpus[0]
     assert g.unified and g.total_bytes == HOST.total_bytes and g.free_bytes == HOST.available_bytes
     assert g.used_bytes == HOST.total_bytes - HOST.available_bytes
     assert [(p.pid, p.used_bytes) for p in g.processes] == [(100, 20 * GiB)]
@@ -166,22 +174,22 @@ def test_unified_memory_device_reads_host_memory(make):
 def test_used_memory_not_available(make):
     source, _ = make(base=BASE.replace("{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}",
                                        "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB, memory_not_available: true}"))
-    procs = source.sample().gpus[1].processes
+    procs = sample(source).gpus[1].processes
     assert [(p.pid, p.used_bytes) for p in procs] == [(200, None)]
 
 
 def test_process_vanishing_is_normal(make):
     source, clock = make(base=BASE.replace("{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}",
                                            "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB, stop: 60}"))
-    assert source.sample().gpus[1].processes
+    assert sample(source).gpus[1].processes
     clock.advance(61)
-    r = source.sample()
+    r = sample(source)
     assert r.gpus[1].processes == () and not r.errors
 
 
 def test_mig_instances(make):
     source, _ = make(base=open(__import__("exporter.sim.scenario", fromlist=["x"]).SCENARIO_DIR / "mig.yaml").read(), at=600)
-    gpus = source.sample().gpus
+    gpus = sample(source).gpus
     assert [g.index for g in gpus] == ["0", "0/0", "0/1"]
     parent, a, b = gpus
     assert not parent.mig and a.mig and b.mig

@@ -1,4 +1,5 @@
-"""OOM message parsing and classification against real message shapes (tests/fixtures/logs)."""
+"""OOM message parsing (sources/oom_messages) and classification (analysis/oom) against real
+message shapes (tests/fixtures/logs; the wider corpus is in test_oom_corpus.py)."""
 from __future__ import annotations
 
 import random
@@ -9,20 +10,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.analysis.oom import (
-    CLASSES,
+from exporter.analysis.oom import CLASSES, classify
+from exporter.model import OOM_KINDS as KINDS
+from exporter.postmortem.explain import event_to_dict
+from exporter.postmortem.explain import events_in_lines as parse_lines
+from exporter.sources.oom_messages import (
     DEDUPE_WINDOW_LINES,
-    KINDS,
     MAX_MESSAGE_CHARS,
     OomParser,
-    classify_torch,
-    event_to_dict,
-    format_bytes,
-    parse_lines,
-    parse_size,
     parse_torch_message,
     strip_prefixes,
 )
+from exporter.sources.oom_messages import parse_lines as parse_messages
+from exporter.units import bytes_in_message as parse_size
+from exporter.units import format_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 GiB, MiB = 1024**3, 1024**2
@@ -142,8 +143,13 @@ def test_the_brief_example_message():
     assert e.other_processes == ((12345, 40 * GiB),)
     assert e.process_bytes == size("77.98 GiB")
     assert e.reserved_unallocated_bytes == size("6.50 GiB")
-    assert e.klass == "fragmentation"  # 6.50 GiB unused cache >= 2.00 GiB requested
-    assert any("Other processes also hold 40.00 GiB" in a for a in e.advice)
+    # Counterfactual: shortfall = 2.00 - 1.06 = 0.94 GiB; the other process's 40.00 GiB covers
+    # it, so contention (it was "fragmentation" before the counterfactual rule, because the
+    # 6.50 GiB unused cache also covers it: that stays in the advice as a second fix).
+    assert e.klass == "contention"
+    assert e.shortfall_bytes == size("2.00 GiB") - size("1.06 GiB")
+    assert any("40.00 GiB" in a and "pid 12345" in a for a in e.advice)
+    assert any("6.50 GiB" in a and "expandable_segments" in a for a in e.advice)
 
 
 def test_pytorch_2_1_capacty_typo_gets_max_split_size_advice():
@@ -204,6 +210,148 @@ def test_bare_torch_message_without_numbers_is_still_an_event():
     assert (e.kind, e.klass, e.line, e.requested_bytes) == ("torch_cuda_oom", "shortage", 1, None)
 
 
+# ------------------------------------------------------------------ which process is this one
+
+_TWO_LISTED = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a"
+               " total capacity of 79.15 GiB of which 1.00 GiB is free. Process 900 has 30.00 GiB"
+               " memory in use. Process 901 has 48.00 GiB memory in use. Of the allocated memory"
+               " 45.00 GiB is allocated by PyTorch, and 500.00 MiB is reserved by PyTorch but"
+               " unallocated.")
+
+
+def test_in_a_container_this_process_is_the_listed_one_holding_its_pool():
+    # No "this process" line: PyTorch could not match its own PID. Process 901 holds more than
+    # the 45.49 GiB pool, Process 900 less: 901 is this process, 900 another.
+    [e] = parse_lines([_TWO_LISTED])
+    assert e.process_bytes == 48 * GiB and e.other_processes == ((900, 30 * GiB),)
+    assert e.klass == "contention"  # 30 GiB >= the 1 GiB shortfall
+
+
+def test_the_log_prefix_pid_names_this_process_when_it_is_listed():
+    line = "(VllmWorker rank=0 pid=900) ERROR 11-22 10:05:14 [multiproc_executor.py:527] " + _TWO_LISTED
+    [e] = parse_lines([line])
+    assert e.process_bytes == 30 * GiB and e.other_processes == ((901, 48 * GiB),)
+
+
+def test_a_container_listing_only_itself_is_not_contention():
+    [e] = fixture_events("vllm_v1_worker_oom.log")
+    assert e.other_processes == () and e.klass == "shortage"
+    assert "Held by other processes: none listed" in e.verdict
+
+
+# ------------------------------------------------------------------ the counterfactual, edge cases
+
+def test_free_within_the_drivers_slack_is_a_full_gpu():
+    # 20.38 MiB free for 20.00 MiB: the driver's pages and bookkeeping take that, so the GPU was
+    # full and the process next door (21.69 GiB) is why.
+    [e] = parse_lines([
+        '{"error":{"message":"CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total'
+        ' capacity of 23.53 GiB of which 20.38 MiB is free. Including non-PyTorch memory, this'
+        ' process has 1.81 GiB memory in use. Process 5403 has 21.69 GiB memory in use. Of the'
+        ' allocated memory 1.34 GiB is allocated by PyTorch, and 94.59 MiB is reserved by PyTorch'
+        ' but unallocated."}}'])
+    assert e.klass == "contention" and 0 < e.shortfall_bytes < 4 * MiB
+    assert "within the driver's 4.00 MiB slack" in e.verdict
+
+
+def test_memory_outside_the_pool_counts_as_others_only_beyond_this_process_context():
+    legacy = ("RuntimeError: CUDA out of memory. Tried to allocate 264.00 MiB (GPU 0; {total} total"
+              " capacity; 788.51 MiB already allocated; 145.93 MiB free; 1.02 GiB reserved in total"
+              " by PyTorch)")
+    # 2 GiB card: 857 MiB outside the pool is within the 1.5 GiB allowance -> the 256 MiB unused
+    # cache decides: fragmentation.
+    [small] = parse_lines([legacy.format(total="2.00 GiB")])
+    assert small.klass == "fragmentation" and dict(small.causes).get("other_processes") is None
+    # 24 GiB card: 22.85 GiB outside the pool -> other processes: contention.
+    [big] = parse_lines([legacy.format(total="24.00 GiB")])
+    assert big.klass == "contention"
+    assert dict(big.causes)["other_processes"] == pytest.approx(
+        size("24.00 GiB") - size("145.93 MiB") - size("1.02 GiB") - 3 * GiB // 2, abs=2)
+
+
+def test_each_verdict_states_its_counterfactual():
+    verdicts = {e.klass: e.verdict for name in ("torch_contention.log", "torch_fragmentation.log",
+                                                "vllm_v1_worker_oom.log")
+                for e in fixture_events(name)}
+    assert "freeing it would have made the allocation fit" in verdicts["contention"]
+    assert "would have fit, so this is fragmentation" in verdicts["fragmentation"]
+    assert "Neither covers the shortfall" in verdicts["shortage"]
+    for verdict in verdicts.values():
+        assert verdict.startswith("Shortfall ")
+
+
+def test_causes_carry_bytes_largest_first():
+    [e] = fixture_events("torch_contention.log")
+    assert [name for name, _ in e.causes] == ["other_processes", "allocated_by_pytorch",
+                                              "reserved_unallocated"]
+    assert dict(e.causes)["other_processes"] == size("30.50 GiB") + size("12.25 GiB")
+
+
+# ------------------------------------------------------------------ how messages arrive
+
+def test_escaped_newlines_and_ansi_colours():
+    line = ('\x1b[31m{"level":"error","msg":"Traceback (most recent call last):\\n  File \\"x.py\\",'
+            ' line 1\\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 2'
+            ' has a total capacity of 80.00 GiB of which 10.00 MiB is free.\\nIncluding non-PyTorch'
+            ' memory, this process has 79.00 GiB memory in use. Of the allocated memory 70.00 GiB is'
+            ' allocated by PyTorch, and 8.00 GiB is reserved by PyTorch but unallocated."}\x1b[0m')
+    [e] = parse_lines([line.encode().decode("unicode_escape")])
+    assert (e.gpu, e.requested_bytes, e.klass) == ("2", GiB, "fragmentation")
+    assert e.process_bytes == 79 * GiB
+
+
+def test_the_same_message_from_two_workers_is_two_events():
+    msg = ("ERROR 03-16 06:12:38 [multiproc_executor.py:375] RuntimeError: CUDA out of memory"
+           " occurred when warming up sampler with 1024 dummy requests.")
+    events = parse_lines([f"(VllmWorker rank=7 pid=10948) {msg}", f"(VllmWorker rank=0 pid=10672) {msg}",
+                          f"(VllmWorker rank=0 pid=10672) {msg}"])
+    assert [e.line for e in events] == [1, 2]  # the third is rank 0 repeating itself
+
+
+def test_traceback_source_lines_are_not_messages():
+    events = parse_lines([
+        'ERROR 11-18 18:07:28 engine.py:366]     raise ValueError("No available memory for the '
+        'cache blocks. "',
+        'ERROR 11-18 18:07:28 engine.py:366]                      "Try increasing '
+        '`gpu_memory_utilization` when "',
+        "ERROR 11-18 18:07:28 engine.py:366] ValueError: No available memory for the cache blocks."])
+    assert [(e.line, e.kind) for e in events] == [(3, "vllm_kv_cache_too_small")]
+
+
+def test_kernel_report_spans_its_task_dump_and_wrapped_kill_lines():
+    dump = [f"[812345.{i:06d}] [ {1000 + i}]  1000  {1000 + i}  12345  678  90112  0  0 worker"
+            for i in range(300)]
+    lines = (["[812345.100231] python3 invoked oom-killer: gfp_mask=0x140cca, order=0, "
+              "oom_score_adj=0", "[812345.100298] Mem-Info:"] + dump
+             + ["kernel: oom-kill:constraint=CONSTRAINT_MEMCG,",
+                "  oom_memcg=/kubepods.slice/pod42,",
+                "  task=python3,pid=4711,uid=0",
+                "kernel: Memory cgroup out of memory:",
+                "  Killed process 4711 (python3) total-vm:98765432kB, anon-rss:1024kB,",
+                "  file-rss:1024kB, shmem-rss:0kB, oom_score_adj:0",
+                "INFO something else"])
+    [e] = parse_lines(lines)
+    assert (e.kind, e.klass, e.line, e.victim_pid, e.victim_name) == (
+        "cgroup_oom", "host", 303, 4711, "python3")
+    assert e.process_bytes == 2048 * 1024 and e.memory_limit == "/kubepods.slice/pod42"
+
+
+def test_kubernetes_docker_and_ray_reports():
+    events = parse_lines([
+        "      Reason:       OOMKilled",
+        '        "OOMKilled": false,',
+        "  Warning  CgroupOOM  28s  kubelet  Cgroup OOM encountered, victim process: stress, pid: 470521",
+        "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.",
+        "Memory on the node (IP: 10.0.0.1, ID: ab12) where the task (task ID: cd34, name=f, pid=548,"
+        " memory used=12.18GB) was running was 21.91GB / 33.28GB (0.658192), which exceeds the"
+        " memory usage threshold of 0.65. Ray killed this worker."])
+    assert [(e.kind, e.klass) for e in events] == [
+        ("container_oom_killed", "host"), ("cgroup_oom", "host"), ("ray_oom_kill", "host")]
+    ray = events[2]
+    assert ray.victim_pid == 548 and ray.total_bytes == size("33.28 GB")
+    assert "at 21.91 GiB of 33.28 GiB (Ray's threshold 0.65)" in ray.advice[0]
+
+
 # ------------------------------------------------------------------ PyTorch 1.x
 
 def test_legacy_messages():
@@ -233,15 +381,21 @@ def test_oldest_cached_wording(cached, expected_unallocated):
     assert n.reserved_unallocated == pytest.approx(size(expected_unallocated), abs=1)
 
 
-def test_classify_torch_priority_fragmentation_over_contention():
-    n = parse_torch_message(
+def test_classify_priority_contention_over_fragmentation():
+    # Shortfall = 1.00 GiB - 100.00 MiB = 924 MiB. Both the other process's 30.00 GiB and the
+    # 3.00 GiB unused cache cover it; the counterfactual rule checks other processes first, so
+    # contention (it was "fragmentation" before that rule), with the cache named as well.
+    [e] = parse_lines([
         "CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of 80.00 GiB"
         " of which 100.00 MiB is free. Process 7 has 30.00 GiB memory in use. Including "
         "non-PyTorch memory, this process has 49.00 GiB memory in use. Of the allocated memory "
-        "45.00 GiB is allocated by PyTorch, and 3.00 GiB is reserved by PyTorch but unallocated.")
-    klass, advice = classify_torch(n)
-    assert klass == "fragmentation"
-    assert any("Other processes also hold 30.00 GiB" in a for a in advice)
+        "45.00 GiB is allocated by PyTorch, and 3.00 GiB is reserved by PyTorch but unallocated."])
+    assert e.klass == "contention"
+    assert dict(e.causes)["other_processes"] == 30 * GiB
+    assert dict(e.causes)["reserved_unallocated"] == 3 * GiB
+    assert any("30.00 GiB" in a and "pid 7" in a for a in e.advice)
+    assert any("3.00 GiB of unallocated cache" in a for a in e.advice)
+    assert "freeing it would have made the allocation fit" in e.verdict
 
 
 # ------------------------------------------------------------------ vLLM start-up
@@ -252,8 +406,13 @@ def test_vllm_startup_messages():
         (3, "vllm_insufficient_memory"), (5, "vllm_kv_cache_too_small"),
         (7, "vllm_kv_cache_too_small"), (9, "vllm_kv_cache_too_small"),
         (10, "vllm_insufficient_memory")]
-    assert all(e.klass == "configuration" for e in events)
     free, v1, old, no_blocks, warmup = events
+    # vLLM wanted 12.39 GiB with 7.34 GiB free: 5.05 GiB short, while 8.15 GiB was in use by
+    # others. Freeing it would have let vLLM start: contention under the counterfactual rule
+    # (it was "configuration" before). The refused configurations stay "configuration".
+    assert free.klass == "contention"
+    assert free.shortfall_bytes == size("12.39 GiB") - size("7.34 GiB")
+    assert all(e.klass == "configuration" for e in (v1, old, no_blocks, warmup))
     assert (free.gpu, free.free_bytes, free.total_bytes) == ("0", size("7.34 GiB"), size("15.49 GiB"))
     assert free.requested_bytes == size("12.39 GiB")
     suggested = int((7.34 / 15.49 - 0.01) * 100) / 100
@@ -271,6 +430,7 @@ def test_vllm_messages_wrapped_by_a_log_shipper():
     assert (free.line, free.kind, free.free_bytes) == (1, "vllm_insufficient_memory",
                                                        size("2.6 GiB"))
     assert free.advice[0].startswith("Stop")  # 2 % free: lowering the fraction is no answer
+    assert free.klass == "contention"  # 119.03 GiB in use >= 7.13 GiB short (was configuration)
     assert (kv.line, kv.kind) == (4, "vllm_kv_cache_too_small")
     fit = int(16384 * size("0.18 GiB") / size("0.19 GiB"))
     assert f"--max-model-len {fit}" in kv.advice[0]
@@ -390,7 +550,7 @@ def test_incremental_feeding_matches_one_shot():
     for i, text in enumerate(lines, start=1):
         events += parser.feed(i, text)
     events += parser.flush()
-    assert events == parse_lines(lines, source="x")
+    assert events == parse_messages(lines, source="x")
 
 
 def test_line_numbers_going_back_start_over():
@@ -428,7 +588,7 @@ def _parse_strictly(lines):
         events += parser.feed(number, text)
     events += parser.flush()
     assert parser.faults == 0
-    return events
+    return [classify(m) for m in events]
 
 
 def _check(events, n_lines):
@@ -454,6 +614,8 @@ def test_random_bytes_never_crash(data):
 
 
 _REAL_LINES = [line for f in sorted(FIXTURES.glob("*.log")) for line in f.read_text().splitlines()]
+_REAL_LINES += [line for f in sorted((FIXTURES.parent / "oom_corpus").glob("*.log"))
+                for line in f.read_text().split("---\n", 2)[2].splitlines()]
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,10 +12,13 @@ from exporter.clock import FixedClock
 from exporter.config import ConfigError
 from exporter.config import build as build_config
 from exporter.model import GpuSample, ProcessSample
-from exporter.runtime import kubelet_pods
+from exporter.model import Snapshot
+from exporter.runtime import Host, kubelet_pods, make_sampler
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import from_dict
-from exporter.sources.host import LocalHost, enrich, pod_identity
+from exporter.sources.adapters import PodNames, pod_name
+from exporter.sources.cgroup import parse_cgroup
+from exporter.sources.host import LocalHost, enrich
 from exporter.sources.kubelet import KubeletPods
 from test_kubelet import Kubelet, pod_item, pod_list
 
@@ -62,6 +65,18 @@ OUTSIDE = [
 ]
 
 
+def pod_identity(cgroup_text, pods):
+    """(container id, pod UID, pod name, namespace) as the host and kubelet sources find them."""
+    container, uid = parse_cgroup(cgroup_text)
+    pod, namespace = pod_name(pods, uid) if pods is not None else ("", "")
+    return container, uid, pod, namespace
+
+
+def with_pod_names(gpus, pods):
+    """The kubelet source over what enrich() filled in."""
+    return PodNames(pods).collect(Snapshot(timestamp=0.0, gpus=gpus)).snapshot.gpus
+
+
 @pytest.fixture
 def kubelet():
     k = Kubelet()
@@ -105,7 +120,7 @@ def test_kubelet_down_leaves_names_empty_without_raising(kubelet, pods):
     assert [e.kind for e in pods.take_errors()] == ["http_status"]
 
 
-# -- through enrich(), the function the sampler calls every tick --------------------------------
+# -- through enrich() and the kubelet source, as the sampler runs them every tick --------------
 SCENARIO = {
     "name": "pods", "description": "two pods and a bare process", "duration": 600,
     "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory": "80GiB", "count": 2}],
@@ -128,7 +143,7 @@ def gpus_from_nvml_view():
 
 def test_enrich_labels_every_gpu_process_with_its_pod(pods, kubelet):
     host = SimulatedHost(from_dict(SCENARIO), FixedClock(1_000_000.0, at=60))
-    gpus = enrich(gpus_from_nvml_view(), host, pods=pods)
+    gpus = with_pod_names(enrich(gpus_from_nvml_view(), host), pods)
     by = {(g.index, p.pid): p for g in gpus for p in g.processes}
     assert [(by[k].pod, by[k].namespace, by[k].container) for k in [("0", 1000), ("1", 1000)]] == \
         [("llama-70b-0", "inference", CID[:12])] * 2  # one process on two GPUs: same identity
@@ -146,17 +161,20 @@ def test_enrich_outside_kubernetes_fills_no_pod_names():
     assert {p.pod_uid for g in gpus for p in g.processes} == {UID, "0a0b0c0d-1111-2222-3333-444455556666", ""}
 
 
-def test_local_host_carries_the_lookup_into_enrich(pods, kubelet):
-    """LocalHost(pods=...) is how the runtime wires it: enrich() finds it without a parameter.
+def test_the_runtime_runs_the_pod_lookup_as_the_kubelet_source(pods, kubelet):
+    """Host(pods=...) is how the runtime wires it: the sampler runs it after the host source.
     This test's own process is in no pod, so the kubelet is not even asked."""
-    host = LocalHost(pods=pods)
-    gpus = enrich((GpuSample(index="0", uuid="GPU-0", processes=(ProcessSample(os.getpid(), 1 << 20),)),), host)
-    proc = gpus[0].processes[0]
+    host = Host(nvml_module=None, view=LocalHost(), clock=FixedClock(1_000_000.0), pods=pods)
+    sampler = make_sampler(build_config(), host)
+    assert [s.name for s in sampler.sources] == ["nvml", "host", "kubelet"]
+    gpus = enrich((GpuSample(index="0", uuid="GPU-0", processes=(ProcessSample(os.getpid(), 1 << 20),)),), host.view)
+    proc = with_pod_names(gpus, pods)[0].processes[0]
     assert proc.name and (proc.pod, proc.namespace) == ("", "")
-    assert host.pods is pods
+    assert sampler.sources[2].pods is pods
+    assert kubelet.requests == []
 
 
-def test_a_broken_lookup_object_never_stops_enrich():
+def test_a_broken_lookup_object_never_stops_the_kubelet_source():
     class Exploding:
         def lookup(self, uid):
             raise RuntimeError("boom")

@@ -15,8 +15,8 @@ import pytest
 import requests
 import yaml
 
-from exporter.promquery import PromQueryError, chunks, fetch, parse_time, redact
-from exporter.trace import TraceError, read_trace
+from exporter.postmortem.promquery import PromQueryError, chunks, fetch, parse_time, redact
+from exporter.postmortem.trace import TraceError, read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 SCRAPE = 0.5  # seconds between Prometheus scrapes (and the query step)
@@ -47,15 +47,18 @@ def wait_for(check, deadline: float, what: str, procs=()):
 
 
 class CountingSession(requests.Session):
-    """A real session that counts the requests it sends."""
+    """A real session that counts the requests it sends (at its transport adapter)."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
+        session = self
 
-    def request(self, *args, **kwargs):
-        self.calls += 1
-        return super().request(*args, **kwargs)
+        class Counting(requests.adapters.HTTPAdapter):
+            def send(self, *args, **kwargs):
+                session.calls += 1
+                return super().send(*args, **kwargs)
+        self.mount("http://", Counting())
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 import time
 
 import pytest
 
 from exporter.analysis.history import History
-from exporter.daemon import State
+from exporter.analysis.transitions import transitions
 from exporter.model import (Analysis, Finding, GpuSample, HostMemory, OomEvent, ProcessSample,
-                            Snapshot)
-from exporter.recorder import FlightRecorder, error_kind
-from exporter.trace import read_trace, write_csv
+                            Snapshot, State)
+from exporter.postmortem.recorder import FlightRecorder, error_kind
+from exporter.postmortem.trace import read_trace, write_csv
 
 GiB = 1 << 30
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
@@ -48,17 +49,23 @@ def critical(t, pid=3150, severity="critical"):
 
 
 class Feed:
-    """Publishes States the way Daemon.tick does: history first, then observe."""
+    """Publishes States the way Daemon.tick does: history first, the tick's transitions decided
+    as the analysis decides them, then observe."""
 
     def __init__(self, recorder, raw_seconds=3600):
         self.recorder = recorder
         self.history = History(raw_seconds=raw_seconds)
+        self.before = None
+        self.active = ()
 
     def tick(self, snapshot, findings=()):
         self.history.update(snapshot)
-        state = State(snapshot=snapshot, analysis=Analysis(snapshot.timestamp, tuple(findings)))
+        changed = transitions(self.before, snapshot, self.active, tuple(findings))
+        self.before, self.active = snapshot, tuple(findings)
+        state = State(snapshot=snapshot, analysis=Analysis(snapshot.timestamp, tuple(findings),
+                                                           transitions=changed))
         started = time.perf_counter()
-        self.recorder.observe(state, self.history)
+        self.recorder.observe(state, self.history.recent)
         return time.perf_counter() - started
 
 
@@ -149,9 +156,9 @@ def test_the_same_state_twice_does_not_record_twice(make):
     history = History()
     s = snap(T0, events=(oom_event(),))
     history.update(s)
-    state = State(snapshot=s)
-    rec.observe(state, history)
-    rec.observe(state, history)  # a failed tick republishes the old State
+    state = State(snapshot=s, analysis=Analysis(T0, transitions=("oom",)))
+    rec.observe(state, history.recent)
+    rec.observe(state, history.recent)  # a failed tick republishes the old State
     assert rec.flush(5)
     assert rec.stats().writes_total == 1
 
@@ -213,11 +220,15 @@ def test_rotation_by_total_size_keeps_the_file_just_written(make):
 
 
 def test_a_full_disk_is_counted_not_raised(make):
-    rec = make()
-    os.makedirs(rec.directory)
-    # /dev/full answers every write with ENOSPC: put it where the writer's temporary file goes.
-    target = os.path.join(rec.directory, f"gpumem-20231114T221320Z-oom.csv.tmp.{os.getpid()}")
-    os.symlink("/dev/full", target)
+    full = [True]
+
+    def writer(snapshots, path):
+        if full[0]:  # /dev/full answers every write with ENOSPC
+            with open("/dev/full", "w") as handle:
+                handle.write("x" * (1 << 16))
+        write_csv(snapshots, path)
+
+    rec = make(writer=writer)
     feed = Feed(rec)
     feed.tick(snap(T0, events=(oom_event(),)))
     assert rec.flush(5)
@@ -225,6 +236,7 @@ def test_a_full_disk_is_counted_not_raised(make):
     assert stats.errors_total == {"disk_full": 1} and stats.writes_total == 0
     assert recordings(rec.directory) == []
     # The recorder keeps working once there is room again.
+    full[0] = False
     feed.tick(snap(T0 + 400, events=(oom_event(),)))
     assert rec.flush(5)
     assert rec.stats().writes_total == 1
@@ -269,11 +281,11 @@ def test_observe_never_waits_for_a_slow_disk_and_coalesces(make):
 def test_a_broken_state_is_counted_not_raised(make):
     rec = make()
 
-    class BrokenHistory:
-        def recent(self, since):
-            raise RuntimeError("bug")
+    def broken_window(since):
+        raise RuntimeError("bug")
 
-    rec.observe(State(snapshot=snap(T0, events=(oom_event(),))), BrokenHistory())
+    rec.observe(State(snapshot=snap(T0, events=(oom_event(),)),
+                      analysis=Analysis(T0, transitions=("oom",))), broken_window)
     rec.observe(None, None)
     assert rec.stats().errors_total == {"observe": 1}
 
@@ -284,6 +296,34 @@ def test_close_finishes_the_pending_write(tmp_path):
     feed.tick(snap(T0, events=(oom_event(),)))
     rec.close(timeout=5)
     assert len(recordings(rec.directory)) == 1
+
+
+def test_a_planted_link_is_never_written_through(make, tmp_path):
+    """Links planted where the recorder writes (the recording's name, and the temporary names
+    it used to write first) leave their targets untouched; the recording is written anyway."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    rec = make(debounce_seconds=0)
+    os.makedirs(rec.directory)
+    first, second = "gpumem-20231114T221320Z-oom.csv", "gpumem-20231114T221320Z-oom-1.csv"
+    planted = [first, f"{first}.tmp.{os.getpid()}", f"{second}.tmp.{os.getpid()}"]
+    for name in planted:
+        os.symlink(victim, os.path.join(rec.directory, name))
+    Feed(rec).tick(snap(T0, events=(oom_event(),)))
+    assert rec.flush(5)
+    assert victim.read_text() == "precious\n"
+    assert all(os.path.islink(os.path.join(rec.directory, name)) for name in planted)
+    written = rec.stats().last_file
+    assert rec.stats().writes_total == 1 and os.path.basename(written) == second
+    assert not os.path.islink(written) and [s.timestamp for s in read_trace(written)] == [T0]
+    assert stat.S_IMODE(os.stat(written).st_mode) == 0o600
+
+
+def test_the_directory_it_creates_is_private(make):
+    rec = make()
+    Feed(rec).tick(snap(T0, events=(oom_event(),)))
+    assert rec.flush(5) and rec.stats().writes_total == 1
+    assert stat.S_IMODE(os.stat(rec.directory).st_mode) == 0o700
 
 
 @pytest.mark.parametrize("errno_name, kind", [

@@ -27,7 +27,8 @@ def play(name, step=10.0):
     runtime = build_runtime(config, simulate=name, at=0.0)
     analyzer = make_analyzer(config)
     try:
-        while runtime.clock.elapsed() < load(name).duration:
+        duration = load(name).duration
+        while runtime.clock.elapsed() < duration:
             analyzer.update(runtime.sampler.sample())
             runtime.clock.advance(step)
     finally:

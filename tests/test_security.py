@@ -6,8 +6,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import select
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,14 +19,16 @@ import bcrypt
 import pytest
 import requests
 
+from conftest import make_state
 from exporter.analysis.engine import Analyzer
 from exporter.config import build as build_config
 from exporter.daemon import Daemon
-from exporter.exposition import build_registry
 from exporter.runtime import build as build_runtime
-from exporter.web import BasicAuth, HttpServer, load_web_config, make_app
-
-from conftest import make_state
+from exporter.serve.auth import BasicAuth
+from exporter.serve.exposition import build_registry
+from exporter.serve.server import HttpServer
+from exporter.serve.web import make_app
+from exporter.serve.webconfig import load_web_config
 
 PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -87,6 +92,143 @@ def test_a_cached_good_password_does_not_open_the_door_to_another(serve):
     # a password with a colon in it is the part after the first colon
     header = "Basic " + base64.b64encode(f"prom:{PASSWORD}:extra".encode()).decode()
     assert requests.get(url, headers={"Authorization": header}, timeout=5).status_code == 401
+
+
+def cost_of(hashed) -> int:
+    return int((hashed if isinstance(hashed, bytes) else hashed.encode()).split(b"$")[2])
+
+
+@pytest.fixture
+def bcrypt_calls(monkeypatch):
+    """Every bcrypt check, as (password, hash), made by the real bcrypt."""
+    calls = []
+    real = bcrypt.checkpw
+
+    def counting(password, hashed):
+        calls.append((password, hashed))
+        return real(password, hashed)
+    monkeypatch.setattr(bcrypt, "checkpw", counting)
+    return calls
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def test_unknown_users_cost_a_bcrypt_check_at_the_highest_configured_cost(bcrypt_calls):
+    """issue 14: the placeholder hash had cost 4 while users had 10: 2 ms against 70 ms told which
+    users exist. Timing is not measured here: the work done is."""
+    auth = BasicAuth({"prom": HASH, "ops": bcrypt.hashpw(b"other", bcrypt.gensalt(6)).decode()})
+    assert cost_of(auth.placeholder_hash) == 6
+    assert auth.check(basic("nobody", PASSWORD)) is False
+    assert bcrypt_calls == [(PASSWORD.encode(), auth.placeholder_hash)]
+    assert auth.check(basic("ops", "wrong")) is False and len(bcrypt_calls) == 2
+
+
+def test_a_verified_credential_is_remembered_for_a_while_without_bcrypt(bcrypt_calls):
+    t = [0.0]
+    auth = BasicAuth({"prom": HASH}, cache_seconds=60, cache_size=2, now=lambda: t[0])
+    for _ in range(5):
+        assert auth.check(basic("prom", PASSWORD)) is True
+        t[0] += 30  # in use every 30 s: stays cached
+    assert len(bcrypt_calls) == 1
+    for _ in range(3):  # wrong passwords are never cached
+        assert auth.check(basic("prom", "wrong")) is False
+    assert len(bcrypt_calls) == 4
+    t[0] += 61  # unused for longer than cache_seconds: checked again
+    assert auth.check(basic("prom", PASSWORD)) is True and len(bcrypt_calls) == 5
+
+
+def test_the_credential_cache_is_bounded(bcrypt_calls):
+    users = {f"u{i}": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode() for i in range(5)}
+    auth = BasicAuth(users, cache_size=3)
+    for user in users:
+        assert auth.check(basic(user, "pw")) is True
+    assert len(bcrypt_calls) == 5
+    assert auth.check(basic("u4", "pw")) and auth.check(basic("u2", "pw")) and len(bcrypt_calls) == 5
+    assert auth.check(basic("u0", "pw")) and len(bcrypt_calls) == 6  # the oldest made way
+
+
+def test_wrong_passwords_cannot_take_more_than_two_bcrypt_slots_nor_hold_up_a_known_scraper(serve, monkeypatch):
+    port = serve(make_state(), auth=BasicAuth({"prom": HASH})).port
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert requests.get(url, auth=("prom", PASSWORD), timeout=5).status_code == 200  # now cached
+    inside, most, release = [], [0], threading.Event()
+    lock = threading.Lock()
+
+    def slow_checkpw(password, hashed):  # bcrypt at any cost: held until released
+        with lock:
+            inside.append(password)
+            most[0] = max(most[0], len(inside))
+        release.wait(30)
+        with lock:
+            inside.remove(password)
+        return False
+    monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
+    statuses = []
+    attackers = [threading.Thread(target=lambda i=i: statuses.append(
+        requests.get(url, auth=("prom", f"wrong{i}"), timeout=30).status_code)) for i in range(6)]
+    try:
+        for a in attackers:
+            a.start()
+        deadline = time.monotonic() + 30
+        while (len(inside) < 2 or len(statuses) < 4) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(inside) == 2 and sorted(statuses) == [503] * 4  # refused at once, not queued
+        r = requests.get(url, auth=("prom", PASSWORD), timeout=10)  # while two checks are stuck
+        assert r.status_code == 200 and "gpumem_gpu_info" in r.text
+    finally:
+        release.set()
+        for a in attackers:
+            a.join(30)
+    assert most[0] == 2 and sorted(statuses) == [401, 401, 503, 503, 503, 503]
+
+
+@pytest.mark.parametrize("user", ["prom", "nobody"])
+def test_a_password_over_72_bytes_is_refused_not_a_server_error(serve, capfd, caplog, user):
+    port = serve(make_state(), auth=BasicAuth({"prom": HASH})).port
+    r = requests.get(f"http://127.0.0.1:{port}/metrics", auth=(user, "x" * 73), timeout=5)
+    assert r.status_code == 401
+    assert "Traceback" not in capfd.readouterr().err and "Traceback" not in caplog.text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_probes_get_their_own_listener_without_auth(tmp_path):
+    """`run --health-listen`: with basic auth on, /healthz and /admission also answer on a
+    plain listener of their own (Kubernetes probes send no credentials), and nothing else does."""
+    web_yml = tmp_path / "web.yml"
+    web_yml.write_text(f"basic_auth_users:\n  prom: '{HASH}'\n")
+    main_port, health_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--simulate", "steady", "--interval", "1",
+                             "--listen", f"127.0.0.1:{main_port}", "--health-listen", f"127.0.0.1:{health_port}",
+                             "--web-config", str(web_yml)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        health = f"http://127.0.0.1:{health_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if requests.get(health + "/healthz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        assert requests.get(health + "/healthz", timeout=5).json()["status"] == "ok"
+        assert requests.get(health + "/admission", timeout=5).status_code == 200
+        for path in ("/metrics", "/", "/api/findings"):
+            assert requests.get(health + path, timeout=5).status_code == 404
+        main = f"http://127.0.0.1:{main_port}"
+        assert requests.get(main + "/healthz", timeout=5).status_code == 401
+        assert requests.get(main + "/metrics", auth=("prom", PASSWORD), timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +349,149 @@ def test_slowloris_clients_do_not_block_scrapes(serve):
             s.close()
 
 
+def closed_by_server(s: socket.socket, within: float = 30.0) -> bool:
+    """Wait (generously) until the server closes `s`: EOF or reset."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([s], [], [], 0.05)
+        if readable:
+            try:
+                return s.recv(65536) == b""
+            except OSError:
+                return True
+    return False
+
+
+def test_held_connections_cost_no_thread_and_the_oldest_make_way(serve):
+    """issue 14: a thread per connection, with no cap, took 1,500 slow clients to 1,506 threads.
+    Slow clients now cost a socket each, up to max_connections; beyond it the one that has
+    waited longest on its client is dropped, so a scraper that sends its request gets in."""
+    state = make_state()
+    server = HttpServer(make_app(build_registry(lambda: state, time.time), lambda: state, time.time, 15.0),
+                        "127.0.0.1", 0, max_connections=8).start()
+    held = []
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        assert requests.get(url, timeout=5).status_code == 200
+        threads = threading.active_count()
+        for _ in range(60):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            held.append(s)
+        for _ in range(3):
+            r = requests.get(url, timeout=10)
+            assert r.status_code == 200 and "gpumem_gpu_info" in r.text
+        assert threading.active_count() <= threads + 3  # at most the rest of the worker pool
+        assert all(closed_by_server(s) for s in held[:50])  # the oldest were dropped
+        assert server.open_connections <= 8
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+
+
+def test_the_request_head_has_a_total_deadline():
+    """A client sending a byte every 50 ms never trips a per-read timeout; the whole head's
+    deadline (0.5 s here) ends it while it is still sending."""
+    state = make_state()
+    server = HttpServer(make_app(build_registry(lambda: state, time.time), lambda: state, time.time, 15.0),
+                        "127.0.0.1", 0, head_timeout=0.5).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nX-Trickle: ")
+            closed, deadline = False, time.monotonic() + 60
+            while not closed and time.monotonic() < deadline:
+                try:
+                    s.sendall(b"a")
+                except OSError:
+                    closed = True
+                closed = closed or closed_by_server(s, within=0.05)
+            assert closed
+    finally:
+        server.stop()
+
+
+def test_when_every_connection_is_being_answered_a_new_one_is_refused_at_once():
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def stuck(environ, start_response):
+        entered.release()
+        release.wait(30)
+        start_response("200 OK", [("Content-Length", "3")])
+        return [b"ok\n"]
+    server = HttpServer(stuck, "127.0.0.1", 0, max_connections=2, workers=2).start()
+    url = f"http://127.0.0.1:{server.port}/"
+    busy = [threading.Thread(target=requests.get, args=(url,), kwargs={"timeout": 30}) for _ in range(2)]
+    try:
+        for t in busy:
+            t.start()
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert closed_by_server(s)  # not queued behind the two
+    finally:
+        release.set()
+        for t in busy:
+            t.join(30)
+        server.stop()
+
+
+def test_sampling_keeps_its_pace_while_slow_clients_crowd_the_listener():
+    """The daemon ticks on its own thread: 200 held connections take no thread and no tick."""
+    from exporter.cli import make_analyzer
+
+    config = build_config()
+    rt = build_runtime(config, simulate="steady", speed=100.0)  # a 5 s tick every 50 ms
+    daemon = Daemon(rt.sampler, rt.clock, 5.0, analyzer=make_analyzer(config))
+    registry = build_registry(lambda: daemon.state, rt.clock.now)
+    server = HttpServer(make_app(registry, lambda: daemon.state, rt.clock.now, 15.0), "127.0.0.1", 0,
+                        max_connections=16).start()
+    held = []
+    try:
+        daemon.start()
+        threads = threading.active_count()
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            held.append(s)
+        before = daemon.state.samples_total
+        deadline = time.monotonic() + 60
+        while daemon.state.samples_total < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.state.samples_total >= before + 5
+        r = requests.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10)
+        assert r.status_code == 200 and "gpumem_exporter_samples_total" in r.text
+        assert threading.active_count() <= threads + 4  # the worker pool, at most
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+        daemon.stop()
+        rt.close()
+
+
+def test_a_request_line_without_a_version_gets_a_status_line(serve):
+    """HTTP/0.9 has no status line: the stdlib would answer the page bare."""
+    port = serve(make_state()).port
+    reply = raw_request(port, b"GET /metrics\r\n")
+    assert reply.startswith(b"HTTP/1.0 400 ") and b"gpumem" not in reply
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # answered without waiting for EOF
+        s.sendall(b"GET /metrics\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.0 400 ")
+
+
+def test_control_characters_from_request_lines_are_escaped_in_the_log(serve, caplog):
+    caplog.set_level(logging.DEBUG, logger="exporter")
+    port = serve(make_state()).port
+    assert status_of(raw_request(port, b"GET /\x1b[2J\x1b]0;owned\x07 HTTP/1.1\r\nHost: x\r\n\r\n")) == 404
+    assert status_of(raw_request(port, b"GET /\x1b[1A\rfake HTTP/1.1\r\nHost: x\r\n\r\n")) == 400
+    deadline = time.monotonic() + 30
+    while "fake" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "\\x1b[2J\\x1b]0;owned\\x07" in caplog.text and "\\x1b[1A\\x0dfake" in caplog.text
+    assert not any(c in caplog.text for c in "\x1b\x07\r")
+
+
 # ---------------------------------------------------------------------------------------------
 # Secrets never leave: bearer tokens, command lines, environment
 
@@ -308,3 +593,15 @@ def test_no_secret_in_metrics_api_or_logs(tmp_path, echo, caplog, monkeypatch, r
         assert CMD_TOKEN in cmdlines[100]
     else:
         assert set(cmdlines.values()) == {""}
+
+
+def test_secrets_are_redacted_whole_and_in_pieces():
+    from exporter.sources.httpclient import Secrets
+
+    token = "s3cret-t0ken-for-tests"
+    secrets = Secrets((token, "pw", None))
+    assert secrets.scrub(f"Bearer {token}") == "Bearer <redacted>"
+    assert secrets.scrub(token[:9]) == "<redacted>" and secrets.scrub("x-" + token[-8:]) == "x-<redacted>"
+    assert secrets.scrub(token[:7]) == token[:7]  # under 8 characters a piece says nothing
+    assert secrets.scrub("user pw here") == "user <redacted> here"  # a short secret only whole
+    assert secrets.scrub("nothing secret") == "nothing secret"

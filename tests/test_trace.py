@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.model import GpuSample, HostMemory, ProcessSample, Snapshot
-from exporter.trace import (CSV_COLUMNS, TraceError, read_csv_rows, read_prometheus_rows,
+from exporter.postmortem.trace import (CSV_COLUMNS, TraceError, read_csv_rows, read_prometheus_rows,
                             read_trace, read_traces, snapshots_from_rows, write_csv)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -267,7 +267,7 @@ def test_several_files_merge_process_and_gpu_series(tmp_path):
 def test_a_fifo_given_as_trace_is_refused_not_waited_on(tmp_path):
     import os
 
-    from exporter.trace import TraceError, read_rows
+    from exporter.postmortem.trace import TraceError, read_rows
 
     fifo = tmp_path / "trace.csv"
     os.mkfifo(fifo)

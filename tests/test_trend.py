@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.analysis.trend import (
-    least_squares_slope, mad, mann_kendall, median, theil_sen, theil_sen_line,
+    mad, mann_kendall, median, theil_sen, theil_sen_line,
 )
 
 
@@ -83,9 +83,3 @@ def test_theil_sen_on_noisy_line_with_large_timestamps():
     values = [7e10 + 1000.0 * (t - t0) + rng.gauss(0, 2e4) for t in times]
     assert theil_sen(times, values) == pytest.approx(1000.0, rel=0.05)
 
-
-def test_least_squares_slope():
-    assert least_squares_slope([0, 1, 2], [1, 3, 5]) == pytest.approx(2.0)
-    assert least_squares_slope([0, 1, 2, 3], [0, 0, 0, 4]) == pytest.approx(1.2)
-    assert least_squares_slope([1], [1]) is None
-    assert least_squares_slope([2, 2], [1, 5]) is None

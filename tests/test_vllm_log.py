@@ -24,6 +24,7 @@ def test_v0_6_4_profiling_results_line():
         activation_peak_bytes=gib(3.12) - gib(2.6419),
         cuda_graph_bytes=None,  # 0.6.4 logged the capture time only
         total_gpu_bytes=gib(7.92), gpu_memory_utilization=0.90, num_gpu_blocks=1207,
+        kv_cache_max_concurrency=9.43,  # "Maximum concurrency for 32768 tokens per request: 9.43x"
     )
 
 
@@ -33,6 +34,7 @@ def test_v0_7_split_summary_lines():
         weights_bytes=gib(2.89), kv_cache_bytes=gib(2.36), activation_peak_bytes=gib(2.02),
         non_torch_bytes=gib(0.01), cuda_graph_bytes=gib(0.19), total_gpu_bytes=gib(14.56),
         gpu_memory_utilization=0.50, num_gpu_blocks=5517,
+        kv_cache_max_concurrency=2.69,  # "Maximum concurrency for 32768 tokens per request: 2.69x"
     )
 
 
@@ -111,3 +113,103 @@ def test_profile_cache_attaches_and_follows_file_changes(tmp_path):
         fh.write("INFO Available KV cache memory: 55.05 GiB\n")
     (a,) = cache.attach((VllmSample("a", True),))
     assert dict(a.memory_profile)["kv_cache"] == pytest.approx(55.05 * 2**30, abs=1)
+
+
+# -- vLLM 0.33, rendered by its own logger and statements (fixtures/vllm/render_fixtures.py) ----
+RESTART_LOG = FIXTURES / "v0_33_failed_then_restarted.log"
+
+
+def split_at_restart() -> tuple[list[str], list[str]]:
+    """The failed start's lines and the good start's (from its API server banner on)."""
+    lines = RESTART_LOG.read_text().splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if "version 0.33.0" in line][1]
+    return lines[:second], lines[second:]
+
+
+def test_v0_33_a_failed_start_then_a_good_one_reports_the_last_start_only():
+    profile = read_profile(str(RESTART_LOG))
+    assert profile.kv_cache_bytes == gib(54.91)  # the failed start's -2.1 GiB is gone
+    assert profile.weights_bytes == gib(14.99)
+    # the INFO summary: free/total at start, the requested utilisation and its bytes, consumed
+    # (weights + non-torch), peak activation (less the CUDA graph estimate vLLM budgets in it)
+    assert (profile.free_at_start_bytes, profile.total_gpu_bytes) == (gib(78.68), gib(79.19))
+    assert (profile.gpu_memory_utilization, profile.requested_bytes) == (0.92, gib(72.85))
+    assert profile.consumed_bytes == gib(15.62)
+    assert profile.non_torch_bytes == gib(15.62) - gib(14.99)
+    assert profile.activation_peak_bytes == gib(2.32) - gib(0.45)
+    # "CUDA graph pool memory: 0.93 GiB (actual), 0.45 GiB (estimated)"
+    assert (profile.cuda_graph_bytes, profile.cuda_graph_estimate_bytes) == (gib(0.93), gib(0.45))
+    assert (profile.kv_cache_tokens, profile.kv_cache_max_concurrency) == (449_856, 13.73)
+    # the components vLLM budgeted add up to what it requested, as its own arithmetic says
+    parts = profile.consumed_bytes + profile.activation_peak_bytes + profile.cuda_graph_estimate_bytes
+    assert parts + profile.kv_cache_bytes == pytest.approx(profile.requested_bytes, abs=gib(0.02))
+
+
+def test_v0_33_the_failed_start_alone_shows_why_it_failed():
+    failed, _ = split_at_restart()
+    profile = parse_profile(failed)
+    assert profile.kv_cache_bytes == -gib(2.1) and profile.weights_bytes == gib(14.99)
+
+
+def test_v0_33_sleep_mode_freed_lines():
+    profile = read_profile(str(RESTART_LOG))
+    assert profile.sleeps == 2
+    # the latest cycle: it gave back less than the first (70.25 GiB), 3.05 GiB stayed in use
+    assert (profile.sleep_freed_bytes, profile.sleep_still_in_use_bytes) == (gib(68.41), gib(3.05))
+
+
+def test_v0_33_kv_cache_memory_flag():
+    profile = read_profile(str(FIXTURES / "v0_33_kv_cache_memory.log"))
+    assert profile.kv_cache_bytes == profile.kv_cache_memory_flag_bytes == 32 * GiB
+    assert profile.free_at_start_bytes == gib(78.68)
+    assert profile.gpu_memory_utilization is None  # vLLM ignores it with --kv-cache-memory
+    assert (profile.kv_cache_tokens, profile.kv_cache_max_concurrency) == (262_144, 8.0)
+
+
+def test_summary_peak_is_kept_whole_when_graphs_are_not_budgeted():
+    summary = next(x for x in RESTART_LOG.read_text().splitlines() if "Desired GPU memory" in x)
+    estimate = "Estimated CUDA graph memory: 0.45 GiB total"
+    off = ("WARNING CUDA graph memory profiling is disabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0). "
+           "Without it, CUDA graph memory is not accounted for during KV cache allocation")
+    assert parse_profile([estimate, summary]).activation_peak_bytes == gib(2.32) - gib(0.45)
+    assert parse_profile([estimate, off, summary]).activation_peak_bytes == gib(2.32)
+
+
+def test_a_followed_log_sees_a_restart_after_many_megabytes(tmp_path):
+    from exporter.sources.vllm_log import LogFollower
+
+    log = tmp_path / "vllm.log"
+    failed, good = split_at_restart()
+    filler = '(APIServer pid=1) INFO:     10.0.0.9:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK\n'
+    log.write_text("".join(failed) + filler * 60_000 + "".join(good))
+    assert log.stat().st_size > 5 << 20
+    follower = LogFollower(str(log), budget_bytes=1 << 20)
+    first = follower.profile()
+    assert first.kv_cache_bytes == -gib(2.1)  # a tick reads a bounded piece: the failed start so far
+    for _ in range(10):
+        latest = follower.profile()
+    assert latest.kv_cache_bytes == gib(54.91) and latest.sleeps == 2
+    # rotated: a new file under the same name starts over
+    log.unlink()
+    log.write_text("INFO Model loading took 1.50 GiB and 2 s\n")
+    assert follower.profile() == MemoryProfile(weights_bytes=gib(1.5))
+
+
+def test_a_followed_log_survives_a_line_longer_than_any_read(tmp_path):
+    from exporter.sources.vllm_log import LogFollower
+
+    log = tmp_path / "vllm.log"
+    log.write_bytes(b"A" * (1 << 20) + b" Available KV cache memory: 9.00 GiB\nINFO Model loading took 1.50 GiB\n")
+    follower = LogFollower(str(log), budget_bytes=64 << 10)
+    for _ in range(20):
+        profile = follower.profile()
+    assert profile == MemoryProfile(weights_bytes=gib(1.5))  # the giant line is skipped whole
+
+
+def test_profile_cache_carries_the_whole_profile(tmp_path):
+    from exporter.model import VllmSample
+    from exporter.sources.vllm_log import ProfileCache
+
+    (sample,) = ProfileCache({"a": str(RESTART_LOG)}).attach((VllmSample("a", True),))
+    assert sample.startup == read_profile(str(RESTART_LOG))
+    assert dict(sample.memory_profile) == sample.startup.components()

@@ -18,7 +18,7 @@ def load(name: str) -> str:
 
 
 def test_every_fixture_names_the_vllm_source_it_follows():
-    for path in FIXTURES.glob("*"):
+    for path in (p for p in FIXTURES.glob("*") if p.suffix != ".py"):  # not the script rendering them
         first = path.read_text().splitlines()[0]
         assert first.startswith("# Fixture: vLLM"), path.name
 
@@ -184,3 +184,70 @@ def test_a_broken_line_in_a_family_we_read_fails_the_page():
     broken = _real_sized_page().replace('vllm:num_requests_running{engine="0"', 'vllm:num_requests_running{engine="0', 1)
     with pytest.raises(ParseError, match="not Prometheus text format"):
         normalise(broken)
+
+
+# -- impossible values: dropped and named, never passed on --------------------------------------
+def test_out_of_range_values_are_rejected_and_named():
+    text = ('vllm:kv_cache_usage_perc{model_name="m",engine="0"} -5\n'
+            'vllm:kv_cache_usage_perc{model_name="m",engine="1"} 1.5\n'
+            'vllm:kv_cache_usage_perc{model_name="m",engine="2"} 1.0000000001\n'
+            'vllm:num_preemptions_total{model_name="m",engine="0"} -1e308\n'
+            'vllm:num_requests_running{model_name="m",engine="0"} NaN\n'
+            'vllm:num_requests_waiting{model_name="m",engine="0"} 2\n'
+            'vllm:engine_sleep_state{model_name="m",engine="0",sleep_state="awake"} 7\n'
+            'vllm:cache_config_info{engine="0",gpu_memory_utilization="1.7",num_gpu_blocks="-3",'
+            'block_size="16",kv_cache_max_concurrency="-2"} 1\n')
+    result = normalise(text)
+    by_engine = {e.engine: e for e in result.engines}
+    assert by_engine["0"] == VllmEngineStats(model="m", engine="0", requests_waiting=2.0)
+    assert "1" not in by_engine  # its one value was impossible: nothing to report
+    assert by_engine["2"].kv_cache_usage_ratio == 1.0  # float noise over 1 is clamped
+    assert result.rejected == (
+        "vllm:cache_config_info.gpu_memory_utilization", "vllm:cache_config_info.kv_cache_max_concurrency",
+        "vllm:cache_config_info.num_gpu_blocks", "vllm:engine_sleep_state", "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions", "vllm:num_requests_running")
+    assert result.cache_config == CacheConfig(block_size=16)
+
+
+def test_a_sane_page_rejects_nothing():
+    for name in ("current_v1_engines.prom", "v0_6_engine_metrics.prom", "v0_33_tp1_dp2.prom"):
+        assert normalise(load(name)).rejected == (), name
+
+
+# -- vLLM 0.33, rendered by its own PrometheusStatLogger (tests/fixtures/vllm/render_fixtures.py) --
+def test_v0_33_cache_config_carries_kv_capacity_and_default_utilisation():
+    result = normalise(load("v0_33_tp1_dp2.prom"))
+    config = result.cache_config
+    assert config.gpu_memory_utilization == 0.92  # 0.33's default: never assume 0.9
+    assert (config.num_gpu_blocks, config.block_size) == (27_584, 16)
+    assert config.kv_cache_size_tokens == 441_344 and config.kv_capacity_tokens == 441_344
+    assert config.kv_cache_max_concurrency == pytest.approx(13.47)
+    assert config.kv_cache_memory_bytes is None
+    assert [e.engine for e in result.engines] == ["0", "1"]
+    assert all(e.sleep_state == "awake" for e in result.engines)
+
+
+def test_v0_33_kv_cache_memory_flag():
+    config = normalise(load("v0_33_kv_cache_memory.prom")).cache_config
+    assert config.kv_cache_memory_bytes == 32 * 2**30
+    assert config.gpu_memory_utilization == 0.92  # still exported, but vLLM ignores it
+
+
+@pytest.mark.parametrize("fixture, state", [("v0_33_sleep_level1.prom", "weights_offloaded"),
+                                            ("v0_33_sleep_level2.prom", "discard_all")])
+def test_v0_33_engine_sleep_state(fixture, state):
+    (engine,) = normalise(load(fixture)).engines
+    assert engine.sleep_state == state
+
+
+def test_sleep_state_without_a_level_and_when_not_reported():
+    asleep = ('vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 0\n'
+              'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0\n'
+              'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 0\n')
+    assert normalise(asleep).engines[0].sleep_state == "asleep"
+    assert normalise(load("v0_6_engine_metrics.prom")).engines[0].sleep_state == ""
+
+
+def test_capacity_falls_back_to_blocks_times_block_size():
+    assert CacheConfig(num_gpu_blocks=1000, block_size=16).kv_capacity_tokens == 16_000
+    assert CacheConfig(num_gpu_blocks=1000).kv_capacity_tokens is None

@@ -7,9 +7,9 @@ import pytest
 
 from exporter.model import GpuSample, ProcessSample, VllmSample
 from exporter.sources.hostview import ProcessInfo
-from exporter.sources.vllm import VllmEndpoint
+from exporter.sources.vllm_endpoint import VllmEndpoint
 from exporter.sources.vllm_procs import (
-    PidFileError, assign_roles, is_local_host, read_pid_file, server_pids,
+    PidFileError, ServerPids, assign_roles, is_local_host, read_pid_file, server_pids,
 )
 
 
@@ -90,9 +90,10 @@ def test_bad_pid_files(tmp_path, content, reason):
 
 def test_bad_pid_file_yields_no_pids_and_one_warning(tmp_path, caplog):
     endpoint = VllmEndpoint("http://127.0.0.1:8000/metrics", pid_file=str(tmp_path / "missing.pid"))
+    resolve = ServerPids()  # what the sampling loop uses: it says each problem once
     with caplog.at_level(logging.WARNING):
-        assert server_pids(endpoint, host()) == ()
-        assert server_pids(endpoint, host()) == ()
+        assert resolve(endpoint, host()) == ()
+        assert resolve(endpoint, host()) == ()
     warnings = [r for r in caplog.records if "cannot read PID file" in r.getMessage()]
     assert len(warnings) == 1
 

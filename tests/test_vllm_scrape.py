@@ -1,19 +1,24 @@
 """Scraping through a real HTTP server on 127.0.0.1: every failure mode, bounded in time."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 
-from exporter.sources.vllm import VllmEndpoint, VllmSource, public_url, scrape
+from exporter.sources.vllm import MAX_REDIRECTS, VllmEndpoint, VllmSource, public_url, scrape
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm" / "current_v1_engines.prom").read_bytes()
 TOKEN = "s3cret-t0ken-for-tests"
+HUGE = 400 << 20  # what a hostile redirect offers: far more than any limit
+# 256 MiB of zeros in about 256 KiB of gzip: a decompression bomb on a redirect.
+GZIP_BOMB = zlib.compressobj(1, zlib.DEFLATED, 31).compress(bytes(256 << 20)) + b""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -53,6 +58,67 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Location", "/auth/metrics")
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def redirect_with_body(self, location, body_chunks, headers=()):
+        """A redirect that also streams a body; counts what it managed to send before the
+        client hung up (a client that reads the body takes it all)."""
+        self.send_response(302)
+        self.send_header("Location", location)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        sent = 0
+        try:
+            for chunk in body_chunks:
+                self.wfile.write(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass  # the scraper dropped the connection: what a bounded client does
+        finally:
+            self.server.sent.append(sent)
+            self.close_connection = True
+
+    def route_redirect_huge_chunked(self):
+        piece = b"x" * (1 << 20)
+        chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
+        self.redirect_with_body("/metrics", (chunk for _ in range(HUGE >> 20)),
+                                [("Transfer-Encoding", "chunked")])
+
+    def route_redirect_gzip_bomb(self):
+        self.redirect_with_body("/metrics", [GZIP_BOMB], [("Content-Encoding", "gzip"),
+                                                          ("Content-Length", str(len(GZIP_BOMB)))])
+
+    def route_redirect_to_huge(self):
+        self.send_response(307)
+        self.send_header("Location", "/huge_chunked")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def route_redirect_loop(self):
+        self.send_response(302)
+        self.send_header("Location", "/redirect_loop")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def route_redirect_elsewhere(self):
+        # same server, another host name: a different origin, so the token must not follow
+        self.send_response(302)
+        self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/auth/metrics")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def route_echo_split(self):
+        # echoes the bearer token into two labels, half in each
+        token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+        half = len(token) // 2
+        page = (f'vllm:num_requests_running{{model_name="{token[:half]}",engine="{token[half:]}"}} 3\n'
+                f'vllm:cache_config_info{{cache_dtype="fp8-{token[2:12]}",block_size="16"}} 1\n')
+        self.reply(200, page.encode())
+
+    def route_impossible(self):
+        self.reply(200, b'vllm:kv_cache_usage_perc{model_name="m",engine="0"} -5\n'
+                        b'vllm:num_preemptions_total{model_name="m",engine="0"} -1e308\n'
+                        b'vllm:num_requests_running{model_name="m",engine="0"} 4\n')
 
     def route_error(self):
         self.reply(500, b"Internal Server Error")
@@ -131,6 +197,7 @@ def server():
     httpd.block_on_close = False
     httpd.release = threading.Event()
     httpd.seen = []
+    httpd.sent = []
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield httpd
@@ -344,3 +411,124 @@ def test_source_ignores_a_proxy_from_the_environment(server, monkeypatch):
     with pytest.raises(BlockingIOError):
         proxy.accept()  # nobody connected to the proxy
     proxy.close()
+
+
+# -- redirects: bounded like the answer itself, never read, never to another host -------------
+class ReadCountingAdapter(requests.adapters.HTTPAdapter):
+    """Counts the body bytes the client takes out of each response, per path (after
+    decompression: what ends up in memory), and the timeouts requests are sent with."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: dict[str, int] = {}
+        self.timeouts: list = []
+
+    def send(self, request, **kwargs):
+        self.timeouts.append(kwargs.get("timeout"))
+        return super().send(request, **kwargs)
+
+    def build_response(self, req, resp):
+        path = requests.utils.urlparse(req.url).path
+        self.read.setdefault(path, 0)
+
+        def add(data):
+            self.read[path] += len(data)
+            return data
+        for name in ("read", "read1"):
+            original = getattr(resp, name)
+            setattr(resp, name, lambda *a, _original=original, **k: add(_original(*a, **k)))
+        chunked = resp.read_chunked  # a chunked body bypasses read()
+        resp.read_chunked = lambda *a, **k: (add(piece) for piece in chunked(*a, **k))
+        return super().build_response(req, resp)
+
+
+def counting_scrape(endpoint, **kwargs):
+    adapter = ReadCountingAdapter()
+    with requests.Session() as session:
+        session.mount("http://", adapter)
+        return scrape(endpoint, session, **kwargs), adapter
+
+
+@pytest.mark.parametrize("path", ["/redirect_huge_chunked", "/redirect_gzip_bomb"])
+def test_a_redirect_body_is_never_read(server, path):
+    """A 302 carrying 400 MiB (chunked) or a 256 MiB gzip bomb: the client drops it unread and
+    follows the redirect; the HTTP library would have read it all before following."""
+    sample, adapter = counting_scrape(VllmEndpoint(url(server, path), timeout_seconds=30))
+    assert sample.up, sample.error
+    assert adapter.read[path] == 0
+    assert adapter.read["/metrics"] == len(FIXTURE)
+    if path == "/redirect_huge_chunked":
+        deadline = time.monotonic() + 30  # the server notices the hang-up on its next write
+        while not server.sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.sent[0] < 64 << 20, "only what fits in socket buffers left the server"
+
+
+def test_a_redirect_to_a_huge_answer_is_too_large_not_a_timeout(server):
+    endpoint = VllmEndpoint(url(server, "/redirect_to_huge"), max_response_bytes=len(FIXTURE) * 2)
+    sample, adapter = counting_scrape(endpoint)
+    assert sample.error_kind == "too_large"
+    assert adapter.read["/huge_chunked"] <= len(FIXTURE) * 2 + (16 << 10)
+
+
+class StepClock:
+    """Each reading is `step` seconds after the last: hops that take time, without waiting."""
+
+    def __init__(self, step):
+        self.t, self.step = 0.0, step
+
+    def __call__(self):
+        self.t += self.step
+        return self.t
+
+
+def test_every_hop_shares_one_deadline(server):
+    sample, adapter = counting_scrape(VllmEndpoint(url(server, "/redirect_loop"), timeout_seconds=1.0),
+                                      clock=StepClock(0.4))
+    # deadline 1.4 on the clock: hop 1 is sent at 0.8 with 0.6 s left, hop 2 at 1.2 with 0.2 s,
+    # and at 1.6 there is no time for a third
+    assert sample.error_kind == "timeout"
+    assert [t[0] for t in adapter.timeouts] == pytest.approx([0.6, 0.2])
+    assert [p for p, _ in server.seen] == ["/redirect_loop"] * 2
+
+
+def test_redirects_stop_after_a_few_hops(server):
+    sample, _ = counting_scrape(VllmEndpoint(url(server, "/redirect_loop")))
+    assert sample.error_kind == "http_status" and f"more than {MAX_REDIRECTS} redirects" in sample.error
+    assert len(server.seen) == MAX_REDIRECTS + 1
+
+
+def test_a_redirect_to_another_host_is_not_followed_and_gets_no_token(server):
+    sample, _ = counting_scrape(VllmEndpoint(url(server, "/redirect_elsewhere"), bearer_token=TOKEN))
+    assert sample.error_kind == "http_status" and "another host" in sample.error
+    assert server.seen == [("/redirect_elsewhere", f"Bearer {TOKEN}")]  # nothing sent to localhost
+    assert TOKEN not in sample.error
+
+
+# -- what the server sends back ------------------------------------------------------------
+def test_a_token_echoed_in_pieces_is_redacted_in_every_label(server):
+    sample, _ = timed_scrape(VllmEndpoint(url(server, "/echo_split"), bearer_token=TOKEN))
+    assert sample.up
+    (engine,) = sample.engines
+    assert (engine.model, engine.engine) == ("<redacted>", "<redacted>")
+    assert sample.cache_config.cache_dtype == "fp8-<redacted>"
+    exported = repr(sample)
+    for i in range(len(TOKEN) - 7):
+        assert TOKEN[i:i + 8] not in exported
+
+
+def test_impossible_values_are_dropped_named_and_logged_once(server, caplog):
+    source = VllmSource([VllmEndpoint(url(server, "/impossible"), name="odd")])
+    try:
+        with caplog.at_level(logging.WARNING, logger="exporter.sources.vllm"):
+            first, = source.sample()
+            second, = source.sample()
+    finally:
+        source.close()
+    assert first.up and first.error_kind == ""
+    (engine,) = first.engines
+    assert engine.kv_cache_usage_ratio is None and engine.preemptions_total is None
+    assert engine.requests_running == 4.0  # the sane values of the page are kept
+    assert first.rejected_metrics == second.rejected_metrics == ("vllm:kv_cache_usage_perc",
+                                                                 "vllm:num_preemptions")
+    assert len([r for r in caplog.records if "impossible values" in r.getMessage()]) == 2

@@ -1,15 +1,19 @@
 import base64
+import re
+import socket
 
 import bcrypt
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config import ConfigError
-from exporter.exposition import build_registry
-from exporter.web import BasicAuth, HttpServer, load_web_config, make_app
-
 from conftest import make_state
+from exporter.config import ConfigError
+from exporter.serve.auth import BasicAuth
+from exporter.serve.exposition import build_registry
+from exporter.serve.server import HttpServer
+from exporter.serve.web import make_app
+from exporter.serve.webconfig import load_web_config
 
 
 @pytest.fixture
@@ -63,7 +67,7 @@ def test_healthz_turns_503_when_the_sample_is_stale(serve, clock):
 
 
 def test_healthz_before_any_sample_is_503(serve):
-    from exporter.daemon import State
+    from exporter.model import State
     url, _ = serve(State())
     assert requests.get(url + "/healthz", timeout=5).status_code == 503
 
@@ -75,7 +79,18 @@ def test_admission_follows_the_analysis(serve):
     holder["state"] = make_state(admission_open=False)
     r = requests.get(url + "/admission", timeout=5)
     assert r.status_code == 503 and r.json()["closed_gpus"] == ["0"]
-    assert requests.get(url + "/admission?gpu=7", timeout=5).status_code == 200
+    assert requests.get(url + "/admission?gpu=0", timeout=5).status_code == 503
+    # issue 14: no such GPU is a bad argument (it was 200 "known": false, which hid typos)
+    r = requests.get(url + "/admission?gpu=7", timeout=5)
+    assert r.status_code == 400 and r.json() == {"error": "no such GPU: 7", "gpus": ["0"]}
+
+
+def test_admission_before_the_first_analysis_is_open_and_unknown_for_any_gpu(serve):
+    from exporter.model import State
+    url, _ = serve(State())
+    for query in ("", "?gpu=0", "?gpu=99"):
+        r = requests.get(url + "/admission" + query, timeout=5)
+        assert r.status_code == 200 and r.json()["known"] is False and r.json()["open"] is True
 
 
 def test_findings_api_and_index(serve):
@@ -156,5 +171,123 @@ def test_metrics_render_once_per_state_not_per_scrape(clock):
         assert len(set(first)) == 1 and Counting.calls == 1  # five scrapes, one render
         holder["state"] = make_state()  # the next tick published a new state
         assert requests.get(url, timeout=5).text != first[0] and Counting.calls == 2
+    finally:
+        server.stop()
+
+
+def test_query_strings_other_than_name_share_one_rendering(clock):
+    """issue 14: a unique query string per scrape (a cache-buster) must not cost a rendering."""
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+    class Counting:
+        calls = 0
+
+        def collect(self):
+            Counting.calls += 1
+            yield GaugeMetricFamily("x", "x", value=1)
+            yield GaugeMetricFamily("y", "y", value=2)
+
+    registry = CollectorRegistry(auto_describe=True)  # name[] needs to know which collector has which name
+    registry.register(Counting())
+    Counting.calls = 0
+    state = make_state()
+    server = HttpServer(make_app(registry, lambda: state, clock.now, 15.0), "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        for i in range(5):
+            assert "x 1.0" in requests.get(f"{url}?nocache={i}", timeout=5).text
+        assert Counting.calls == 1
+        only_y = requests.get(f"{url}?name[]=y&nocache=1", timeout=5).text
+        assert "y 2.0" in only_y and "x 1.0" not in only_y and Counting.calls == 2
+        requests.get(f"{url}?nocache=2&name[]=y", timeout=5)
+        assert Counting.calls == 2  # the same name[] list, another cache-buster
+    finally:
+        server.stop()
+
+
+def test_head_answers_headers_without_a_body(serve):
+    url, _ = serve(make_state())
+    port = int(url.rsplit(":", 1)[1])
+    for path in ("/metrics", "/healthz", "/"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200 ") and body == b"", path
+        length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+        if path == "/metrics":  # the exporter's own process metrics change between renderings
+            assert length > 1000
+        else:
+            assert length == len(requests.get(url + path, timeout=5).content)  # the GET answer's length
+
+
+def hostile_state():
+    """make_state with text from the host that would be markup: a process name from /proc, a
+    GPU name, a finding's summary, an endpoint's error."""
+    import dataclasses
+    state = make_state()
+    evil = "<script>alert(1)</script>"
+    snap = state.snapshot
+    gpu = dataclasses.replace(snap.gpus[0], name=evil,
+                              processes=tuple(dataclasses.replace(p, name=evil) for p in snap.gpus[0].processes))
+    vllm = tuple(dataclasses.replace(v, endpoint=evil, error_kind=evil) for v in snap.vllm)
+    finding = dataclasses.replace(state.analysis.findings[0], process=evil, summary=f"grows {evil}")
+    return dataclasses.replace(state, snapshot=dataclasses.replace(snap, gpus=(gpu,), vllm=vllm),
+                               analysis=dataclasses.replace(state.analysis, findings=(finding,)))
+
+
+def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
+    state = make_state(t=clock.now() - 2)
+    server = HttpServer(make_app(build_registry(lambda: state, clock.now), lambda: state, clock.now, 15.0,
+                                 host="simulated: scenario fleet-8x64"), "127.0.0.1", 0).start()
+    try:
+        r = requests.get(f"http://127.0.0.1:{server.port}/", timeout=5)
+    finally:
+        server.stop()
+    assert r.status_code == 200 and r.headers["Content-Type"] == "text/html; charset=utf-8"
+    page = r.text
+    assert "simulated: scenario fleet-8x64" in page and "2.0 s ago" in page
+    # the GPU with its use and headroom, and its admission
+    assert "NVIDIA H100 80GB HBM3" in page and "40.00 GiB of 80.00 GiB (50%)" in page
+    assert "<td>40.00 GiB</td><td>open</td>" in page  # free bytes, then admission
+    # the active finding with its summary, and every source up or down
+    assert "<td>leak</td>" in page and "<td>101 proc101</td><td>grows 4 MiB/min</td>" in page
+    assert "<td>nvml</td>" in page and "<td>vllm down</td><td><span class=\"bad\">down</span> refused" in page
+    for link in ("metrics", "healthz", "admission", "api/findings"):
+        assert f'<a href="{link}">' in page
+    assert "<script" not in page  # no script needed
+
+
+def test_status_page_escapes_text_from_the_host(clock):
+    from exporter.serve import status
+    page = status.render(hostile_state(), "simulated: scenario <b>x</b>", 1.0, 15.0)
+    assert "<script>" not in page and "<b>x</b>" not in page
+    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 4  # GPU, finding, endpoint, error
+    assert "grows &lt;script&gt;" in page and "&lt;b&gt;x&lt;/b&gt;" in page
+
+
+def test_status_page_before_the_first_sample(clock):
+    from exporter.model import State
+    from exporter.serve import status
+    page = status.render(State(), "real", None, 15.0)
+    assert "no sample yet" in page and "No GPU sampled yet." in page and "No active findings." in page
+
+
+def test_health_paths_alone_are_served_without_auth(clock):
+    """The health listener (`health_listen`): what probes need, no auth, nothing else."""
+    from exporter.serve.web import HEALTH_PATHS
+    state = make_state(t=clock.now())
+    app = make_app(build_registry(lambda: state, clock.now), lambda: state, clock.now, 15.0, paths=HEALTH_PATHS)
+    server = HttpServer(app, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        assert requests.get(url + "/healthz", timeout=5).status_code == 200
+        assert requests.get(url + "/admission", timeout=5).json()["open"] is True
+        for path in ("/metrics", "/", "/api/findings"):
+            r = requests.get(url + path, timeout=5)
+            assert r.status_code == 404 and "gpumem" not in r.text and "leak" not in r.text
     finally:
         server.stop()

@@ -7,30 +7,7 @@ share counted in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..model import Snapshot
-
-
-@dataclass(frozen=True)
-class Budget:
-    endpoint: str
-    gpu: str
-    uuid: str
-    budget_bytes: int | None  # None: utilisation or the GPU's total unknown
-    used_bytes: int | None  # None: NVML gave no per-process figure for any of its processes
-
-    @property
-    def headroom_bytes(self) -> int | None:
-        if self.budget_bytes is None or self.used_bytes is None:
-            return None
-        return self.budget_bytes - self.used_bytes
-
-    @property
-    def used_ratio(self) -> float | None:
-        if not self.budget_bytes or self.used_bytes is None:
-            return None
-        return self.used_bytes / self.budget_bytes
+from ..model import Budget, Snapshot
 
 
 def memory_budgets(snapshot: Snapshot) -> tuple[Budget, ...]:
@@ -55,3 +32,11 @@ def memory_budgets(snapshot: Snapshot) -> tuple[Budget, ...]:
                                   used_bytes=sum(known) if known else None))
     budgets.sort(key=lambda b: (order.get(b.endpoint, len(order)), b.endpoint))  # stable: GPU order kept
     return tuple(budgets)
+
+
+def tensor_parallel_endpoints(budgets: tuple[Budget, ...]) -> frozenset[str]:
+    """The servers with processes on more than one GPU (tensor or pipeline parallel)."""
+    gpus: dict[str, set[str]] = {}
+    for b in budgets:
+        gpus.setdefault(b.endpoint, set()).add(b.gpu)
+    return frozenset(endpoint for endpoint, g in gpus.items() if len(g) > 1)

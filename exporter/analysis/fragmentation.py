@@ -11,13 +11,10 @@ Three signals, one finding per (GPU, endpoint):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
 
-from ..model import Finding, GpuSample, OomEvent, Snapshot, VllmEngineStats
-from .budget import memory_budgets
-
-if TYPE_CHECKING:
-    from .history import History
+from ..model import Budget, Finding, GpuSample, OomEvent, Snapshot, VllmEngineStats
+from .budget import tensor_parallel_endpoints
+from .history import History, recent_events
 
 GIB = 1 << 30
 GPU_OOM_KINDS = frozenset({"torch_cuda_oom", "cuda_runtime_oom", "nccl_oom"})
@@ -43,24 +40,14 @@ class FragmentationConfig:
             raise ValueError("fragmentation: window_seconds > 0, budget_sustain_seconds >= 0")
 
 
-def recent_events(history: "History", snapshot: Snapshot,
-                  window: float) -> Iterator[tuple[Snapshot, OomEvent]]:
-    """OOM events that arrived within `window` seconds, with the snapshot they came in."""
-    now = snapshot.timestamp
-    for snap in history.recent(now - window):
-        if snap.timestamp < now:
-            for event in snap.log_events:
-                yield snap, event
-    for event in snapshot.log_events:
-        yield snapshot, event
-
-
-def detect_fragmentation(history: "History", snapshot: Snapshot,
-                         config: FragmentationConfig) -> list[Finding]:
+def detect_fragmentation(history: History, snapshot: Snapshot, config: FragmentationConfig,
+                         budgets: tuple[Budget, ...]) -> list[Finding]:
+    """`budgets`: this tick's memory budgets (earlier ticks' come with their snapshots)."""
     found: dict[tuple, Finding] = {}
-    for finding in (*_from_ooms(history, snapshot, config),
-                    *_from_preemptions(history, snapshot, config),
-                    *_from_budgets(history, snapshot, config)):
+    tensor_parallel = tensor_parallel_endpoints(budgets)
+    for finding in (*_from_ooms(history, snapshot, config, tensor_parallel),
+                    *_from_preemptions(history, snapshot, config, budgets),
+                    *_from_budgets(history, snapshot, config, budgets, tensor_parallel)):
         found[finding.key] = _merge(found[finding.key], finding) if finding.key in found \
             else finding
     return list(found.values())
@@ -89,7 +76,8 @@ def _gpu(snapshot: Snapshot, index: str | None) -> GpuSample | None:
     return next((g for g in snapshot.gpus if g.index == index), None)
 
 
-def _from_ooms(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+def _from_ooms(history: History, snapshot: Snapshot, config: FragmentationConfig,
+               tensor_parallel: frozenset[str]) -> list[Finding]:
     per_gpu: dict[str | None, list[tuple[OomEvent, str]]] = {}
     for snap, event in recent_events(history, snapshot, config.window_seconds):
         if event.kind not in GPU_OOM_KINDS:
@@ -114,7 +102,7 @@ def _from_ooms(history, snapshot: Snapshot, config: FragmentationConfig) -> list
             summary=f"GPU {gpu_index if gpu_index is not None else '?'}: out of memory "
                     f"{reason} ({len(events)} event(s) in {config.window_seconds / 60:.0f} min)",
             evidence=tuple(evidence),
-            advice=_advice(_tensor_parallel(snapshot, None))))
+            advice=_advice(bool(tensor_parallel))))
     return findings
 
 
@@ -137,16 +125,6 @@ def _oom_reason(event: OomEvent, gpu: GpuSample | None, config: FragmentationCon
     return ""
 
 
-def _tensor_parallel(snapshot: Snapshot, endpoint: str | None) -> bool:
-    """True when a server (this endpoint, or any) has processes on more than one GPU."""
-    gpus_by_endpoint: dict[str, set[str]] = {}
-    for b in memory_budgets(snapshot):
-        gpus_by_endpoint.setdefault(b.endpoint, set()).add(b.gpu)
-    if endpoint is not None:
-        return len(gpus_by_endpoint.get(endpoint, ())) > 1
-    return any(len(g) > 1 for g in gpus_by_endpoint.values())
-
-
 def _engine_stats(snap: Snapshot, endpoint: str) -> dict[tuple[str, str], VllmEngineStats]:
     for v in snap.vllm:
         if v.endpoint == endpoint and v.up:
@@ -154,10 +132,10 @@ def _engine_stats(snap: Snapshot, endpoint: str) -> dict[tuple[str, str], VllmEn
     return {}
 
 
-def _from_preemptions(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+def _from_preemptions(history: History, snapshot: Snapshot, config: FragmentationConfig,
+                      budgets: tuple[Budget, ...]) -> list[Finding]:
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.window_seconds) if s.timestamp < now]
-    budgets = memory_budgets(snapshot)
     findings = []
     for server in snapshot.vllm:
         if not server.up:
@@ -214,19 +192,20 @@ def _counter_increase(values: list[float | None]) -> float:
     return total
 
 
-def _from_budgets(history, snapshot: Snapshot, config: FragmentationConfig) -> list[Finding]:
+def _from_budgets(history: History, snapshot: Snapshot, config: FragmentationConfig,
+                  budgets: tuple[Budget, ...], tensor_parallel: frozenset[str]) -> list[Finding]:
     now = snapshot.timestamp
-    over = {(b.endpoint, b.gpu): b for b in memory_budgets(snapshot) if _excess(snapshot, b, config)}
+    over = {(b.endpoint, b.gpu): b for b in budgets if _excess(snapshot, b, config)}
     if not over:
         return []
     # Sustained: every snapshot of the last budget_sustain_seconds over as well, and the
     # history reaching back that far.
     since = now
-    for snap in reversed([s for s in history.recent(now - 2 * config.budget_sustain_seconds - 1)
-                          if s.timestamp < now]):
+    for snap, past in reversed([f for f in history.recent_frames(
+            now - 2 * config.budget_sustain_seconds - 1) if f[0].timestamp < now]):
         if now - since >= config.budget_sustain_seconds:
             break
-        still = {(b.endpoint, b.gpu) for b in memory_budgets(snap) if _excess(snap, b, config)}
+        still = {(b.endpoint, b.gpu) for b in past if _excess(snap, b, config)}
         over = {k: b for k, b in over.items() if k in still}
         if not over:
             return []
@@ -244,7 +223,7 @@ def _from_budgets(history, snapshot: Snapshot, config: FragmentationConfig) -> l
             evidence=(("used_bytes", b.used_bytes), ("budget_bytes", b.budget_bytes),
                       ("excess_bytes", excess),
                       ("sustained_seconds", round(now - since, 1))),
-            advice=_advice(_tensor_parallel(snapshot, endpoint)) + (
+            advice=_advice(endpoint in tensor_parallel) + (
                 "vLLM did not plan for this memory: check CUDA graph capture sizes "
                 "(--cuda-graph-sizes, or --enforce-eager to confirm) and NCCL buffers.",)))
     return findings

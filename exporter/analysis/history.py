@@ -12,8 +12,16 @@ the next bucket closes (the leak detector memoises on that object). Bucket bound
 per series (a stable hash of its key) so that the recomputation for hundreds of processes that
 started together is spread over the minute instead of landing on one tick.
 
-Memory does not grow with uptime or churn: series not updated for `dead_grace_seconds` are
-dropped, and at most `max_series` are kept (the least recently updated go first).
+Beside the series, the raw snapshots of the last `raw_seconds` are kept whole (with the memory
+budgets the analysis computed for each): the detectors that compare with a moment ago and the
+flight recorder read them.
+
+Memory does not grow with uptime, churn or sampling rate: series not updated for
+`dead_grace_seconds` are dropped, at most `max_series` are kept (the least recently updated go
+first), and the raw tier holds at most about `max_raw_samples` points per series (and snapshots):
+sampled faster than that fills `raw_seconds`, older raw points are thinned to one per
+raw_seconds / max_raw_samples, the newest always kept (the bucket medians still see every
+sample, and a snapshot that carries log events is never thinned away).
 """
 from __future__ import annotations
 
@@ -22,7 +30,9 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from ..model import Snapshot
+from typing import Iterator
+
+from ..model import Budget, OomEvent, Snapshot
 from .trend import median
 
 Identity = tuple[int, "float | None"]
@@ -47,13 +57,12 @@ class _Series:
     """One series: raw ring (two arrays with a moving start) plus the bucket-median tier."""
 
     __slots__ = (
-        "first_seen", "last_seen", "name", "offset", "bucket_seconds",
+        "last_seen", "name", "offset", "bucket_seconds",
         "raw_t", "raw_v", "raw_start", "tier_t", "tier_v", "tier_lo", "tier_start",
         "bucket", "bucket_vals", "bucket_tsum", "view",
     )
 
     def __init__(self, key: tuple, t: float, name: str, bucket_seconds: float):
-        self.first_seen = t
         self.last_seen = t
         self.name = name
         self.bucket_seconds = bucket_seconds
@@ -71,12 +80,17 @@ class _Series:
         self.bucket_tsum = 0.0
         self.view: SeriesView | None = None
 
-    def add(self, t: float, v: float, raw_seconds: float, retention_seconds: float) -> None:
+    def add(self, t: float, v: float, raw_seconds: float, retention_seconds: float,
+            raw_gap: float) -> None:
         if self.raw_t and t <= self.raw_t[-1]:
             return  # out of order or duplicate: keep the series ascending
         self.last_seen = t
-        self.raw_t.append(t)
-        self.raw_v.append(v)
+        n = len(self.raw_t)
+        if n - self.raw_start >= 2 and self.raw_t[-1] - self.raw_t[-2] < raw_gap:
+            self.raw_t[-1], self.raw_v[-1] = t, v  # the previous newest was too close: thinned
+        else:
+            self.raw_t.append(t)
+            self.raw_v.append(v)
         self.raw_start = _trim(self.raw_t, self.raw_start, t - raw_seconds, self.raw_v)
         bucket = int((t - self.offset) // self.bucket_seconds)
         if self.bucket is not None and bucket != self.bucket:
@@ -131,25 +145,28 @@ class History:
 
     def __init__(self, raw_seconds: float = 3600, retention_seconds: float = 6 * 3600,
                  dead_grace_seconds: float = 900, bucket_seconds: float = 60,
-                 max_series: int = 8192):
+                 max_series: int = 8192, max_raw_samples: int = 4096):
         if min(raw_seconds, retention_seconds, bucket_seconds) <= 0 or dead_grace_seconds < 0:
             raise ValueError("history durations must be positive")
-        if max_series < 1:
-            raise ValueError("max_series must be at least 1")
+        if max_series < 1 or max_raw_samples < 2:
+            raise ValueError("max_series must be at least 1, max_raw_samples at least 2")
         self.raw_seconds = float(raw_seconds)
+        # Raw points closer together than this are thinned (see the module docstring).
+        self.raw_gap = self.raw_seconds / max_raw_samples
         self.retention_seconds = float(retention_seconds)
         self.dead_grace_seconds = float(dead_grace_seconds)
         self.bucket_seconds = float(bucket_seconds)
         self.max_series = max_series
         # Insertion order = least recently updated first (moved to the end on every update).
         self._series: OrderedDict[tuple, _Series] = OrderedDict()
-        self._snapshots: deque[Snapshot] = deque()
+        self._frames: deque[tuple[Snapshot, tuple[Budget, ...]]] = deque()
         self._last_timestamp: float | None = None
         self._next_sweep = float("-inf")
         self.dropped_out_of_order = 0
 
     # --- writing -------------------------------------------------------------------------
-    def update(self, snapshot: Snapshot) -> None:
+    def update(self, snapshot: Snapshot, budgets: tuple[Budget, ...] = ()) -> None:
+        """Add one tick's snapshot, with the memory budgets the analysis computed for it."""
         t = snapshot.timestamp
         if self._last_timestamp is not None and t <= self._last_timestamp:
             self.dropped_out_of_order += 1  # a clock step backwards must not corrupt order
@@ -166,10 +183,14 @@ class History:
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
                     self._add(rss_key, t, float(p.host_rss_bytes), p.name)
-        self._snapshots.append(snapshot)
+        frames = self._frames
+        if (len(frames) >= 2 and frames[-1][0].timestamp - frames[-2][0].timestamp < self.raw_gap
+                and not frames[-1][0].log_events):
+            frames.pop()  # the previous newest was too close to the one before: thinned
+        frames.append((snapshot, budgets))
         cutoff = t - self.raw_seconds
-        while self._snapshots and self._snapshots[0].timestamp < cutoff:
-            self._snapshots.popleft()
+        while frames and frames[0][0].timestamp < cutoff:
+            frames.popleft()
         if t >= self._next_sweep:
             self._sweep(t)
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
@@ -187,7 +208,7 @@ class History:
             self._series[key] = series
         else:
             self._series.move_to_end(key)
-        series.add(t, value, self.raw_seconds, self.retention_seconds)
+        series.add(t, value, self.raw_seconds, self.retention_seconds, self.raw_gap)
 
     def _sweep(self, now: float) -> None:
         cutoff = now - self.dead_grace_seconds
@@ -214,17 +235,17 @@ class History:
     def gpu_used(self, uuid: str, raw: bool = False) -> SeriesView:
         return self._view(("gpu", uuid), raw)
 
-    def first_seen(self, uuid: str, identity: Identity) -> float | None:
-        series = self._series.get(("mem", uuid, identity[0], identity[1]))
-        return None if series is None else series.first_seen
-
     def recent(self, since: float) -> list[Snapshot]:
-        """Raw snapshots with timestamp >= since (kept for raw_seconds: the flight recorder)."""
+        """Raw snapshots with timestamp >= since, oldest first (kept for raw_seconds)."""
+        return [snap for snap, _ in self.recent_frames(since)]
+
+    def recent_frames(self, since: float) -> list[tuple[Snapshot, tuple[Budget, ...]]]:
+        """(snapshot, its memory budgets) with timestamp >= since, oldest first."""
         out = []
-        for snap in reversed(self._snapshots):
-            if snap.timestamp < since:
+        for frame in reversed(self._frames):
+            if frame[0].timestamp < since:
                 break
-            out.append(snap)
+            out.append(frame)
         out.reverse()
         return out
 
@@ -234,3 +255,15 @@ class History:
     def point_count(self) -> int:
         """Stored points over all series (for tests and self-monitoring)."""
         return sum(s.point_count() for s in self._series.values())
+
+
+def recent_events(history: History, snapshot: Snapshot,
+                  window: float) -> Iterator[tuple[Snapshot, OomEvent]]:
+    """OOM events that arrived within `window` seconds, with the snapshot they came in."""
+    now = snapshot.timestamp
+    for snap in history.recent(now - window):
+        if snap.timestamp < now:
+            for event in snap.log_events:
+                yield snap, event
+    for event in snapshot.log_events:
+        yield snapshot, event

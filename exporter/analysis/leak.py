@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import weakref
 from dataclasses import dataclass
 
 from .history import SeriesView
@@ -95,12 +94,6 @@ class LeakAssessment:
 
 DEFAULT_CONFIG = LeakConfig()
 
-# Memo of verdicts per SeriesView object. History hands out the same view until its next bucket
-# closes, so all but ~1 in (bucket / tick) calls are a dict lookup. Weak references: an entry
-# disappears with its view, and a recycled id() can never match a dead view.
-_memo: dict[int, tuple] = {}
-_MEMO_LIMIT = 65536
-
 
 def assess(series: SeriesView, total_bytes: int | None, now: float,
            config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
@@ -113,20 +106,35 @@ def assess(series: SeriesView, total_bytes: int | None, now: float,
     times = series.times
     if times and now - times[-1] > config.stale_seconds:
         return LeakAssessment(False, None, (("reason", "stale"),))
-    key = id(series)
-    hit = _memo.get(key)
-    if hit is not None and hit[0]() is series and hit[1] == total_bytes and (
-            hit[2] is config or hit[2] == config):
-        return hit[3]
-    result = _assess(series, total_bytes, config)
-    if len(_memo) >= _MEMO_LIMIT:
-        _memo.clear()
-    try:
-        ref = weakref.ref(series, lambda _r, k=key: _memo.pop(k, None))
-    except TypeError:
+    return verdict(series, total_bytes, config)
+
+
+class LeakAssessor:
+    """assess() that keeps each series' last verdict, for a caller assessing the same series
+    every tick: History hands out the same tier view until the series' next bucket closes, so
+    all but about one tick a minute reuse it. Keys not assessed between two prune() calls are
+    forgotten, so it holds only the series still asked about."""
+
+    def __init__(self):
+        self._kept: dict = {}  # key -> (view, total_bytes, config, verdict)
+        self._asked: dict = {}
+
+    def __call__(self, key, series: SeriesView, total_bytes: int | None, now: float,
+                 config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
+        times = series.times
+        if times and now - times[-1] > config.stale_seconds:
+            return assess(series, total_bytes, now, config)  # no verdict on a stale series
+        kept = self._kept.get(key) or self._asked.get(key)
+        if kept is not None and kept[0] is series and kept[1] == total_bytes and \
+                (kept[2] is config or kept[2] == config):
+            result = kept[3]
+        else:
+            result = verdict(series, total_bytes, config)
+        self._asked[key] = (series, total_bytes, config, result)
         return result
-    _memo[key] = (ref, total_bytes, config, result)
-    return result
+
+    def prune(self) -> None:
+        self._kept, self._asked = self._asked, {}
 
 
 def last_large_step(values: tuple[float, ...] | list[float], config: LeakConfig = DEFAULT_CONFIG) -> int:
@@ -138,7 +146,10 @@ def last_large_step(values: tuple[float, ...] | list[float], config: LeakConfig 
     return 0
 
 
-def _assess(series: SeriesView, total_bytes: int | None, config: LeakConfig) -> LeakAssessment:
+def verdict(series: SeriesView, total_bytes: int | None,
+            config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
+    """assess() without the staleness check: a function of the series' points alone, so a
+    caller may keep it for as long as it holds the same SeriesView."""
     times = series.times
     # The floor: bucket minima when History provides them, else the values themselves.
     values = series.lows if len(series.lows) == len(times) else series.values

@@ -1,7 +1,7 @@
 """Memory pressure per GPU: utilisation thresholds and admission with hysteresis.
 
-(The time-to-full forecast itself is leak.time_to_full over the GPU's used series; the
-engine puts it in GpuAnalysis and this detector quotes it.)
+(The time-to-full forecast itself is leak.time_to_full over the GPU's used series;
+gpu_verdicts puts it in GpuAnalysis and this detector quotes it.)
 
 vLLM pre-allocates `gpu_memory_utilization x total` (0.9 by default) at start-up and stays
 inside it, so used/total sits near 90 % on a perfectly healthy server. Pressure therefore needs

@@ -53,7 +53,7 @@ def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
 def detect_stale(history: "History", snapshot: Snapshot, config: StaleConfig) -> list[Finding]:
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
-    exited = _exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED), now)
+    exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
     findings = []
     for gpu in snapshot.gpus:
         unowned = unattributed_bytes(gpu)
@@ -81,9 +81,13 @@ def _thin(snaps: list[Snapshot], min_gap: float) -> list[Snapshot]:
     return out
 
 
-def _exited_servers(snapshot: Snapshot, past: list[Snapshot],
-                    now: float) -> dict[str, list[tuple[float, ProcessSample]]]:
-    """GPU uuid -> (exit time, last sample) of each serving process seen before, gone now."""
+def exited_servers(snapshot: Snapshot,
+                   past: list[Snapshot]) -> dict[str, list[tuple[float, ProcessSample]]]:
+    """GPU uuid -> (exit time, last sample) of each serving process (role "vllm") seen on that
+    GPU in `past` and not on it in `snapshot`. Its exit time is the first snapshot after its
+    last sighting. The one definition of a serving process's exit: the stale detector asks it
+    of the last minutes, the transitions of a tick ask it of the tick before."""
+    now = snapshot.timestamp
     live = {(g.uuid, p.identity) for g in snapshot.gpus for p in g.processes}
     last_seen: dict[tuple, tuple[int, ProcessSample]] = {}
     for i, snap in enumerate(past):

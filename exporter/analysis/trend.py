@@ -103,17 +103,3 @@ def theil_sen_line(times: Sequence[float], values: Sequence[float]) -> tuple[flo
         return None
     return slope, median([v - slope * t for t, v in zip(times, values)])
 
-
-def least_squares_slope(times: Sequence[float], values: Sequence[float]) -> float | None:
-    """Ordinary least-squares slope (what PromQL's deriv() computes); None if undefined."""
-    n = len(times)
-    if n < 2:
-        return None
-    t0 = times[0]
-    mean_t = sum(t - t0 for t in times) / n
-    mean_v = sum(values) / n
-    cov = sum((t - t0 - mean_t) * (v - mean_v) for t, v in zip(times, values))
-    var = sum((t - t0 - mean_t) ** 2 for t in times)
-    if var == 0:
-        return None
-    return cov / var

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import threading
 import types
+from typing import NoReturn
 
 import pynvml as _real
 
-from .scenario import GpuState, Scenario, ScenarioError, State
+from .scenario import Scenario, ScenarioError
+from .scenario.state import GpuState, State
 
 # ---- Re-exports: the real module's errors, constants and structures -------------------------
 
@@ -65,7 +67,6 @@ _scenario: Scenario | None = None
 _clock = None
 _refcount = 0
 _handles: dict[tuple[int, int | None], "_Handle"] = {}
-_calls: dict[str, int] = {}
 
 
 class _Handle:
@@ -96,28 +97,15 @@ def configure(scenario: Scenario | None, clock) -> None:
         _scenario, _clock = scenario, clock
         _refcount = 0
         _handles.clear()
-        _calls.clear()
 
 
-def call_counts() -> dict[str, int]:
-    """How many times each NVML function was called since configure() (for tests)."""
-    with _lock:
-        return dict(_calls)
-
-
-def _raise(code: int):
+def _raise(code: int) -> NoReturn:
     raise NVMLError(code)
 
 
-def _count(name: str) -> None:
-    with _lock:
-        _calls[name] = _calls.get(name, 0) + 1
-
-
 def _state(name: str) -> State:
-    """Count the call, check initialisation and global faults; return the state now."""
+    """Check initialisation and the faults aimed at this call; return the state now."""
     with _lock:
-        _calls[name] = _calls.get(name, 0) + 1
         if _refcount == 0 or _scenario is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
@@ -140,10 +128,8 @@ def _check_call_fault(state: State, name: str, gpu: int | None, version: int | N
 def _device(name: str, handle, version: int | None = None) -> tuple[State, GpuState, _Handle]:
     """Resolve a handle for a device call: lost/reset GPUs and per-call faults raise here."""
     if not isinstance(handle, _Handle):
-        _count(name)
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     with _lock:
-        _calls[name] = _calls.get(name, 0) + 1
         if _refcount == 0 or _scenario is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
@@ -179,7 +165,6 @@ def _handle(gpu: int, mig: int | None = None) -> _Handle:
 
 def nvmlInitWithFlags(flags):
     global _refcount
-    _count("nvmlInitWithFlags")
     with _lock:
         scenario, clock = _scenario, _clock
     if scenario is None:
@@ -197,7 +182,6 @@ def nvmlInit():
 
 def nvmlShutdown():
     global _refcount
-    _count("nvmlShutdown")
     with _lock:
         if _refcount == 0:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
@@ -418,14 +402,13 @@ def nvmlDeviceGetMPSComputeRunningProcesses(handle):
 
 def _plain_check(name: str, handle) -> None:
     """A fault aimed at the unversioned function itself raises its own error."""
-    _count(name)
     with _lock:
         scenario, clock = _scenario, _clock
     if scenario is not None and _refcount > 0:
         _check_call_fault(scenario.state_for(clock), name, getattr(handle, "gpu", None))
 
 
-def _mismatch(name: str) -> NVMLLibraryMismatchError:
+def _mismatch(name: str) -> Exception:
     return NVMLLibraryMismatchError(
         "Unversioned function called and the pyNVML version does not match the NVML lib version. "
         "Either use matching pyNVML and NVML lib versions or use a versioned function such as "
@@ -661,7 +644,6 @@ def __getattr__(name: str):
     real = getattr(_real, name, None)
     if name.startswith("nvml") and isinstance(real, types.FunctionType):
         def missing(*args, **kwargs):
-            _count(name)
             _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
         missing.__name__ = name
         return missing

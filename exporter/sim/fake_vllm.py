@@ -9,7 +9,8 @@ model_name, engine="0") and `vllm:cache_config_info`. prometheus_client renders 
 Around them it serves what a real server's page also carries, so that a scrape costs what it
 costs against vLLM: the token and request counters, the fourteen request histograms with
 vLLM's own buckets, the API server's `http_*` families (prometheus-fastapi-instrumentator) and
-the Python process and GC collectors. Their values grow with the server's uptime.
+the Python process and GC collectors. Their values grow with the server's uptime, a minute
+at a time (that bulk is rendered once a minute: most of a page's cost is there).
 
 If the scenario restarts a server on the same port, the endpoint serves whichever one is alive,
 as a real port would. While none is, and during the scenario's vLLM faults, it answers the way
@@ -17,6 +18,7 @@ a sick server does: 503, an error status, a slow answer or unparseable text.
 """
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -29,16 +31,19 @@ from prometheus_client.core import (
     CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily,
 )
 
-from .scenario import Scenario, State, VllmState
+from .scenario import Scenario
+from .scenario.state import State, VllmState
 
 LABELS = ["model_name", "engine"]
 MAX_MODEL_LEN = 32768
 REQUESTS_PER_SECOND = 2.0  # the simulated traffic behind the counters and histograms
+TRAFFIC_STEP_SECONDS = 60.0  # the traffic counters and histograms advance once a minute
 
 
 def _one_two_five(max_value: int) -> list[float]:
     """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
-    out, scale = [], 1
+    out: list[float] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:
@@ -167,47 +172,48 @@ def cache_config_labels(server: VllmState) -> dict[str, str]:
     }
 
 
-class _VllmCollector:
-    def __init__(self, server: "FakeVllmServer"):
-        self.server = server
+def _serving(s: VllmState, created: float):
+    """The families the exporter reads: the server's state at this moment."""
+    labels = [s.model, "0"]
+
+    def gauge(name, doc, value):
+        g = GaugeMetricFamily(name, doc, labels=LABELS)
+        g.add_metric(labels, value)
+        return g
+
+    def counter(name, doc, value):
+        c = CounterMetricFamily(name, doc, labels=LABELS)
+        c.add_metric(labels, value, created=created)
+        return c
+
+    yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.requests_running)
+    yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.requests_waiting)
+    yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+    yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                  s.prefix_cache_queries_total)
+    yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                  s.prefix_cache_hits_total)
+    yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions_total)
+    info = cache_config_labels(s)
+    g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
+    g.add_metric(list(info.values()), 1)
+    yield g
+
+
+class _Families:
+    """A collector over families made beforehand: one state read serves the whole page."""
+
+    def __init__(self, families):
+        self.families = list(families)
 
     def collect(self):
-        s = self.server.current()
-        labels = [s.model, "0"]
-        created = self.server.clock.start + s.started_at
+        return iter(self.families)
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(labels, value)
-            return g
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(labels, value, created=created)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    s.requests_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    s.requests_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    s.kv_cache_usage)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_cache_queries_total)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_cache_hits_total)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      s.preemptions_total)
-        info = cache_config_labels(s)
-        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                              labels=list(info))
-        g.add_metric(list(info.values()), 1)
-        yield g
-        uptime = self.server.clock.now() - created
-        yield from _traffic(labels, created, uptime)
-        yield from _api_server(uptime)
+def _exposition(families) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -278,11 +284,11 @@ class FakeVllmServer:
         self._requested_port = port
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_VllmCollector(self))
+        self._python = CollectorRegistry(auto_describe=False)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
-            self._registry.register(collector)  # the Python families every vLLM page ends with
+            self._python.register(collector)  # the Python families every vLLM page ends with
         self._render_lock = threading.Lock()
+        self._traffic: tuple[tuple, bytes] | None = None  # (what it shows, its exposition)
         self._connections: set[socket.socket] = set()  # open keep-alive connections
 
     def state(self) -> State:
@@ -292,8 +298,19 @@ class FakeVllmServer:
         return _pick(self.state(), self.port_in_scenario, self.server_index)
 
     def render(self) -> bytes:
+        """The page: the serving state now, the traffic bulk, then the Python collectors."""
         with self._render_lock:
-            return generate_latest(self._registry)
+            s = self.current()
+            created = self.clock.start + s.started_at
+            # The bulk's counters move once a minute: rendering its ~400 samples is most of a
+            # page's cost, and a scraper only needs it to be there, real-sized and growing.
+            uptime = math.floor(max(self.clock.now() - created, 0.0) / TRAFFIC_STEP_SECONDS) * TRAFFIC_STEP_SECONDS
+            key = (s.model, created, uptime)
+            if self._traffic is None or self._traffic[0] != key:
+                labels = [s.model, "0"]
+                bulk = [*_traffic(labels, created, uptime), *_api_server(uptime)]
+                self._traffic = (key, _exposition(bulk))
+            return _exposition(_serving(s, created)) + self._traffic[1] + generate_latest(self._python)
 
     def start(self) -> "FakeVllmServer":
         if self._httpd is not None:
@@ -316,7 +333,8 @@ class FakeVllmServer:
                 connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._httpd = self._thread = None
 
     @property

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..model import HostMemory
 from ..sources.hostview import ProcessInfo
-from .scenario import ProcessState, Scenario
+from .scenario import Scenario
+from .scenario.state import ProcessState
 
 
 def cgroup_text(proc: ProcessState) -> str:

@@ -1,7 +1,11 @@
-"""The real host: processes and memory from /proc, through psutil where it serves.
+"""The `host` source (host memory and each GPU process's identity, from any HostView) and
+the real host behind it: processes and memory from /proc, through psutil where it serves.
 
 In a container the exporter needs the host PID namespace (`--pid host`, `hostPID: true`):
-NVML reports host PIDs, and only there can they be looked up.
+NVML reports host PIDs, and only there can they be looked up. Where the host's /proc is
+mounted elsewhere, psutil is told so once at start-up (runtime.open_host sets
+psutil.PROCFS_PATH, as psutil documents); LocalHost only reads that value, so its own /proc
+reads and psutil's always agree.
 """
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ import time
 import psutil
 
 from ..boundedio import read_head
-from ..model import GpuSample, HostMemory
+from ..model import GpuSample, HostMemory, Snapshot, SourceError
 from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
+from .source import Reading
 
 _MAX_PROC_FILE = 64 << 10  # /proc files are small; never read more than this
 _PROCESS_ERRORS = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError)
@@ -44,12 +49,8 @@ class _Tracked:
 
 
 class LocalHost(HostView):
-    def __init__(self, proc_root: str = "/proc", listener_cache_seconds: float = 30.0, pods=None,
-                 monotonic=time.monotonic):
-        self.proc_root = proc_root
-        self.pods = pods  # a kubelet.KubeletPods in Kubernetes, else None: enrich() uses it
-        if proc_root != "/proc":
-            psutil.PROCFS_PATH = proc_root  # e.g. the host's /proc mounted at /host/proc
+    def __init__(self, listener_cache_seconds: float = 30.0, monotonic=time.monotonic):
+        self.proc_root = psutil.PROCFS_PATH  # e.g. /host/proc: read, never set here
         self._monotonic = monotonic  # the caches' clock; the overhead benchmark plays it fast
         self._listener_ttl = listener_cache_seconds
         self._listeners: dict[int, int] = {}  # port -> pid, from the last whole-table scan
@@ -181,16 +182,33 @@ def _innermost_nspid(status: str) -> int | None:
     return None
 
 
-def enrich(gpus: tuple[GpuSample, ...], host: HostView, with_cmdline: bool = False,
-           pods=None) -> tuple[GpuSample, ...]:
-    """Fill each GPU process's host identity: name, RSS, start time, container, pod UID, NSpid,
-    and in Kubernetes the pod's name and namespace. Each PID is looked up once per tick (a
-    tensor-parallel process can span GPUs).
+class HostSource:
+    """The `host` source: host memory, then each GPU process's host identity (enrich)."""
 
-    `pods` (a kubelet.KubeletPods, anything with lookup(uid) -> Pod | None) defaults to the
-    host's own `pods` attribute, so a LocalHost built for Kubernetes carries it."""
-    if pods is None:
-        pods = getattr(host, "pods", None)
+    name = "host"
+
+    def __init__(self, view: HostView, read_cmdline: bool = False):
+        self.view = view
+        self.read_cmdline = read_cmdline
+
+    def collect(self, snapshot: Snapshot) -> Reading:
+        memory = self.view.memory()
+        gpus = enrich(snapshot.gpus, self.view, self.read_cmdline)
+        if memory is None:
+            return Reading(dataclasses.replace(snapshot, gpus=gpus), up=False,
+                           errors=(SourceError("host", "memory_unreadable"),),
+                           error="host memory unreadable")
+        return Reading(dataclasses.replace(snapshot, host=memory, gpus=gpus))
+
+    def close(self) -> None:
+        pass
+
+
+def enrich(gpus: tuple[GpuSample, ...], host: HostView,
+           with_cmdline: bool = False) -> tuple[GpuSample, ...]:
+    """Fill each GPU process's host identity: name, RSS, start time, container, pod UID, NSpid
+    (pod names are the kubelet source's). Each PID is looked up once per tick (a
+    tensor-parallel process can span GPUs)."""
     cache: dict[int, ProcessInfo | None] = {}
     out = []
     for gpu in gpus:
@@ -202,25 +220,10 @@ def enrich(gpus: tuple[GpuSample, ...], host: HostView, with_cmdline: bool = Fal
             if info is None:
                 procs.append(p)  # exited between NVML's list and our look: keep what NVML said
                 continue
-            container, pod_uid, pod, namespace = pod_identity(info.cgroup, pods)
+            container, pod_uid = parse_cgroup(info.cgroup)
             procs.append(dataclasses.replace(
                 p, name=info.name, host_rss_bytes=info.rss_bytes, start_time=info.start_time,
-                container=container[:12], pod_uid=pod_uid, pod=pod, namespace=namespace,
-                ns_pid=info.ns_pid, ppid=info.ppid, cmdline=info.cmdline if with_cmdline else ""))
+                container=container[:12], pod_uid=pod_uid, ns_pid=info.ns_pid, ppid=info.ppid,
+                cmdline=info.cmdline if with_cmdline else ""))
         out.append(dataclasses.replace(gpu, processes=tuple(procs)))
     return tuple(out)
-
-
-def pod_identity(cgroup_text: str, pods=None) -> tuple[str, str, str, str]:
-    """(container id, pod UID, pod name, namespace) of a process from its /proc/<pid>/cgroup
-    text; names are '' outside Kubernetes or while the kubelet does not know the UID."""
-    container, pod_uid = parse_cgroup(cgroup_text)
-    if not pod_uid or pods is None:
-        return container, pod_uid, "", ""
-    try:
-        pod = pods.lookup(pod_uid)
-    except Exception:  # lookup promises not to raise; a broken one must still not stop sampling
-        pod = None
-    if pod is None:
-        return container, pod_uid, "", ""
-    return container, pod_uid, pod.name, pod.namespace

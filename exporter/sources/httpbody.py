@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Callable
 
 import requests
 import urllib3
@@ -20,14 +21,15 @@ class BodyError(Exception):
         self.kind, self.detail, self.cause = kind, detail, cause
 
 
-def read_body(response: requests.Response, max_bytes: int, deadline: float, timeout_seconds: float) -> bytes:
-    """The body of a streamed `response` (stream=True), read by `deadline` (time.monotonic)."""
+def read_body(response: requests.Response, max_bytes: int, deadline: float, timeout_seconds: float,
+              clock: Callable[[], float] = time.monotonic) -> bytes:
+    """The body of a streamed `response` (stream=True), read by `deadline` (on `clock`)."""
     late = f"body not complete within {timeout_seconds:g}s"
     chunks: list[bytes] = []
     total = 0
     try:
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             if remaining <= 0:
                 raise BodyError("timeout", late)
             _limit_next_read(response, remaining)

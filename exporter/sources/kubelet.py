@@ -30,7 +30,7 @@ import urllib3
 
 from ..boundedio import read_head
 from ..model import SourceError
-from .httpbody import BodyError, read_body
+from .httpclient import HttpFailure, get
 
 log = logging.getLogger("exporter.sources.kubelet")
 
@@ -190,35 +190,18 @@ class KubeletPods:
         headers = {"Accept": "application/json"}
         if self.token_file:
             headers["Authorization"] = f"Bearer {read_token(self.token_file)}"
-        deadline = time.monotonic() + self.timeout_seconds
+        request = self._session.prepare_request(requests.Request("GET", self.url, headers=headers))
+        try:  # the kubelet never redirects /pods; one that does is not followed
+            answer = get(self._session, request, timeout=self.timeout_seconds,
+                         max_bytes=self.max_response_bytes)
+        except HttpFailure as exc:
+            raise KubeletError(exc.kind, exc.message) from None
+        if answer.status != 200:
+            raise KubeletError("http_status", f"HTTP {answer.status}")
         try:
-            resp = self._session.get(self.url, headers=headers, stream=True, allow_redirects=False,
-                                     timeout=(self.timeout_seconds, self.timeout_seconds))
-        except requests.exceptions.SSLError as exc:
-            raise KubeletError("tls", _short(exc)) from None
-        except requests.exceptions.Timeout as exc:
-            raise KubeletError("timeout", _short(exc)) from None
-        except requests.exceptions.ConnectionError as exc:
-            raise KubeletError("refused", _short(exc)) from None
-        except requests.exceptions.RequestException as exc:
-            raise KubeletError("http", _short(exc)) from None
-        try:
-            if resp.status_code != 200:
-                raise KubeletError("http_status", f"HTTP {resp.status_code}")
-            body = self._read_body(resp, deadline)
-        finally:
-            resp.close()  # drops a half-read connection instead of reusing it
-        try:
-            return json.loads(body)
+            return json.loads(answer.body)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             raise KubeletError("parse", f"not JSON: {_short(exc)}") from None
-
-    def _read_body(self, resp: requests.Response, deadline: float) -> bytes:
-        try:
-            return read_body(resp, self.max_response_bytes, deadline, self.timeout_seconds)
-        except BodyError as exc:
-            kind = "truncated" if exc.kind in ("parse", "connection") else exc.kind
-            raise KubeletError(kind, f"answer: {_short(exc)}") from None
 
 
 def read_token(path: str) -> str:

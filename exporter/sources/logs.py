@@ -1,4 +1,4 @@
-"""Follow server log files and turn their out-of-memory messages into OomEvents.
+"""Follow server log files and report the out-of-memory messages in them (OomMessages).
 
 `LogTailer` follows one file like `tail -F`: complete new lines since the last poll, surviving
 rotation (a new inode: the rest of the old file is read, then the new one from its start),
@@ -8,7 +8,8 @@ and unreadable files (reported on `error`/`error_kind`, never raised). Each poll
 Over-long lines are cut to `max_line_bytes`.
 
 `LogSource` tails several files, feeding each through its own `OomParser` (which keeps the
-context a multi-line message needs) and reports events and faults for one tick.
+context a multi-line message needs) and reports messages and faults for one tick. What a
+message means is for the analysis (analysis/oom.classify).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import stat
 from dataclasses import replace
 from typing import BinaryIO, Iterator
 
-from ..analysis.oom import OomParser
 from ..boundedio import open_regular
-from ..model import OomEvent, SourceError
+from ..model import OomMessage, SourceError
+from .oom_messages import OomParser
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 DEFAULT_MAX_READ_BYTES = 4 * 1024 * 1024
@@ -159,7 +160,7 @@ class LogTailer:
         # (created, rotated in) is all new.
         skip, self._skip = self._skip, None
         same = skip is not None and skip[:2] == self._identity and skip[2] <= st.st_size
-        self._offset = skip[2] if same else 0
+        self._offset = skip[2] if skip is not None and same else 0
         fh.seek(self._offset)
         return True
 
@@ -227,7 +228,7 @@ def iter_file_lines(fh: BinaryIO, max_bytes: int, max_line_bytes: int = DEFAULT_
 
 
 class LogSource:
-    """Tails server logs and reports the OOM events found in each tick's new lines."""
+    """Tails server logs and reports the OOM messages found in each tick's new lines."""
 
     name = SOURCE
 
@@ -239,9 +240,9 @@ class LogSource:
                          for p in self.paths}
         self._parsers = {p: OomParser(p) for p in self.paths}
 
-    def sample(self, now: float | None = None) -> tuple[tuple[OomEvent, ...], tuple[SourceError, ...]]:
-        """New events since the last call (stamped with `now` when given) and this tick's faults."""
-        events: list[OomEvent] = []
+    def sample(self, now: float | None = None) -> tuple[tuple[OomMessage, ...], tuple[SourceError, ...]]:
+        """New messages since the last call (stamped with `now` when given) and this tick's faults."""
+        events: list[OomMessage] = []
         errors: list[SourceError] = []
         for path in self.paths:
             tailer, parser = self._tailers[path], self._parsers[path]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-from ..model import GpuSample, HostMemory, ProcessSample, SourceError, SourceStatus
+from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
+from .source import Reading
 
 log = logging.getLogger("exporter.nvml")
 
@@ -24,19 +24,22 @@ _FALL_BACK = {"function_not_found", "not_supported", "argument_version_mismatch"
 UNSUPPORTED = object()  # no variant of a call is supported on this GPU
 
 
-@dataclass(frozen=True)
-class NvmlReading:
-    gpus: tuple[GpuSample, ...]
-    status: SourceStatus
-    errors: tuple[SourceError, ...]
-    driver_version: str = ""
-
-
 class NvmlSource:
+    """The `nvml` source: every GPU (and MIG instance) with its memory and processes.
+
+    `label` names the library in log lines (the runtime says "simulated NVML" for the
+    simulator's module); `retry` False is for one-shot use (`snapshot`), where a failure is
+    reported without a retry schedule nobody will see."""
+
+    name = "nvml"
+
     def __init__(self, nvml, host_memory: Callable[[], HostMemory | None],
                  now: Callable[[], float] = time.time,
-                 retry_initial_seconds: float = 5.0, retry_max_seconds: float = 300.0):
+                 retry_initial_seconds: float = 5.0, retry_max_seconds: float = 300.0,
+                 label: str = "NVML", retry: bool = True):
         self.nvml = nvml
+        self.label = label
+        self.retry = retry
         self.host_memory = host_memory
         self.now = now
         self.retry_initial = retry_initial_seconds
@@ -81,15 +84,20 @@ class NvmlSource:
             self._driver_version = _text(self.nvml.nvmlSystemGetDriverVersion())
         except Exception:  # the version is a nicety, not a reason to stay down
             self._driver_version = ""
-        log.info("NVML initialised (driver %s)", self._driver_version or "unknown")
+        if self._last_error:
+            log.info("%s available again (driver %s)", self.label, self._driver_version or "unknown")
+        else:
+            log.info("%s initialised (driver %s)", self.label, self._driver_version or "unknown")
         self._last_error = ""
         return True
 
     def _down(self, kind: str, message: str, now: float, errors: list[SourceError]) -> None:
         errors.append(SourceError("nvml", kind, message))
         if kind != self._last_error:
-            log.error("NVML unavailable (%s: %s); GPU metrics are absent, retrying every %.0f s "
-                      "up to %.0f s", kind, message, self._backoff, self.retry_max)
+            retrying = (f", retrying every {self._backoff:.0f} s up to {self.retry_max:.0f} s"
+                        if self.retry else "")
+            log.error("%s unavailable (%s: %s); GPU metrics are absent%s", self.label, kind,
+                      message, retrying)
         self._last_error = kind
         self._next_retry = now + self._backoff
         self._backoff = min(self._backoff * 2, self.retry_max)
@@ -103,8 +111,7 @@ class NvmlSource:
             self._initialised = False
 
     # -- sampling -----------------------------------------------------------------------
-    def sample(self) -> NvmlReading:
-        started = time.perf_counter()
+    def collect(self, snapshot: Snapshot) -> Reading:
         errors: list[SourceError] = []
         gpus: tuple[GpuSample, ...] = ()
         if self._initialised or self._init(errors):
@@ -116,10 +123,8 @@ class NvmlSource:
                 self._down(self.error_kind(exc), str(exc), self.now(), errors)
             else:
                 gpus = tuple(g for i in range(count) for g in self._device(i, errors))
-        up = self._initialised
-        status = SourceStatus("nvml", up, time.perf_counter() - started,
-                              "" if up else (errors[0].message if errors else self._last_error))
-        return NvmlReading(gpus, status, tuple(errors), self._driver_version)
+        return Reading(dataclasses.replace(snapshot, gpus=gpus, driver_version=self._driver_version),
+                       up=self._initialised, errors=tuple(errors), error=self._last_error)
 
     def _device(self, index: int, errors: list[SourceError]) -> list[GpuSample]:
         nvml = self.nvml

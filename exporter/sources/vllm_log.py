@@ -22,6 +22,26 @@ multi-line messages are sometimes split over lines):
                                  torch peak memory increase: 1.87GiB; non-torch forward increase memory:
                                  0.25GiB; weights memory: 14.99GiB." / "Available KV cache memory: 55.05 GiB"
                kv_cache_utils   "GPU KV cache size: 450,816 tokens"
+  V1 0.11-0.33 gpu_worker.py    at INFO, once graphs are captured: "Free memory on device (78.68/79.19 GiB)
+                                 on startup. Desired GPU memory utilization is (0.92, 72.85 GiB). Actual usage
+                                 is 15.62 GiB for consumed memory (weights + non-torch), 2.32 GiB for peak
+                                 activation, and 0.93 GiB for CUDAGraph memory. ... Current kv cache memory in
+                                 use is 54.91 GiB." ("Memory profiling takes ..." is DEBUG only);
+                                "CUDA graph pool memory: 0.93 GiB (actual), 0.45 GiB (estimated), ...";
+                                with --kv-cache-memory instead: "Initial free memory 78.68 GiB, reserved 32.0
+                                 GiB memory for KV Cache as specified by kv_cache_memory_bytes config ...";
+                                sleep mode: "Sleep mode freed 70.25 GiB memory, 1.21 GiB memory is still in use."
+               kv_cache_utils   "GPU KV cache size: 449,856 tokens, Maximum concurrency for 32,768 tokens per
+                                 request: 13.73x"
+(tests/fixtures/vllm/v0_33_*.log are rendered by vLLM 0.33's own logger and statements.)
+
+A log can hold several starts (a failed one, then the one that serves): every start line
+("Initializing a V1 LLM engine", "vLLM API server version", ...) begins a new profile, so the
+figures are always the latest start's and never mix with a failed one's.
+
+In 0.21+ the summary's "peak activation" includes the CUDA graph estimate (vLLM budgets it
+there); the activation figure kept here is the peak without it, so that weights, non-torch,
+activation peak, CUDA graphs (measured) and KV cache add up to what the server holds.
 
 vLLM prints "GB" in its older lines but divides by 2**30, so GB there means GiB.
 """
@@ -30,46 +50,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, fields
 from typing import Iterable
 
-from ..boundedio import read_head
+from ..boundedio import open_regular, read_head
+from ..model import MemoryProfile
+from ..units import bytes_in_message
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+READ_BUDGET_BYTES = 4 * 1024 * 1024  # what a followed log may add per tick (a first read catches up over ticks)
 MAX_LINE_CHARS = 4096
 MAX_LINES = 200_000
 
-_UNITS = {"gib": 2 ** 30, "gb": 2 ** 30, "mib": 2 ** 20, "mb": 2 ** 20, "kib": 2 ** 10, "kb": 2 ** 10}
-_SIZE = r"(-?\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|KiB|KB)"
-
-
-@dataclass(frozen=True)
-class MemoryProfile:
-    """Per-GPU start-up figures (the first worker's, with tensor parallelism); None = not logged."""
-
-    weights_bytes: int | None = None
-    kv_cache_bytes: int | None = None  # negative when vLLM found no room: it then fails to start
-    activation_peak_bytes: int | None = None
-    non_torch_bytes: int | None = None
-    cuda_graph_bytes: int | None = None
-    total_gpu_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    non_kv_cache_bytes: int | None = None
-    kv_cache_tokens: int | None = None
-    num_gpu_blocks: int | None = None
-    error: str = ""  # why the log could not be read
-
-    def components(self) -> dict[str, int]:
-        """The `component` values of gpumem_vllm_memory_profile_bytes that are known."""
-        named = {"weights": self.weights_bytes, "kv_cache": self.kv_cache_bytes,
-                 "activation_peak": self.activation_peak_bytes, "non_torch": self.non_torch_bytes,
-                 "cuda_graph": self.cuda_graph_bytes}
-        return {k: v for k, v in named.items() if v is not None}
-
-    @property
-    def empty(self) -> bool:
-        return all(getattr(self, f.name) is None for f in fields(self) if f.name != "error")
-
+_NUM = r"(-?\d+(?:\.\d+)?)"
+_SIZE = _NUM + r"\s*(GiB|GB|MiB|MB|KiB|KB)"
 
 # (field, regex, priority): a higher priority replaces a lower one (a measured CUDA graph size
 # beats an estimate); at equal priority the first line wins, which with tensor parallelism
@@ -88,29 +81,66 @@ _SIZE_RULES: tuple[tuple[str, re.Pattern, int], ...] = tuple(
         ("kv_cache_bytes", r"the rest of the memory reserved for KV Cache is " + _SIZE, 1),
         ("kv_cache_bytes", r"\bkv_cache_size=" + _SIZE, 1),
         ("kv_cache_bytes", r"Available KV cache memory: " + _SIZE, 1),
+        ("kv_cache_bytes", r"Current kv cache memory in use is " + _SIZE, 1),
+        ("kv_cache_bytes", r"reserved " + _SIZE + r" memory for KV Cache as specified by kv_cache_memory_bytes", 1),
+        ("kv_cache_memory_flag_bytes", r"reserved " + _SIZE + r" memory for KV Cache as specified by kv_cache_memory_bytes", 1),
+        ("free_at_start_bytes", r"Initial free memory " + _SIZE + r", reserved", 1),
+        ("free_at_start_bytes", r"Free memory on device (?:\S+ )?\(" + _NUM + r"/[\d.]+ (GiB)\) on startup", 1),
+        ("total_gpu_bytes", r"Free memory on device (?:\S+ )?\([\d.]+/" + _SIZE + r"\) on startup", 1),
+        ("requested_bytes", r"Desired GPU memory utilization is \([\d.]+, " + _SIZE + r"\)", 1),
+        ("consumed_bytes", r"Actual usage is " + _SIZE + r" for consumed memory", 1),
+        ("summary_peak_bytes", _SIZE + r" for peak activation", 1),
+        ("cuda_graph_bytes", _SIZE + r" for CUDAGraph memory", 2),
         ("cuda_graph_bytes", r"Estimated CUDA graph memory: " + _SIZE, 1),
         ("cuda_graph_bytes", r"Graph capturing finished in \d+(?:\.\d+)? secs?, took " + _SIZE, 2),
         ("cuda_graph_bytes", r"CUDA graph pool memory: " + _SIZE + r" \(actual\)", 2),
+        ("cuda_graph_estimate_bytes", r"Estimated CUDA graph memory: " + _SIZE, 1),
+        ("cuda_graph_estimate_bytes", r"\(actual\), " + _SIZE + r" \(estimated\)", 1),
         ("total_gpu_bytes", r"total_gpu_memory \(" + _SIZE + r"\)", 1),
         ("total_gpu_bytes", r"\btotal_gpu_memory=" + _SIZE, 1),
         ("non_kv_cache_bytes", r"Total non KV cache memory: " + _SIZE, 1),
     )
 )
 _UTILIZATION = (re.compile(r"gpu_memory_utilization \((\d+(?:\.\d+)?)\)"),
-                re.compile(r"\bgpu_memory_utilization=(\d+(?:\.\d+)?)"))
+                re.compile(r"\bgpu_memory_utilization=(\d+(?:\.\d+)?)"),
+                re.compile(r"Desired GPU memory utilization is \((\d+(?:\.\d+)?),", re.IGNORECASE))
 # 0.6.4's peak_torch_memory includes the weights; the activation peak is the difference.
 _PEAK_TORCH = re.compile(r"\bpeak_torch_memory=" + _SIZE)
-_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_KV_TOKENS = re.compile(r"\b(?:GPU|[A-Z]{2,5})(?: \+ host)? KV cache size: ([\d,]+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: (\d+(?:\.\d+)?)x")
 _GPU_BLOCKS = re.compile(r"# (?:GPU|CUDA) blocks: (\d+)", re.IGNORECASE)
+_SLEEP = re.compile(r"Sleep mode freed " + _SIZE + r" memory, " + _SIZE + r" memory is still in use")
+# Without the estimate in the budget (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0) the summary's
+# peak activation is the activation peak alone.
+_ESTIMATE_OFF = re.compile(r"CUDA graph memory profiling is disabled")
+# A new start of the server: what came before belongs to an earlier start.
+_START = re.compile(r"Initializing a V1 LLM engine|Initializing an LLM engine|vLLM (?:API )?server version")
+# Every line a rule above reads holds one of these words. Most of a serving log is request
+# lines that hold none, and a substring test is a hundred times cheaper than the rules.
+_KEYWORDS = ("GiB", "GB", "MiB", "MB", "KiB", "KB", "tokens", "blocks", "utilization", "Initializing",
+             "server version", "disabled")
 
 
-def parse_profile(lines: Iterable[str]) -> MemoryProfile:
-    found: dict[str, tuple[int, float | int]] = {}
-    peak_torch: int | None = None
-    for count, line in enumerate(lines):
-        if count >= MAX_LINES:
-            break
+class ProfileParser:
+    """Reads log lines one at a time and keeps the figures of the latest start."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._found: dict[str, tuple[int, float | int]] = {}
+        self._peak_torch: int | None = None
+        self._estimate_applied = True
+        self._sleeps = 0
+
+    def feed(self, line: str) -> None:
         line = line[:MAX_LINE_CHARS]
+        if not any(word in line for word in _KEYWORDS):
+            return
+        if _START.search(line):
+            self._reset()
+            return
+        found = self._found
         for field, pattern, priority in _SIZE_RULES:
             match = pattern.search(line)
             if match:
@@ -119,19 +149,44 @@ def parse_profile(lines: Iterable[str]) -> MemoryProfile:
             match = pattern.search(line)
             if match:
                 _keep(found, "gpu_memory_utilization", 1, float(match.group(1)))
-        if peak_torch is None and (match := _PEAK_TORCH.search(line)):
-            peak_torch = _bytes(match.group(1), match.group(2))
+        if self._peak_torch is None and (match := _PEAK_TORCH.search(line)):
+            self._peak_torch = _bytes(match.group(1), match.group(2))
         if match := _KV_TOKENS.search(line):
             _keep(found, "kv_cache_tokens", 1, int(match.group(1).replace(",", "")))
+        if match := _CONCURRENCY.search(line):
+            _keep(found, "kv_cache_max_concurrency", 1, float(match.group(1)))
         if match := _GPU_BLOCKS.search(line):
             _keep(found, "num_gpu_blocks", 1, int(match.group(1)))
-    values = {field: value for field, (_, value) in found.items()}
-    weights = values.get("weights_bytes")
-    if "activation_peak_bytes" not in values and peak_torch is not None and weights is not None:
-        values["activation_peak_bytes"] = max(0, peak_torch - weights)
-    return MemoryProfile(**values)
+        if match := _SLEEP.search(line):  # the latest sleep is the one that matters
+            found["sleep_freed_bytes"] = (1, _bytes(match.group(1), match.group(2)))
+            found["sleep_still_in_use_bytes"] = (1, _bytes(match.group(3), match.group(4)))
+            self._sleeps += 1
+        if _ESTIMATE_OFF.search(line):
+            self._estimate_applied = False
+
+    def profile(self) -> MemoryProfile:
+        values: dict = {field: value for field, (_, value) in self._found.items()}
+        weights = values.get("weights_bytes")
+        summary_peak = values.pop("summary_peak_bytes", None)
+        if "activation_peak_bytes" not in values and summary_peak is not None:
+            estimate = values.get("cuda_graph_estimate_bytes") if self._estimate_applied else None
+            values["activation_peak_bytes"] = max(0, summary_peak - (estimate or 0))
+        if "activation_peak_bytes" not in values and self._peak_torch is not None and weights is not None:
+            values["activation_peak_bytes"] = max(0, self._peak_torch - weights)
+        consumed = values.get("consumed_bytes")
+        if "non_torch_bytes" not in values and consumed is not None and weights is not None:
+            values["non_torch_bytes"] = max(0, consumed - weights)
+        return MemoryProfile(**values, sleeps=self._sleeps)
 
 
+def parse_profile(lines: Iterable[str]) -> MemoryProfile:
+    """The latest start's profile in `lines` (at most MAX_LINES of them)."""
+    parser = ProfileParser()
+    for count, line in enumerate(lines):
+        if count >= MAX_LINES:
+            break
+        parser.feed(line)
+    return parser.profile()
 def read_profile(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> MemoryProfile:
     """Parse the head of a vLLM log (the profile is logged at start-up). Never raises: an
     unreadable file gives an empty profile with `error` saying why."""
@@ -150,29 +205,72 @@ def _keep(found: dict, field: str, priority: int, value: float | int) -> None:
 
 
 def _bytes(number: str, unit: str) -> int:
-    return round(float(number) * _UNITS[unit.lower()])
+    """vLLM logs sizes as signed numbers ('-0.25GiB' when the profile went wrong)."""
+    size = bytes_in_message(number.lstrip("-"), unit) or 0
+    return -size if number.startswith("-") else size
+
+
+class LogFollower:
+    """One server log read as it grows: each call reads what was added since the last (at most
+    READ_BUDGET_BYTES), so a start logged after gigabytes of request lines is still seen, and
+    starts over when the file is replaced or truncated (log rotation)."""
+
+    def __init__(self, path: str, budget_bytes: int = READ_BUDGET_BYTES):
+        self.path = path
+        self.budget_bytes = budget_bytes
+        self._restart(None)
+
+    def _restart(self, identity: tuple[int, int] | None) -> None:
+        self._identity = identity
+        self._offset = 0
+        self._partial = b""
+        self._skipping = False  # inside a line too long to matter
+        self._parser = ProfileParser()
+
+    def profile(self) -> MemoryProfile:
+        """Never raises: an unreadable file gives an empty profile saying why."""
+        try:
+            with open_regular(self.path) as fh:  # never blocks: a FIFO must not hang sampling
+                st = os.fstat(fh.fileno())
+                if (st.st_dev, st.st_ino) != self._identity or st.st_size < self._offset:
+                    self._restart((st.st_dev, st.st_ino))
+                if st.st_size > self._offset:
+                    fh.seek(self._offset)
+                    data = fh.read(min(self.budget_bytes, st.st_size - self._offset))
+                    self._offset += len(data)
+                    self._feed(data)
+        except OSError as exc:
+            return MemoryProfile(error=f"cannot read {self.path}: {exc.strerror or exc}")
+        return self._parser.profile()
+
+    def _feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            if self._skipping:
+                self._skipping = False  # the end of the long line: skip it, then read on
+                continue
+            self._parser.feed(raw.decode("utf-8", errors="replace").replace("\x00", ""))
+        if len(self._partial) > MAX_LINE_CHARS * 4:
+            self._partial, self._skipping = b"", True
 
 
 class ProfileCache:
-    """Attaches each server's start-up memory profile to its samples, re-reading a log only
-    when it changed (size or mtime), never on every tick."""
+    """Attaches each server's start-up memory profile to its samples, following each log as it
+    grows (LogFollower)."""
 
     def __init__(self, log_files: dict[str, str]):
         self.log_files = log_files  # endpoint label -> log path
-        self._cache: dict[str, tuple[tuple, tuple]] = {}
-
-    def _profile(self, path: str) -> tuple[tuple[str, int], ...]:
-        try:
-            st = os.stat(path)
-            key = (st.st_size, st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return ()
-        cached = self._cache.get(path)
-        if cached is None or cached[0] != key:
-            cached = (key, tuple(sorted(read_profile(path).components().items())))
-            self._cache[path] = cached
-        return cached[1]
+        self._followers = {path: LogFollower(path) for path in log_files.values()}
 
     def attach(self, samples):
-        return tuple(dataclasses.replace(s, memory_profile=self._profile(self.log_files[s.endpoint]))
-                     if s.endpoint in self.log_files else s for s in samples)
+        out = []
+        for sample in samples:
+            path = self.log_files.get(sample.endpoint)
+            if path is None:
+                out.append(sample)
+                continue
+            profile = self._followers[path].profile()
+            out.append(dataclasses.replace(sample, memory_profile=tuple(sorted(profile.components().items())),
+                                           startup=None if profile.empty else profile))
+        return tuple(out)

@@ -18,6 +18,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +36,13 @@ FIELD_METRICS: dict[str, tuple[str, ...]] = {
 _WANTED = {name: field for field, names in FIELD_METRICS.items() for name in names}
 _PREFERENCE = {name: rank for names in FIELD_METRICS.values() for rank, name in enumerate(names)}
 CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+# vllm:engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}: one 0/1 series each
+# (vllm/v1/metrics/loggers.py, sleep mode, V1 0.11+).
+SLEEP_STATE_METRIC = "vllm:engine_sleep_state"
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+# A KV usage a hair over 1 is float noise in vLLM's 1 - free/total; more is a broken server.
+RATIO_SLACK = 1e-6
+MAX_REJECTED_NAMES = 16
 
 # A `vllm:` sample line; histogram and summary series (and `_created`) are never read.
 _VLLM_LINE = re.compile(r"^[ \t]*vllm:[^\n]*", re.MULTILINE)
@@ -55,11 +63,16 @@ class ParseError(ValueError):
 class NormalisedMetrics:
     engines: tuple[VllmEngineStats, ...]
     cache_config: CacheConfig | None
+    # Names of the metrics whose values were impossible (a negative counter, a KV usage of -5,
+    # NaN): dropped, never passed on as numbers. Bounded.
+    rejected: tuple[str, ...] = ()
 
 
 def normalise(text: str) -> NormalisedMetrics:
     """Parse exposition text; raise ParseError when it is not a vLLM metrics page."""
     values: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
+    sleep: dict[tuple[str, str], dict[str, float]] = {}
+    rejected: set[str] = set()
     cache_labels: list[dict[str, str]] = []
     lines = [line for line in _VLLM_LINE.findall(text) if not _SERIES_SUFFIX.match(line)]
     if not lines:
@@ -76,24 +89,67 @@ def normalise(text: str) -> NormalisedMetrics:
                 name = sample.name
                 base = name[: -len("_total")] if name.endswith("_total") else name
                 field = _WANTED.get(base)
-                if field is None or not _finite(sample.value):
+                if field is None and base != SLEEP_STATE_METRIC:
+                    continue
+                value = _valid(field, sample.value)
+                if value is None:
+                    _reject(rejected, base)
                     continue
                 key = (_label(sample.labels, "model_name"), _label(sample.labels, "engine"))
-                fields = values.get(key)
-                if fields is None:
+                if key not in values:
                     if len(values) >= MAX_ENGINES:
                         continue
-                    fields = values[key] = {}
-                _merge(fields, field, _PREFERENCE[base], float(sample.value))
+                    values[key] = {}
+                if field is None:
+                    state = sample.labels.get("sleep_state", "")
+                    if state in SLEEP_STATES:
+                        sleep.setdefault(key, {})[state] = value
+                    continue
+                _merge(values[key], field, _PREFERENCE[base], value)
     except ParseError:
         raise
     except Exception as exc:  # the parser raises ValueError, IndexError, ... on bad text
         raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
     engines = tuple(
-        VllmEngineStats(model=model, engine=engine, **{f: v for f, (_, v) in fields.items()})
+        VllmEngineStats(model=model, engine=engine, sleep_state=_sleep_state(sleep.get((model, engine), {})),
+                        **{f: v for f, (_, v) in fields.items()})
         for (model, engine), fields in sorted(values.items())
     )
-    return NormalisedMetrics(engines=engines, cache_config=_cache_config(cache_labels))
+    cache_config = _cache_config(cache_labels, rejected)
+    return NormalisedMetrics(engines=engines, cache_config=cache_config, rejected=tuple(sorted(rejected)))
+
+
+def _valid(field: str | None, value: object) -> float | None:
+    """The value when it is possible for its field, else None. Every field we read is a count,
+    a 0/1 gauge or a ratio: never negative, never NaN or infinite."""
+    if not _finite(value):
+        return None
+    number = float(value)  # type: ignore[arg-type]
+    if number < 0:
+        return None
+    if field == "kv_cache_usage_ratio" and number > 1:
+        return 1.0 if number <= 1 + RATIO_SLACK else None
+    if field is None and number > 1:  # engine_sleep_state series are 0 or 1
+        return None
+    return number
+
+
+def _reject(rejected: set[str], name: str) -> None:
+    if len(rejected) < MAX_REJECTED_NAMES:
+        rejected.add(name[:MAX_LABEL_CHARS])
+
+
+def _sleep_state(flags: dict[str, float]) -> str:
+    """vLLM's own words: awake, weights_offloaded (sleep level 1), discard_all (level 2);
+    "asleep" when it sleeps without either (a level-0 pause); "" when not reported."""
+    if not flags:
+        return ""
+    if flags.get("awake") == 1:
+        return "awake"
+    for state in ("discard_all", "weights_offloaded"):
+        if flags.get(state) == 1:
+            return state
+    return "asleep" if flags.get("awake") == 0 else ""
 
 
 def _info_labels(line: str) -> tuple[tuple[str, str], ...]:
@@ -133,28 +189,42 @@ def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: f
         fields[field] = (rank, value)
 
 
-def _cache_config(candidates: list[dict[str, str]]) -> CacheConfig | None:
+def _cache_config(candidates: list[dict[str, str]], rejected: set[str]) -> CacheConfig | None:
+    """CacheConfig from the labels of `vllm:cache_config_info`: vLLM 0.33 exports every field of
+    its CacheConfig as a label (`{key: str(value)}`), the KV capacity it computed at start-up
+    (kv_cache_size_tokens, kv_cache_max_concurrency) and --kv-cache-memory included."""
     if not candidates:
         return None
     # Data-parallel engines each report the same config; engine "0" (or the unlabelled V0
     # series) is the canonical one.
     labels = min(candidates, key=lambda lb: (lb.get("engine", "") not in ("", "0"), lb.get("engine", "")))
-    utilization = _opt_float(labels.get("gpu_memory_utilization"))
-    if utilization is not None and not 0 < utilization <= 1:
-        utilization = None
-    block_size = _opt_int(labels.get("block_size"))
+
+    def number(key: str, valid: Callable[[float], bool]) -> float | None:
+        value = _opt_float(labels.get(key))
+        if value is not None and not valid(value):
+            _reject(rejected, f"{CACHE_CONFIG_METRIC}.{key}")
+            return None
+        return value
+
+    def count(key: str) -> int | None:
+        value = number(key, lambda v: v >= 0 and v == int(v))
+        return None if value is None else int(value)
+
     dtype = labels.get("cache_dtype", "")
     return CacheConfig(
-        gpu_memory_utilization=utilization,
-        num_gpu_blocks=_opt_int(labels.get("num_gpu_blocks")),
-        block_size=block_size if block_size else None,
+        gpu_memory_utilization=number("gpu_memory_utilization", lambda v: 0 < v <= 1),
+        num_gpu_blocks=count("num_gpu_blocks"),
+        block_size=count("block_size") or None,
         cache_dtype="" if dtype in ("None", "") else dtype[:64],
-        kv_cache_memory_bytes=_opt_int(labels.get("kv_cache_memory_bytes")),
+        kv_cache_memory_bytes=count("kv_cache_memory_bytes"),
+        kv_cache_size_tokens=count("kv_cache_size_tokens"),
+        kv_cache_max_concurrency=number("kv_cache_max_concurrency", lambda v: v >= 0),
     )
 
 
 def _opt_float(text: str | None) -> float | None:
-    """vLLM stringifies every CacheConfig field, so "None", "" and "auto" mean unknown."""
+    """vLLM stringifies every CacheConfig field, so "None", "" and "auto" mean unknown; a
+    number that is not finite is unknown too."""
     if text is None:
         return None
     try:
@@ -162,13 +232,6 @@ def _opt_float(text: str | None) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
-
-
-def _opt_int(text: str | None) -> int | None:
-    value = _opt_float(text)
-    if value is None or value < 0 or value != int(value):
-        return None
-    return int(value)
 
 
 def _finite(value: object) -> bool:

@@ -15,21 +15,21 @@ import logging
 import re
 import socket
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import psutil
 
 from ..boundedio import read_head
 from ..model import GpuSample, VllmSample
 from .hostview import HostView
-from .vllm import VllmEndpoint
+from .vllm_endpoint import VllmEndpoint
 
 log = logging.getLogger(__name__)
 
 MAX_PID_FILE_BYTES = 64
 MAX_ANCESTOR_DEPTH = 32
+MAX_WARNINGS_REMEMBERED = 1000
 _PID_MAX = 2 ** 22  # Linux pid_max ceiling
-_warned: set[tuple[str, str]] = set()
 
 
 class PidFileError(ValueError):
@@ -53,17 +53,39 @@ def read_pid_file(path: str, max_bytes: int = MAX_PID_FILE_BYTES) -> int:
     return pid
 
 
-def server_pids(endpoint: VllmEndpoint, host: HostView,
-                candidates: Sequence[int] = ()) -> tuple[int, ...]:
+class ServerPids:
+    """server_pids for the sampling loop, which asks every few seconds: each distinct problem
+    (a missing PID file, say) is logged once, not every tick."""
+
+    def __init__(self) -> None:
+        self._warned: set[tuple[str, str]] = set()
+
+    def __call__(self, endpoint: VllmEndpoint, host: HostView,
+                 candidates: Sequence[int] = ()) -> tuple[int, ...]:
+        return server_pids(endpoint, host, candidates, warn=self._warn_once)
+
+    def _warn_once(self, label: str, message: str) -> None:
+        key = (label, message)
+        if key not in self._warned and len(self._warned) < MAX_WARNINGS_REMEMBERED:
+            self._warned.add(key)
+            log.warning("vLLM endpoint %s: %s", label, message)
+
+
+def _warn(label: str, message: str) -> None:
+    log.warning("vLLM endpoint %s: %s", label, message)
+
+
+def server_pids(endpoint: VllmEndpoint, host: HostView, candidates: Sequence[int] = (),
+                warn: Callable[[str, str], None] = _warn) -> tuple[int, ...]:
     """The server's root PIDs, sorted: their descendants belong to it too (assign_roles).
     The first configured override wins: pid_file, then container_id, then process_pattern
     (the last two pick from `candidates`, usually the PIDs NVML reports); without one, the
-    listener on the endpoint's port when it is local."""
+    listener on the endpoint's port when it is local. `warn(label, message)` hears problems."""
     if endpoint.pid_file:
         try:
             root = read_pid_file(endpoint.pid_file)
         except PidFileError as exc:
-            _warn_once(endpoint.label, str(exc))
+            warn(endpoint.label, str(exc))
             return ()
         return (root,)
     if endpoint.container_id:
@@ -156,10 +178,3 @@ def _name(host: HostView, pid: int) -> str:
 def _sorted(pids: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(set(pids)))
 
-
-def _warn_once(label: str, message: str) -> None:
-    """Sampling runs every few seconds: say each distinct problem once, not every tick."""
-    key = (label, message)
-    if key not in _warned and len(_warned) < 1000:
-        _warned.add(key)
-        log.warning("vLLM endpoint %s: %s", label, message)

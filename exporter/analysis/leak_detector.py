@@ -1,0 +1,151 @@
+"""The leak detector: leak.assess over every process's GPU memory and host RSS, a latch so a
+raised leak does not flap, a finding per leaking process (with what to change), and the
+per-process trend exported for every process, leaking or not.
+
+Host RSS is a serving process's second leak signal: a vLLM server whose RSS leaks gets a finding
+without a GPU; on unified memory that RSS is GPU memory, so it also counts for the process's
+per-GPU verdict there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import Budget, Finding, GpuSample, ProcessSample, ProcessTrend, Snapshot
+from .budget import tensor_parallel_endpoints
+from .history import History
+from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
+
+
+@dataclass(frozen=True)
+class LeakResult:
+    trends: tuple[ProcessTrend, ...]
+    findings: tuple[Finding, ...]
+
+
+class LeakDetector:
+    """Holds what must outlive a tick: the latch, and each series' last verdict."""
+
+    def __init__(self):
+        self._latch = LeakLatch()
+        self._assess = LeakAssessor()
+
+    def detect(self, history: History, snapshot: Snapshot, budgets: tuple[Budget, ...],
+               config: LeakConfig, critical_seconds: float) -> LeakResult:
+        now = snapshot.timestamp
+        host_total = snapshot.host.total_bytes if snapshot.host else None
+        tensor_parallel = tensor_parallel_endpoints(budgets)
+        rss: dict[tuple, tuple[LeakAssessment, bool]] = {}  # identity -> (assessment, latched)
+        trends, findings = [], []
+        for gpu in snapshot.gpus:
+            for p in gpu.processes:
+                key = (gpu.uuid, p.identity)
+                mem = self._assess(key, history.process_memory(gpu.uuid, p.identity),
+                                   gpu.total_bytes, now, config)
+                # assess() can pass and fail on consecutive minutes (between staircase steps,
+                # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
+                leaking = self._latch.update(key, mem.suspected, now)
+                if p.host_rss_bytes is not None and p.identity not in rss:
+                    a = self._assess(("rss", p.identity), history.process_rss(p.identity),
+                                     host_total, now, config)
+                    rss[p.identity] = (a, self._latch.update(("rss", p.identity), a.suspected, now))
+                host, host_leaking = rss.get(p.identity, (None, False))
+                rss_leak = p.role == "vllm" and host_leaking
+                trends.append(ProcessTrend(
+                    gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
+                    growth_bytes_per_second=mem.slope_bytes_per_second,
+                    leak_suspected=leaking or (rss_leak and gpu.unified),
+                    host_rss_growth_bytes_per_second=host.slope_bytes_per_second if host else None))
+                tp = p.endpoint in tensor_parallel
+                if leaking:
+                    findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds))
+                if rss_leak and host is not None and \
+                        not any(f.pid == p.pid and f.gpu is None for f in findings):
+                    findings.append(_rss_leak(gpu, p, host, snapshot, tp, critical_seconds))
+        self._latch.prune(now)
+        self._assess.prune()  # only the series of live processes are kept
+        return LeakResult(tuple(trends), tuple(findings))
+
+
+def _severity(seconds_to_full: float | None, critical_seconds: float) -> str:
+    return "critical" if seconds_to_full is not None and seconds_to_full < critical_seconds \
+        else "warning"
+
+
+def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, tp: bool,
+              critical_seconds: float) -> Finding:
+    slope = a.slope_bytes_per_second or 0.0
+    left = None
+    if gpu.total_bytes is not None and gpu.used_bytes is not None and slope > 0:
+        left = max(0.0, (gpu.total_bytes - gpu.used_bytes) / slope)
+    evidence: list[tuple[str, float | int | str]] = [
+        ("slope_bytes_per_second", round(slope, 1)), ("used_bytes", p.used_bytes or 0)]
+    if gpu.total_bytes is not None:
+        evidence.append(("total_bytes", gpu.total_bytes))
+    if left is not None:
+        evidence.append(("time_to_full_seconds", round(left, 1)))
+    evidence += [(k, v) for k, v in a.evidence if k not in dict(evidence)]
+    return Finding(
+        kind="leak", severity=_severity(left, critical_seconds), first_detected_at=now,
+        gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
+        endpoint=p.endpoint,
+        summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) GPU {gpu.index} memory grows "
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _full_in(left)),
+        evidence=tuple(evidence), advice=_advice(p, left, tp, host=False))
+
+
+def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Snapshot, tp: bool,
+              critical_seconds: float) -> Finding:
+    slope = a.slope_bytes_per_second or 0.0
+    host = snapshot.host
+    left = host.available_bytes / slope if host is not None and slope > 0 else None
+    evidence: list[tuple[str, float | int | str]] = [
+        ("slope_bytes_per_second", round(slope, 1)), ("host_rss_bytes", p.host_rss_bytes or 0)]
+    if host is not None:
+        evidence.append(("host_available_bytes", host.available_bytes))
+    if left is not None:
+        evidence.append(("time_to_full_seconds", round(left, 1)))
+    evidence.append(("unified_memory", int(gpu.unified)))
+    evidence += [(k, v) for k, v in a.evidence if k not in dict(evidence)]
+    where = " (unified memory: this is GPU memory)" if gpu.unified else ""
+    return Finding(
+        kind="leak", severity=_severity(left, critical_seconds),
+        first_detected_at=snapshot.timestamp, gpu=None, uuid="", pid=p.pid, process=p.name,
+        role=p.role, endpoint=p.endpoint,
+        summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) host memory grows "
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min{where}" + _full_in(left)),
+        evidence=tuple(evidence), advice=_advice(p, left, tp, host=True))
+
+
+def _full_in(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"; full in about {seconds / 3600:.1f} h at this rate" if seconds >= 3600 \
+        else f"; full in about {seconds / 60:.0f} min at this rate"
+
+
+def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool) -> tuple[str, ...]:
+    advice = []
+    if p.role == "vllm":
+        if tp:
+            advice.append("Tensor parallelism: set NCCL_CUMEM_ENABLE=0 in the server's "
+                          "environment (NCCL's cuMem allocations have leaked in several "
+                          "NCCL/vLLM versions).")
+        if host:
+            advice.append("Host memory of the server grows: check multimodal/processor caches "
+                          "and the CPU KV offload or swap space settings; on unified memory "
+                          "this takes GPU memory directly.")
+        advice += [
+            "Check CUDA graph capture sizes (--cuda-graph-sizes / compilation_config "
+            "cudagraph_capture_sizes): growth with new batch shapes points at graph capture; "
+            "--enforce-eager confirms it.",
+            "If sleep mode is on (--enable-sleep-mode), check that each sleep/wake cycle "
+            "gives the memory back.",
+            "Upgrade vLLM, PyTorch and NCCL: several leaks were fixed in recent releases.",
+        ]
+    else:
+        advice.append("Profile the process (torch.cuda.memory_summary(), "
+                      "torch.cuda.memory._record_memory_history) for tensors kept alive.")
+    if left is not None:
+        advice.append(f"At this rate memory runs out in about {left / 3600:.1f} h: plan a "
+                      "restart of the process before then.")
+    return tuple(advice)

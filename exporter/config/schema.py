@@ -1,0 +1,248 @@
+"""The configuration file's schema: one section class per mapping of the file, with each key's
+type, default and meaning. `run`, `check-config`, SIGHUP reload and docs/configuration.md all
+read it from here.
+
+Files the configuration names (the web config, bearer tokens, the kubelet's token and CA) are
+checked here too, so a file that `check-config` accepts is one that `run` starts with.
+"""
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from .. import units
+from ..boundedio import read_head
+from .fields import (DEFAULT_PORT, EMPTY, ConfigError, Count, Doc, Listen, ListenOrOff, Path, PositiveSeconds, Ratio,
+                     Regex, Section, Seconds, Size, Text, fail, parse_listen, url_check)
+from .web import load_web_config
+
+MAX_TOKEN_BYTES = 64 << 10
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+ResponseBytes = Annotated[Size, Field(ge=units.KiB, le=units.GiB)]
+MetricsUrl = Annotated[str, Field(max_length=2048), AfterValidator(url_check("http(s)://host:port/metrics")),
+                      Doc("URL")]
+PodsUrl = Annotated[str, Field(max_length=2048), AfterValidator(url_check("http(s)://host:port/pods", optional=True)),
+                    Doc("URL")]
+
+
+def read_secret_file(path: str, where: str = "") -> str:
+    """A token from a file: bounded, stripped, never echoed in errors. Raises ConfigError,
+    whose message starts with `where`."""
+    prefix = f"{where}: " if where else ""
+    try:
+        token = read_head(os.path.expanduser(path), MAX_TOKEN_BYTES)[0].decode("utf-8", errors="replace").strip()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{prefix}cannot read token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not token:
+        raise ConfigError(f"{prefix}token file {path} is empty")
+    return token
+
+
+def _token_problem(path: str) -> str | None:
+    try:
+        read_secret_file(path)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _readable_token(path: str) -> str:
+    problem = _token_problem(path) if path else None
+    if problem:
+        raise fail(problem)
+    return path
+
+
+def _ca_problem(path: str) -> str | None:
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        return f"cannot load CA certificates from {path}: {getattr(exc, 'strerror', None) or exc}"
+    return None
+
+
+def _web_config(path: str) -> str:
+    if path:
+        try:
+            load_web_config(path)
+        except ConfigError as exc:
+            raise fail("\n  ".join(["invalid web config file:", *exc.problems])) from None
+    return path
+
+
+TokenFile = Annotated[Path, AfterValidator(_readable_token)]
+
+
+class EndpointConfig(Section):
+    """One vLLM server (`vllm.endpoints[]`); a bare URL string is the same as `{url: ...}`."""
+
+    url: MetricsUrl = Field(
+        description="The server's /metrics URL (a bare http://host:port gets /metrics).")
+    name: Text = Field("", description="The `endpoint` label (default: the URL without credentials).")
+    bearer_token_file: TokenFile = Field("", description=(
+        "A file holding a token sent as `Authorization: Bearer`; read at start and on reload, never "
+        "logged. HTTP_PROXY and ~/.netrc are not used: they would see it."))
+    timeout_seconds: PositiveSeconds = Field(2.0, description="Total deadline per scrape, a slow drip included.")
+    max_response_bytes: ResponseBytes = Field(8 << 20, description="A larger answer is refused.")
+    pid_file: Path = Field("", description=(
+        "Which GPU processes belong to this server. Default: the process listening on the URL's port "
+        "and its descendants (V1's EngineCore and Worker_TP* children). This overrides it: a file "
+        "holding the server's PID."))
+    container_id: Text = Field("", description="... or the server's container ID.")
+    process_pattern: Regex = Field("", description="... or a regex searched in the process name.")
+    log_file: Path = Field("", description="The server's log: start-up memory profile and out-of-memory events.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.container_id and not self.container_id.strip():
+            yield "container_id", "must not be blank"
+
+
+class HistoryConfig(Section):
+    raw_seconds: PositiveSeconds = Field(3600.0, description=(
+        "Full-resolution samples kept; the detectors and the flight recorder look back this far."))
+    retention_seconds: PositiveSeconds = Field(6 * 3600.0, description="Downsampled history kept for trends.")
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.raw_seconds > self.retention_seconds:
+            yield "raw_seconds", "must not exceed history.retention_seconds"
+
+
+class NvmlConfig(Section):
+    retry_initial_seconds: PositiveSeconds = Field(5.0, description="Back-off while NVML or the driver is unavailable ...")
+    retry_max_seconds: PositiveSeconds = Field(300.0, description="... doubling up to this.")
+
+
+class HostConfig(Section):
+    proc_root: Path = Field("/proc", description="Where the host's /proc is (e.g. /host/proc in a container).")
+    read_cmdline: bool = Field(False, description="Read process command lines; they can hold tokens, so opt in only.")
+
+
+class LogsConfig(Section):
+    files: Annotated[tuple[Path, ...], Field(strict=False, max_length=1000)] = Field(
+        (), description="Server logs tailed for out-of-memory events.")
+
+
+class VllmConfig(Section):
+    endpoints: Annotated[tuple[EndpointConfig, ...], Field(strict=False, max_length=1000)] = Field(
+        (), description="vLLM servers to scrape (keys below).")
+
+
+class AdmissionConfig(Section):
+    close_above: Ratio = Field(0.90, description="/admission and gpumem_admission_open close above this utilisation ...")
+    open_below: Ratio = Field(0.80, description=(
+        "... and reopen below this one. Memory vLLM reserves by design (gpu_memory_utilization) "
+        "never closes it; see docs/metrics.md."))
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if not self.open_below < self.close_above:
+            yield "", ("need 0 < open_below < close_above <= 1 "
+                       f"(got open_below={self.open_below:g}, close_above={self.close_above:g})")
+
+
+class RecorderConfig(Section):
+    """The flight recorder: off while `directory` is empty."""
+
+    directory: Path = Field("", description=(
+        "On an out-of-memory event, a newly critical finding or a vLLM process that disappeared, "
+        "the last window of samples is written here as a trace. Off while empty."))
+    window_seconds: PositiveSeconds = Field(3600.0, description="Samples each trace holds; at most history.raw_seconds.")
+    tail_seconds: Seconds = Field(300.0, description=(
+        "How long the recorder keeps recording after a trigger before it writes the trace."))
+    max_files: Annotated[Count, Field(ge=1)] = Field(20, description="Oldest traces rotated out by count ...")
+    max_total_bytes: Annotated[Size, Field(ge=units.MiB)] = Field(512 << 20, description="... and by total size.")
+    debounce_seconds: Seconds = Field(300.0, description="At most one trace per trigger kind this often.")
+
+
+def _enabled(value: Any) -> Any:
+    return ("true" if value else "false") if isinstance(value, bool) else value  # YAML's true
+
+
+class KubeletConfig(Section):
+    """Pod and namespace labels for GPU processes, from the node's kubelet."""
+
+    enabled: Annotated[Literal["auto", "true", "false"], BeforeValidator(_enabled)] = Field("auto", description=(
+        "auto: on inside a Kubernetes pod (the service account token is present)."))
+    url: PodsUrl = Field("", description=(
+        "Default https://$NODE_IP:10250/pods (else $NODE_NAME); http://<node>:10255/pods for the "
+        "read-only port (no token sent)."))
+    token_file: Path = Field(f"{SERVICE_ACCOUNT}/token", description=(
+        "Bearer token for the kubelet (needs RBAC get on nodes/proxy); empty: send none."))
+    ca_file: Path = Field(f"{SERVICE_ACCOUNT}/ca.crt", description="CA that signed the kubelet's serving certificate.")
+    insecure_skip_verify: bool = Field(False, description=(
+        "Kubelet serving certificates are often self-signed: see deploy/kubernetes."))
+    refresh_seconds: PositiveSeconds = Field(60.0, description="The pod list is fetched at most this often ...")
+    unknown_pod_refresh_seconds: PositiveSeconds = Field(10.0, description=(
+        "... or this often while a process's pod UID is not in it."))
+    timeout_seconds: PositiveSeconds = Field(2.0, description="Total deadline per fetch.")
+    max_response_bytes: ResponseBytes = Field(32 << 20, description="A larger pod list is refused.")
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.unknown_pod_refresh_seconds > self.refresh_seconds:
+            yield "unknown_pod_refresh_seconds", "must not exceed kubelet.refresh_seconds"
+        # The files matter where the kubelet is used: switched on, or (auto) where a service
+        # account token is present. The token goes only over https, the CA only verifies it.
+        used = self.enabled == "true" or (self.enabled == "auto" and os.path.isfile(self.token_file))
+        if used and not self.url.startswith("http://"):
+            token = _token_problem(self.token_file) if self.token_file else None
+            ca = _ca_problem(self.ca_file) if self.ca_file and not self.insecure_skip_verify else None
+            yield from [(key, problem) for key, problem in (("token_file", token), ("ca_file", ca)) if problem]
+
+
+class Config(Section):
+    """The whole file."""
+
+    listen: Listen = Field(f"0.0.0.0:{DEFAULT_PORT}", description="HOST:PORT to serve /metrics and the rest on.")
+    health_listen: ListenOrOff = Field("", description=(
+        "A second HOST:PORT, without TLS or authentication, that serves only /healthz and "
+        "/admission (for probes and load balancers when basic auth is on). Empty: off."))
+    interval_seconds: PositiveSeconds = Field(5.0, description="Sampling interval (independent of the scrape interval).")
+    stale_after_seconds: Seconds = Field(0.0, description=(
+        "/healthz turns 503 when no sample completed for this long; 0: three intervals."))
+    web_config_file: Annotated[Path, AfterValidator(_web_config)] = Field("", description=(
+        "TLS and basic auth, in Prometheus exporter-toolkit's web config format (see below)."))
+    history: HistoryConfig = Field(default_factory=EMPTY, description="The samples kept for the detectors.")
+    nvml: NvmlConfig = Field(default_factory=EMPTY, description="The NVIDIA driver library.")
+    host: HostConfig = Field(default_factory=EMPTY, description="Processes and memory of the host.")
+    logs: LogsConfig = Field(default_factory=EMPTY, description="Server logs.")
+    admission: AdmissionConfig = Field(default_factory=EMPTY, description="The admission signal, with hysteresis.")
+    recorder: RecorderConfig = Field(default_factory=EMPTY, description="The flight recorder.")
+    kubelet: KubeletConfig = Field(default_factory=EMPTY, description="Pod names for processes (Kubernetes).")
+    vllm: VllmConfig = Field(default_factory=EMPTY, description="vLLM servers.")
+
+    @property
+    def effective_stale_after(self) -> float:
+        return self.stale_after_seconds or 3 * self.interval_seconds
+
+    def analysis(self):
+        """The detectors' settings that come from this file."""
+        from ..analysis.engine import AnalysisConfig
+
+        return AnalysisConfig(admission_close_above=self.admission.close_above,
+                              admission_open_below=self.admission.open_below,
+                              history_raw_seconds=self.history.raw_seconds,
+                              history_retention_seconds=self.history.retention_seconds)
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.health_listen:
+            port = parse_listen(self.health_listen)[1]
+            if port and port == parse_listen(self.listen)[1]:
+                yield "health_listen", "must use another port than listen"
+        r = self.recorder
+        if r.directory and r.window_seconds > self.history.raw_seconds:
+            yield "recorder.window_seconds", (f"must be at most history.raw_seconds ({self.history.raw_seconds:g}), "
+                                              "the full-resolution history kept")
+        try:
+            self.analysis()  # the detectors' own needs, e.g. how much raw history they look back
+        except ValueError as exc:
+            message = str(exc).removeprefix("analysis: ").replace("history_raw_seconds", "history.raw_seconds")
+            yield "history.raw_seconds" if "history.raw_seconds" in message else "", f"the detectors need: {message}"

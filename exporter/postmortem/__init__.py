@@ -1,0 +1,1 @@
+"""After an incident: recorded traces, Prometheus ranges, offline replay, reports and log explanations."""

@@ -1,0 +1,122 @@
+"""What a scenario file says, once validated: one frozen record per GPU, process, server, fault.
+
+Curves stay curves here; `evaluate.Scenario` turns them into numbers at a given time.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .curves import Curve
+
+INIT_ERRORS = ("library_not_found", "driver_not_loaded", "lib_rm_version_mismatch")
+VLLM_FAULTS = ("vllm_http_error", "vllm_slow", "vllm_garbage")
+FAULT_KINDS = ("init_failure", "gpu_lost", "reset_required", "call_error") + VLLM_FAULTS
+
+
+@dataclass(frozen=True)
+class MigSpec:
+    index: int
+    profile: str
+    memory_bytes: int
+    gpu_instance_id: int
+    compute_instance_id: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    index: int
+    name: str
+    uuid: str
+    memory_bytes: int
+    reserved_bytes: int
+    unified: bool
+    mig: tuple[MigSpec, ...] = ()
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.memory_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    memory_bytes: int
+    available: Curve
+    psi_some: Curve
+    psi_full: Curve | None
+    oom_kills: Curve
+    subtract_processes: bool
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    pid: int
+    ppid: int
+    name: str
+    gpus: tuple[str, ...]  # "0" or "0/1" (MIG parent/instance)
+    start: float
+    stop: float | None
+    memory: Mapping[str, Curve]  # per GPU key
+    rss: Curve
+    kind: str = "compute"
+    cmdline: str = ""
+    container: str = ""
+    pod_uid: str = ""
+    namespace: str = ""
+    qos: str = "burstable"
+    ns_pid: int | None = None
+    memory_not_available: bool = False
+
+    def alive_at(self, t: float) -> bool:
+        return self.start <= t and (self.stop is None or t < self.stop)
+
+
+@dataclass(frozen=True)
+class StaleSpec:
+    gpu: str
+    bytes: int
+    at: float
+    until: float | None
+
+
+@dataclass(frozen=True)
+class CacheConfigSpec:
+    gpu_memory_utilization: float
+    num_gpu_blocks: int
+    block_size: int
+    cache_dtype: str
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    index: int
+    port: int
+    pid: int
+    model: str
+    kv_cache_usage: Curve
+    running: Curve
+    waiting: Curve
+    preemptions: Curve
+    prefix_cache_queries: Curve
+    prefix_cache_hit_ratio: float
+    cache_config: CacheConfigSpec
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str  # one of FAULT_KINDS
+    at: float
+    until: float | None
+    gpu: int | None = None  # None: every GPU
+    error: str = ""  # init: library_not_found...; call_error: an NVMLError_* suffix
+    call: str = ""
+    version: int | None = None  # nvmlDeviceGetMemoryInfo: 1 or 2; None: both
+    server: int | None = None  # vLLM faults: server index; None: every server
+    status: int = 500
+    delay: float = 0.0
+
+    def active_at(self, t: float) -> bool:
+        return self.at <= t and (self.until is None or t < self.until)

@@ -1,0 +1,96 @@
+"""One read of PyTorch's CUDA caching allocator: the probe file's `devices` list.
+
+Only public `torch.cuda` calls that never initialise CUDA themselves are used, and only once
+the process has initialised it. Nothing here allocates GPU memory.
+"""
+from __future__ import annotations
+
+import sys
+import uuid as uuid_module
+from collections.abc import Callable
+from typing import Any
+
+MAX_DEVICES = 64  # a bound on the file's size whatever torch reports
+
+# Probe file key -> torch.cuda.memory_stats() key. A key an older torch lacks is written as null.
+STAT_KEYS = (
+    ("allocated_bytes", "allocated_bytes.all.current"),  # held by live tensors
+    ("allocated_peak_bytes", "allocated_bytes.all.peak"),
+    ("reserved_bytes", "reserved_bytes.all.current"),  # taken from the driver: allocated + cached
+    ("reserved_peak_bytes", "reserved_bytes.all.peak"),
+    ("active_bytes", "active_bytes.all.current"),  # allocated, or freed but still used by a stream
+    ("active_peak_bytes", "active_bytes.all.peak"),
+    ("inactive_split_bytes", "inactive_split_bytes.all.current"),  # free pieces of split blocks
+    ("inactive_split_peak_bytes", "inactive_split_bytes.all.peak"),
+    ("alloc_retries", "num_alloc_retries"),  # cache flushed and cudaMalloc retried
+    ("ooms", "num_ooms"),  # out-of-memory errors raised by the allocator
+    ("device_allocs", "num_device_alloc"),  # cudaMalloc calls (segments created)
+    ("device_frees", "num_device_free"),
+)
+
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def device_uuid(props: Any) -> str | None:
+    """The device's UUID as 8-4-4-4-12 hex (NVML prints the same digits after `GPU-`/`MIG-`)."""
+    raw = getattr(props, "uuid", None)  # torch >= 2.4
+    if raw is None:
+        return None
+    data = getattr(raw, "bytes", None)
+    if isinstance(data, bytes) and len(data) == 16:
+        return str(uuid_module.UUID(bytes=data))
+    return str(raw)[:64]
+
+
+def cumem_bytes_by_device(modules: dict = sys.modules) -> dict[int, int]:
+    """Bytes in vLLM's sleep-mode pool (CuMemAllocator) per device, {} when it is not in use.
+
+    The pool's segments are counted in memory_stats() like any other (they come through the
+    caching allocator's private pool), but `sleep()` releases their physical memory behind
+    PyTorch's back: knowing the pool's size lets the exporter explain NVML < reserved.
+    Read-only, and only when vLLM itself imported the module."""
+    module = modules.get(CUMEM_MODULE)
+    instance = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    if instance is None:
+        return {}
+    out: dict[int, int] = {}
+    for data in list(instance.pointer_to_data.values()):  # a copy: vLLM's thread mutates the dict
+        device, size = data.handle[0], data.handle[1]  # (device, size, pointer, handle)
+        out[int(device)] = out.get(int(device), 0) + int(size)
+    return out
+
+
+def read_devices(cuda: Any, uuid_of: Callable[[int], str | None], errors: dict[str, int],
+                 modules: dict = sys.modules) -> list[dict]:
+    """One entry per device this process uses: one it allocated on, or its current device.
+    A failing call is counted in `errors` under a stable kind and the rest still reported."""
+    try:
+        count = min(int(cuda.device_count()), MAX_DEVICES)
+        current = int(cuda.current_device())
+    except Exception:  # noqa: BLE001
+        errors["device_count"] += 1
+        return []
+    try:
+        cumem = cumem_bytes_by_device(modules)
+    except Exception:  # noqa: BLE001 - vLLM internals change between releases
+        errors["cumem"] += 1
+        cumem = {}
+    devices = []
+    for index in range(count):
+        try:
+            stats = cuda.memory_stats(index)
+        except Exception:  # noqa: BLE001
+            errors["memory_stats"] += 1
+            continue
+        if index != current and not stats.get("num_device_alloc") and not stats.get("reserved_bytes.all.current"):
+            continue  # visible but never used by this process
+        entry: dict[str, Any] = {"index": index, "uuid": uuid_of(index)}
+        for key, torch_key in STAT_KEYS:
+            entry[key] = _count(stats.get(torch_key))
+        entry["cumem_bytes"] = cumem.get(index) if cumem else None
+        devices.append(entry)
+    return devices
