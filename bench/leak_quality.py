@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from exporter.analysis.history import History  # noqa: E402
-from exporter.analysis.leak import LeakLatch, assess  # noqa: E402
-from exporter.model import GpuSample, ProcessSample, Snapshot  # noqa: E402
+from exporter.analysis.history import History
+from exporter.analysis.leak import LeakLatch, assess
+from exporter.model import GpuSample, ProcessSample, Snapshot
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -241,7 +241,7 @@ def detector_episodes(trace: Trace) -> tuple[list[float], float]:
     episodes: list[float] = []
     active = False
     spent = 0.0
-    for t, v in zip(trace.times, trace.values):
+    for t, v in zip(trace.times, trace.values, strict=True):
         proc = ProcessSample(pid=4242, used_bytes=v, name="python3", start_time=T0 - 1.0, role="vllm")
         snap = Snapshot(timestamp=float(t), gpus=(GpuSample(index="0", uuid=uuid, total_bytes=TOTAL,
                                                             used_bytes=v, processes=(proc,)),))
@@ -308,11 +308,17 @@ def regression_at_evals(ts: list[int], vs: list[int], range_s: int, offset: int 
     for T in range(ts[0] + offset, ts[-1] + 1, EVAL):
         while hi < n and ts[hi] <= T:
             t, v = ts[hi] - ts[0], vs[hi]
-            st += t; stt += t * t; sv += v; stv += t * v
+            st += t
+            stt += t * t
+            sv += v
+            stv += t * v
             hi += 1
         while lo < hi and ts[lo] < T - range_s:
             t, v = ts[lo] - ts[0], vs[lo]
-            st -= t; stt -= t * t; sv -= v; stv -= t * v
+            st -= t
+            stt -= t * t
+            sv -= v
+            stv -= t * v
             lo += 1
         k = hi - lo
         if k < 2:

@@ -183,7 +183,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run_worker(kind, spec_file, endpoints, site, ticks, scrapes) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--spec", spec_file, "--site", site,
-           "--ticks", str(ticks), *sum((["--endpoint", e] for e in endpoints), [])]
+           "--ticks", str(ticks), *(arg for e in endpoints for arg in ("--endpoint", e))]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "probe"))
 
+from gpumem_probe.probe import Probe, initialised_cuda  # noqa: E402
+
 from exporter.model import GpuSample, ProcessSample  # noqa: E402
 from exporter.sources.allocator import AllocatorSource  # noqa: E402
-from gpumem_probe.probe import Probe, initialised_cuda  # noqa: E402
 
 STANDIN_CUDA = ROOT / "tests" / "fixtures" / "probe" / "standin_torch" / "torch" / "cuda.py"
 GiB = 1 << 30
@@ -97,7 +98,8 @@ def exporter_cost(gpus: int, procs: int, ticks: int) -> list[tuple[str, float]]:
                        "alloc_conf": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
                        "errors": dict.fromkeys(("device_count", "memory_stats", "device_properties", "cumem",
                                                 "write", "sweep", "internal"), 0),
-                       "devices": [{"index": 0, "uuid": uuid, "allocated_bytes": 60 * GiB, "allocated_peak_bytes": 61 * GiB,
+                       "devices": [{"index": 0, "uuid": uuid,
+                                    "allocated_bytes": 60 * GiB, "allocated_peak_bytes": 61 * GiB,
                                     "reserved_bytes": 70 * GiB, "reserved_peak_bytes": 71 * GiB,
                                     "active_bytes": 60 * GiB, "active_peak_bytes": 61 * GiB,
                                     "inactive_split_bytes": GiB, "inactive_split_peak_bytes": 2 * GiB,

@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus_client import generate_latest  # noqa: E402
+from prometheus_client import generate_latest
 
-from exporter.cli import make_analyzer  # noqa: E402
-from exporter.config import build as build_config  # noqa: E402
-from exporter.model import State  # noqa: E402
-from exporter.serve.exposition import build_registry  # noqa: E402
-from exporter.runtime import build as build_runtime  # noqa: E402
+from exporter.cli import make_analyzer
+from exporter.config import build as build_config
+from exporter.model import State
+from exporter.runtime import build as build_runtime
+from exporter.serve.exposition import build_registry
 
 
 def pct(values, q):
@@ -70,7 +70,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, values in times.items():
         print(f"| {name} | {statistics.median(values) * 1e3:.2f} | {pct(values, 0.9) * 1e3:.2f} |")
-    cycle = [a + b for a, b in zip(times["sample"], times["analysis"])]
+    cycle = [a + b for a, b in zip(times["sample"], times["analysis"], strict=True)]
     print(f"| sample + analysis (one cycle) | {statistics.median(cycle) * 1e3:.2f} | {pct(cycle, 0.9) * 1e3:.2f} |")
     share = statistics.median(cycle) / args.interval * 100
     print(f"\nOne cycle every {args.interval:g} s costs {share:.2f} % of one core (median).")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exporter.sim.scenario import load  # noqa: E402
+from exporter.sim.scenario import load
 
 
 def pct(values, q):

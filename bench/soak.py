@@ -33,18 +33,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil  # noqa: E402
-from prometheus_client import generate_latest  # noqa: E402
+import psutil
+from prometheus_client import generate_latest
 
-from exporter.analysis.engine import AnalysisConfig, Analyzer  # noqa: E402
-from exporter.clock import FixedClock  # noqa: E402
-from exporter.daemon import Daemon, Sampler  # noqa: E402
-from exporter.serve.exposition import build_registry  # noqa: E402
-from exporter.sim import fake_nvml  # noqa: E402
-from exporter.sim.host import SimulatedHost  # noqa: E402
-from exporter.sim.scenario import from_dict  # noqa: E402
-from exporter.sources.host import HostSource  # noqa: E402
-from exporter.sources.nvml import NvmlSource  # noqa: E402
+from exporter.analysis.engine import AnalysisConfig, Analyzer
+from exporter.clock import FixedClock
+from exporter.daemon import Daemon, Sampler
+from exporter.serve.exposition import build_registry
+from exporter.sim import fake_nvml
+from exporter.sim.host import SimulatedHost
+from exporter.sim.scenario import from_dict
+from exporter.sources.host import HostSource
+from exporter.sources.nvml import NvmlSource
 
 DAY = 86400.0
 PID_BASE, PID_RANGE = 10_000, 32_768
@@ -59,7 +59,7 @@ class Churn:
     duration: float
 
     @staticmethod
-    def generate(total: int, duration: float, gpus: int, seed: int = 7) -> "Churn":
+    def generate(total: int, duration: float, gpus: int, seed: int = 7) -> Churn:
         rng = random.Random(seed)
         gap = duration / total
         procs = []

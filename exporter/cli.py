@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 import yaml
@@ -14,6 +15,12 @@ import yaml
 from . import __version__
 from .config import Config, ConfigError, file_form
 from .config import load as load_config
+
+if TYPE_CHECKING:  # imported where used, so each command loads only what it needs
+    from .analysis.engine import Analyzer
+    from .clock import Clock
+    from .postmortem.recorder import FlightRecorder
+    from .runtime import Runtime
 
 log = logging.getLogger("exporter")
 
@@ -25,7 +32,7 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     """Bad input files (logs, traces): a one-line error and exit status 2, as for bad usage."""
     click.echo(f"Error: {message}", err=True)
     sys.exit(2)
@@ -35,7 +42,7 @@ def _fail(message: str) -> None:
 _FLAG_KEYS = {"vllm_endpoints": "vllm.endpoints"}
 
 
-def _load(config_file, **flags) -> Config:
+def _load(config_file: str | None, **flags: object) -> Config:
     """The one validation `run`, `check-config` and a reload share: the file, the flags and
     environment over it, the files it names, and the detectors' own needs."""
     try:
@@ -45,13 +52,14 @@ def _load(config_file, **flags) -> Config:
         raise click.ClickException(f"invalid configuration{where}:\n  " + str(exc).replace("\n", "\n  ")) from None
 
 
-def make_analyzer(config: Config):
+def make_analyzer(config: Config) -> Analyzer:
     from .analysis.engine import Analyzer
 
     return Analyzer(config.analysis())  # already checked against the detectors' needs by _load
 
 
-def _build_runtime(config: Config, simulate, speed=1.0, at=None, one_shot=False):
+def _build_runtime(config: Config, simulate: str | None, speed: float = 1.0, at: float | None = None,
+                   one_shot: bool = False) -> Runtime:
     from .runtime import build
     from .sim.scenario import ScenarioError
 
@@ -61,7 +69,7 @@ def _build_runtime(config: Config, simulate, speed=1.0, at=None, one_shot=False)
         raise click.ClickException(str(exc)) from exc
 
 
-def _make_recorder(config: Config, clock):
+def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
     if not config.recorder.directory:
         return None
     from .postmortem.recorder import FlightRecorder
@@ -96,7 +104,8 @@ def main(log_level: str) -> None:
               help="TLS and basic auth, in Prometheus exporter-toolkit's web config format.")
 @click.option("--health-listen", help="HOST:PORT of a plain-HTTP listener for /healthz and /admission "
               "only, without auth (for probes when basic auth is on).")
-def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_config_file, health_listen) -> None:
+def run(config_file: str | None, listen: str | None, interval: float | None, simulate: str | None, speed: float,
+        vllm_endpoints: tuple[str, ...], web_config_file: str | None, health_listen: str | None) -> None:
     """Run the daemon: sample, analyse and serve /metrics."""
     from .config import parse_listen
     from .daemon import Daemon
@@ -155,7 +164,7 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
 
     reloading = {"busy": False, "again": False}
 
-    def reload(*_):
+    def reload(*_: object) -> None:
         """SIGHUP: re-read the configuration and rebuild the sources over the same host (its
         clock, NVML and simulated servers carry on). A reload that fails in any way keeps the
         running configuration and says why: the daemon never dies of one. The listener, web
@@ -173,7 +182,7 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
         finally:
             reloading["busy"] = False
 
-    def _reload_once():
+    def _reload_once() -> None:
         from .runtime import make_sampler
 
         sampler = None
@@ -227,7 +236,8 @@ def run(config_file, listen, interval, simulate, speed, vllm_endpoints, web_conf
 @click.option("--vllm-endpoint", "vllm_endpoints", multiple=True, metavar="URL")
 @click.option("--format", "fmt", type=click.Choice(["prometheus", "json"]), default="prometheus",
               show_default=True)
-def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
+def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endpoints: tuple[str, ...],
+             fmt: str) -> None:
     """Sample once and print the result."""
     from prometheus_client import generate_latest
 
@@ -259,7 +269,7 @@ def snapshot(config_file, simulate, at, vllm_endpoints, fmt) -> None:
 @main.command()
 @click.argument("logfiles", nargs=-1, required=True, type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def explain(logfiles, fmt) -> None:
+def explain(logfiles: tuple[str, ...], fmt: str) -> None:
     """Find every out-of-memory event in server logs and explain it."""
     from .postmortem.explain import ExplainError
     from .postmortem.explain import explain as do_explain
@@ -283,7 +293,8 @@ def explain(logfiles, fmt) -> None:
               help="Also write a self-contained HTML incident report (plots need the `report` extra).")
 @click.option("--log", "log_files", multiple=True, type=click.Path(),
               help="Server logs whose out-of-memory events go into the report; repeatable.")
-def analyze(traces, fmt, prometheus_url, start, end, step, selector, report_path, log_files) -> None:
+def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start: str | None, end: str,
+            step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...]) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
     from .postmortem.analyze import analyze_snapshots
     from .postmortem.explain import ExplainError, read_events
@@ -325,7 +336,7 @@ def scenarios() -> None:
 
 @main.command("check-config")
 @click.argument("file", type=click.Path(dir_okay=False))
-def check_config(file) -> None:
+def check_config(file: str) -> None:
     """Validate a configuration file, and the files it names, as `run` would; print every
     problem, or the configuration as understood (a file `check-config` accepts again)."""
     config = _load(file)

@@ -9,11 +9,17 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from .clock import Clock
 from .model import Snapshot, State
 from .sources.source import Source, collect
+
+if TYPE_CHECKING:
+    from .analysis.engine import Analyzer
+    from .postmortem.recorder import FlightRecorder
 
 log = logging.getLogger("exporter.daemon")
 
@@ -43,7 +49,7 @@ class Sampler:
                 log.exception("closing source %s failed", source.name)
 
 
-def _bounded_add(counter: Counter, key, n: int = 1) -> None:
+def _bounded_add(counter: Counter[tuple[str, str]], key: tuple[str, str], n: int = 1) -> None:
     if key in counter or len(counter) < MAX_COUNTER_SERIES:
         counter[key] += n
     else:
@@ -51,17 +57,17 @@ def _bounded_add(counter: Counter, key, n: int = 1) -> None:
 
 
 class Daemon:
-    def __init__(self, sampler: Sampler, clock, interval_seconds: float, analyzer=None,
-                 recorder=None):
+    def __init__(self, sampler: Sampler, clock: Clock, interval_seconds: float,
+                 analyzer: Analyzer | None = None, recorder: FlightRecorder | None = None):
         self.sampler = sampler
         self.clock = clock
         self.interval = interval_seconds
         self.analyzer = analyzer  # analysis.engine.Analyzer: update(snapshot) -> Analysis
         self.recorder = recorder  # postmortem.recorder.FlightRecorder: writes on its own thread
         self.state = State()
-        self._errors: Counter = Counter()
-        self._vllm_errors: Counter = Counter()
-        self._ooms: Counter = Counter()
+        self._errors: Counter[tuple[str, str]] = Counter()
+        self._vllm_errors: Counter[tuple[str, str]] = Counter()
+        self._ooms: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: Sampler | None = None

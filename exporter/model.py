@@ -6,8 +6,12 @@ threads without locks. Byte counts are ints; a field that a source could not rea
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # postmortem.recorder imports this module
+    from .postmortem.recorder import RecorderStats
 
 
 @dataclass(frozen=True)
@@ -318,11 +322,11 @@ class Finding:
     advice: tuple[str, ...] = ()
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[str, str | None, int | None, str]:
         """Same key across ticks = the same finding (raised once, cleared once)."""
         return (self.kind, self.gpu, self.pid, self.endpoint)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {
             "kind": self.kind, "gpu": self.gpu, "uuid": self.uuid, "pid": self.pid,
             "process": self.process, "role": self.role, "endpoint": self.endpoint,
@@ -398,7 +402,7 @@ class State:
     errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (source, kind)
     vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
-    recorder: object = None  # postmortem.recorder.RecorderStats when the flight recorder is on
+    recorder: RecorderStats | None = None  # when the flight recorder is on
     samples_total: int = 0
     last_sample_at: float | None = None  # clock time the last tick completed
     sample_duration_seconds: float = 0.0

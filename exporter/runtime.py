@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .clock import Clock, FixedClock, SystemClock, VirtualClock
 from .config import Config, EndpointConfig, read_secret_file
 from .daemon import Sampler
 from .sources.hostview import HostView
 from .sources.nvml import NvmlSource
+from .sources.source import Source
+
+if TYPE_CHECKING:  # imported where used: only some hosts need them
+    from .sources.kubelet import KubeletPods
+    from .sources.vllm import VllmEndpoint
 
 log = logging.getLogger("exporter.runtime")
 
@@ -27,9 +34,9 @@ class Host:
     nvml_module: object  # pynvml, or the simulator's drop-in
     view: HostView
     clock: Clock
-    pods: object = None  # kubelet.KubeletPods, or None outside Kubernetes
+    pods: KubeletPods | None = None  # None outside Kubernetes
     simulated: bool = False
-    sim_endpoints: tuple = ()  # VllmEndpoint of each simulated vLLM server
+    sim_endpoints: tuple[VllmEndpoint, ...] = ()  # one per simulated vLLM server
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
@@ -45,7 +52,7 @@ class Runtime:
     sampler: Sampler
 
     @property
-    def clock(self):
+    def clock(self) -> Clock:
         return self.host.clock
 
     def close(self) -> None:
@@ -53,7 +60,7 @@ class Runtime:
         self.host.close()
 
 
-def _endpoint(ep: EndpointConfig, where: str):
+def _endpoint(ep: EndpointConfig, where: str) -> VllmEndpoint:
     from .sources.vllm import VllmEndpoint
 
     token = read_secret_file(ep.bearer_token_file, f"{where}.bearer_token_file") if ep.bearer_token_file else None
@@ -63,7 +70,7 @@ def _endpoint(ep: EndpointConfig, where: str):
                         log_file=ep.log_file or None)
 
 
-def kubelet_pods(config: Config, env=None):
+def kubelet_pods(config: Config, env: Mapping[str, str] | None = None) -> KubeletPods | None:
     """The kubelet pod lookup, or None where pod names cannot or should not be had: outside
     Kubernetes (enabled: auto), or with no node address to reach the kubelet at."""
     from .sources import kubelet
@@ -146,7 +153,7 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
 
     endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm.endpoints)]
     endpoints += host.sim_endpoints
-    sources: list = [
+    sources: list[Source] = [
         NvmlSource(host.nvml_module, host.view.memory, now=host.clock.now,
                    retry_initial_seconds=config.nvml.retry_initial_seconds,
                    retry_max_seconds=config.nvml.retry_max_seconds,

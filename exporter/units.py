@@ -104,7 +104,7 @@ def bytes_in_message(number: str, unit: str) -> int | None:
         return None
     if not math.isfinite(value) or value < 0 or value > MAX_BYTES:
         return None
-    return int(round(value))
+    return round(value)
 
 
 def format_bytes(n: float | None) -> str:

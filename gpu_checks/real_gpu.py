@@ -60,9 +60,10 @@ def start() -> dict:
     leaker = subprocess.Popen([sys.executable, "-c", LEAKER], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     assert leaker.stdout.readline().strip() == "ready", "the PyTorch leaker did not start"
-    daemon = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{PORT}"],
-                              stdout=open("/tmp/gpumem-daemon.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True, cwd=REPO)
+    # The daemon outlives this command (it is checked by a later `check`), so its log stays open.
+    with open("/tmp/gpumem-daemon.log", "w") as log:
+        daemon = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{PORT}"],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     state = {"leaker_pid": leaker.pid, "daemon_pid": daemon.pid, "started": time.time()}
     STATE.write_text(json.dumps(state))
     return state

@@ -2,20 +2,32 @@ import subprocess
 
 import pytest
 
-from exporter.model import Budget
 from exporter.clock import FixedClock
+from exporter.model import (
+    Analysis,
+    Budget,
+    CacheConfig,
+    Finding,
+    GpuAnalysis,
+    GpuSample,
+    HostMemory,
+    ProcessSample,
+    ProcessTrend,
+    Snapshot,
+    SourceStatus,
+    State,
+    VllmEngineStats,
+    VllmSample,
+)
 from exporter.postmortem.recorder import RecorderStats
-from exporter.model import State
-from exporter.model import (Analysis, CacheConfig, Finding, GpuAnalysis, GpuSample, HostMemory,
-                            ProcessSample, ProcessTrend, Snapshot, SourceStatus, VllmEngineStats,
-                            VllmSample)
 
 GiB = 1 << 30
 
 
 def make_state(t=1_000_000.0, admission_open=True, pids=(101, 202)):
     """A hand-built State: a real snapshot of one GPU with two processes."""
-    procs = tuple(ProcessSample(pid=pid, used_bytes=(i + 1) * GiB, name=f"proc{pid}", role="vllm" if i == 0 else "other",
+    procs = tuple(ProcessSample(pid=pid, used_bytes=(i + 1) * GiB, name=f"proc{pid}",
+                                role="vllm" if i == 0 else "other",
                                 host_rss_bytes=GiB // 2, start_time=t - 100)
                   for i, pid in enumerate(pids))
     gpu = GpuSample(index="0", uuid="GPU-aaaa", name="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB,

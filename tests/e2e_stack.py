@@ -14,14 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 import requests
 import yaml
 
-from test_alerts import ALERTMANAGER_CONFIG, REPO, RULES, _free_port, tool
+from test_alerts import ALERTMANAGER_CONFIG, REPO, _free_port, tool
 
 # Bounds on what we read from the services (outside input, even on loopback).
 MAX_RESPONSE_BYTES = 5_000_000
@@ -207,7 +207,7 @@ class Stack:
                    20, "Alertmanager to be ready", alive=service.check_alive)
         return base
 
-    def prometheus(self, targets: list[str], alertmanager: str | None, rules: Path) -> "Prometheus":
+    def prometheus(self, targets: list[str], alertmanager: str | None, rules: Path) -> Prometheus:
         """Scrapes `targets` every second as job gpu-memory-exporter (the job the rules name),
         evaluates `rules` every second and sends alerts to `alertmanager` (a base URL)."""
         config = {

@@ -26,4 +26,4 @@ def test_a_directory_is_refused(tmp_path):
 
 def test_proc_files_read_whole():
     data, more = read_head("/proc/self/status", 64 << 10)
-    assert b"NSpid" in data or b"Pid" in data and not more
+    assert b"NSpid" in data or (b"Pid" in data and not more)

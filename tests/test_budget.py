@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.analysis.budget import memory_budgets
-from exporter.model import Budget
-from exporter.model import CacheConfig, GpuSample, ProcessSample, Snapshot, VllmSample
+from exporter.model import Budget, CacheConfig, GpuSample, ProcessSample, Snapshot, VllmSample
 
 GiB = 2**30
 

@@ -108,7 +108,7 @@ def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
         m = d.metrics()
         assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 0
         assert m[("gpumem_exporter_source_up", (("source", "host"),))] == 1
-        assert any(n == "gpumem_exporter_errors_total" and dict(l)["source"] == "nvml" for n, l in m)
+        assert any(n == "gpumem_exporter_errors_total" and dict(labels)["source"] == "nvml" for n, labels in m)
     finally:
         code, out = d.stop()
     assert code == 0
@@ -186,13 +186,13 @@ def test_env_vars_configure_run():
     try:
         d.wait_healthy()
     finally:
-        code, out = d.stop()
+        _, out = d.stop()
     assert "every 0.2 s" in out
 
 
 def test_simulated_vllm_processes_are_tied_to_their_server():
     got = series(cli("snapshot", "--simulate", "contention", "--at", "3000").stdout)
-    roles = {dict(l)["process"]: dict(l)["role"] for n, l in got if n == "gpumem_process_memory_used_bytes"}
+    roles = {dict(lb)["process"]: dict(lb)["role"] for n, lb in got if n == "gpumem_process_memory_used_bytes"}
     assert roles and "vllm" in roles.values() and "other" in roles.values()
     assert all(role == "vllm" for name, role in roles.items() if name.startswith("VLLM::"))
     assert any(n == "gpumem_vllm_memory_budget_bytes" for n, _ in got)

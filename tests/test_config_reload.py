@@ -25,7 +25,7 @@ from exporter.runtime import make_sampler, open_host
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
-    f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 # -- random configurations: a well-formed one with up to two values made bad -------------------
@@ -238,7 +238,8 @@ class Daemon:
 
     def reload(self) -> str:
         """SIGHUP, then the log line that says how the reload went."""
-        outcomes = lambda lines: [x for x in lines if "configuration reloaded" in x or "reload failed" in x]
+        def outcomes(lines: list[str]) -> list[str]:
+            return [x for x in lines if "configuration reloaded" in x or "reload failed" in x]
         before = len(outcomes(self.lines))
         self.proc.send_signal(signal.SIGHUP)
         return self.wait_for(lambda lines: len(outcomes(lines)) > before and outcomes(lines)[before])

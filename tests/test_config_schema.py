@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
 # 342 bytes that expand to 10^9 strings once anything walks them.
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
-    f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 def check_config(path):
@@ -247,7 +247,8 @@ def test_not_utf8_names_the_line(tmp_path):
 # -- the reference ----------------------------------------------------------------------------
 def test_the_committed_reference_matches_the_schema():
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: python -m exporter.config.docs > docs/configuration.md"
+    assert committed == render(), (
+        "docs/configuration.md is stale: python -m exporter.config.docs > docs/configuration.md")
 
 
 def test_every_key_is_in_the_reference():

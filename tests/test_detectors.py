@@ -14,8 +14,17 @@ from exporter.analysis.fragmentation import FragmentationConfig, detect_fragment
 from exporter.analysis.history import History
 from exporter.analysis.pressure import PressureConfig, admission_open, detect_pressure, memory_ratio
 from exporter.analysis.stale import StaleConfig, detect_stale, unattributed_bytes
-from exporter.model import (CacheConfig, GpuAnalysis, GpuSample, HostMemory, OomEvent,
-                            ProcessSample, Snapshot, VllmEngineStats, VllmSample)
+from exporter.model import (
+    CacheConfig,
+    GpuAnalysis,
+    GpuSample,
+    HostMemory,
+    OomEvent,
+    ProcessSample,
+    Snapshot,
+    VllmEngineStats,
+    VllmSample,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -193,7 +202,7 @@ def test_stale_memory_fires_only_after_it_persists():
     # 6 GiB used, processes account for 1 GiB: 5 GiB unowned from the start.
     snaps = timeline(300, 10, lambda e: snap(T0 + e, [gpu([proc(1, GiB)], used=6 * GiB)]))
     per_tick = run_detector(detect_stale, snaps, cfg)
-    fired_at = [s.timestamp - T0 for s, f in zip(snaps, per_tick) if f]
+    fired_at = [s.timestamp - T0 for s, f in zip(snaps, per_tick, strict=True) if f]
     assert fired_at[0] == 120 and fired_at == [e for e in range(120, 301, 10)]
     f = per_tick[-1][0]
     assert f.kind == "stale_memory" and f.pid is None and f.gpu == "0"

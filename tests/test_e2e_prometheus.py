@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from e2e_stack import Stack, fast_rules, get_json, wait_until
-from test_alerts import RULES, alert_rules
-from test_dashboards import DASHBOARD_FILES, _label_values_selector, load, queries, substitute, variable_queries
 from exporter.sim.scenario import SCENARIO_DIR
 from exporter.sim.scenario import load as load_scenario
+from test_alerts import RULES, alert_rules
+from test_dashboards import DASHBOARD_FILES, _label_values_selector, load, queries, substitute, variable_queries
 
 FAST_FOR = "2s"
 

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 
 from exporter.analysis.history import History, SeriesView
@@ -28,7 +30,7 @@ def test_bucket_tier_holds_medians_and_minima():
         h.update(snap(T0 + 5 * k, [proc(used=v)]))
     view = h.process_memory("GPU-a", (10, T0 - 100))
     assert len(view) >= 5
-    for t, med, lo in zip(view.times, view.values, view.lows):
+    for t, med, lo in zip(view.times, view.values, view.lows, strict=True):
         in_bucket = [v for k, v in enumerate(values) if abs(T0 + 5 * k - t) < 30]
         assert lo == min(in_bucket)
         assert med < 2000  # spike removed
@@ -168,7 +170,7 @@ def test_fast_sampling_is_bounded_by_samples_not_only_by_seconds():
     assert len(raw) <= 400 + 2 and len(frames) <= 400 + 2 + 4  # + the snapshots with events
     assert raw.times[-1] == last and frames[-1].timestamp == last  # the newest is always kept
     assert raw.times[0] - (last - 3600) < 10 and frames[0].timestamp - (last - 3600) < 10
-    gaps = [b - a for a, b in zip(raw.times, raw.times[1:-1])]
+    gaps = [b - a for a, b in itertools.pairwise(raw.times[:-1])]
     assert min(gaps) >= 3600 / 400
     kept_events = [f.timestamp for f in frames if f.log_events]
     assert kept_events == [T0 + 0.2 * k for k in range(0, n, 5000) if T0 + 0.2 * k >= last - 3600]

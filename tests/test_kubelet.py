@@ -329,5 +329,5 @@ def test_in_kubernetes_needs_the_service_host_and_the_token_file(token_file, tmp
 
 
 @pytest.fixture
-def clock():  # noqa: F811 (the conftest clock, redefined here for clarity of its start)
+def clock():
     return FixedClock(1_000_000.0)

@@ -201,7 +201,8 @@ def test_generator_check_mode_detects_drift(generator, tmp_path):
     edited = tmp_path / "rules.yml"
     edited.write_text(yaml.safe_dump(rules))
     assert generator.render(edited) != (KUBE / "prometheusrule.yaml").read_text()
-    result = subprocess.run([sys.executable, str(KUBE / "generate.py"), "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, str(KUBE / "generate.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr  # the committed file is current
 
 
@@ -310,7 +311,8 @@ def test_service_and_servicemonitor_find_the_pods(rendered, pod):
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
     # job = the Service's name: the rule GpuMemoryExporterDown selects that job.
-    assert 'up{job="' + service["metadata"]["name"] + '"}' in (REPO / "alerts" / "gpu-memory-exporter.rules.yml").read_text()
+    rules = (REPO / "alerts" / "gpu-memory-exporter.rules.yml").read_text()
+    assert 'up{job="' + service["metadata"]["name"] + '"}' in rules
 
 
 def test_servicemonitor_keeps_the_exporters_own_pod_and_endpoint_labels(rendered):

@@ -4,8 +4,7 @@ import random
 import pytest
 
 from exporter.analysis.history import History, SeriesView
-from exporter.analysis.leak import (LeakAssessor, LeakConfig, LeakLatch, assess, last_large_step,
-                                    time_to_full)
+from exporter.analysis.leak import LeakAssessor, LeakConfig, LeakLatch, assess, last_large_step, time_to_full
 from exporter.model import GpuSample, ProcessSample, Snapshot
 
 T0 = 1_700_000_000.0
@@ -77,8 +76,10 @@ def linear(rate_mib_per_min, start):
     ("caching sawtooth", [sawtooth], {}),
     ("fast large sawtooth", [lambda t: sawtooth(t, period=120, amp=2 * GiB)], {}),
     ("one-off step", [lambda t: 2 * GiB if t > 7200 else 0.0], {}),
-    ("step partly given back", [lambda t: (2 * GiB if 5400 < t < 9000 else 0.0) + (0.5 * GiB if t >= 9000 else 0.0)], {}),
-    ("warming, sawtooth and a step", [warming, lambda t: sawtooth(t, 420, 300 * MiB), lambda t: GiB if t > 6000 else 0.0], {}),
+    ("step partly given back",
+     [lambda t: (2 * GiB if 5400 < t < 9000 else 0.0) + (0.5 * GiB if t >= 9000 else 0.0)], {}),
+    ("warming, sawtooth and a step",
+     [warming, lambda t: sawtooth(t, 420, 300 * MiB), lambda t: GiB if t > 6000 else 0.0], {}),
     ("heavy noise with spikes", [], {"sigma": 24 * MiB, "spikes": 0.01}),
 ])
 def test_normal_patterns_stay_silent(name, parts, kwargs):
@@ -91,7 +92,8 @@ def test_normal_patterns_stay_silent(name, parts, kwargs):
 @pytest.mark.parametrize("name,parts,onset,within", [
     ("fast leak 50 MiB/min", [warming, linear(50, 3600)], 3600, 15 * 60),
     ("slow creep 1 MiB/min", [linear(1, 1800)], 1800, 150 * 60),
-    ("staircase 40 MiB every 8 min", [lambda t: 0.0 if t < 2400 else 40 * MiB * (1 + (t - 2400) // 480)], 2400, 60 * 60),
+    ("staircase 40 MiB every 8 min",
+     [lambda t: 0.0 if t < 2400 else 40 * MiB * (1 + (t - 2400) // 480)], 2400, 60 * 60),
     ("creep under a sawtooth", [sawtooth, linear(3, 1800)], 1800, 120 * 60),
 ])
 def test_leaks_are_caught(name, parts, onset, within):
@@ -150,7 +152,7 @@ def test_verdict_is_memoised_per_view_and_config():
 def test_pid_reuse_does_not_inherit_a_leak_verdict():
     history = History()
     old, new = (77, T0 - 10), (77, T0 + 7300)
-    for k in range(int(2 * 720)):
+    for k in range(2 * 720):
         t = T0 + 5 * k
         p = ProcessSample(pid=77, used_bytes=int(GiB + 50 * MiB / 60 * 5 * k), start_time=old[1])
         history.update(Snapshot(timestamp=t, gpus=(GpuSample(index="0", uuid=UUID, processes=(p,)),)))

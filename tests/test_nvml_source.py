@@ -9,7 +9,7 @@ import pytest
 from exporter.clock import FixedClock
 from exporter.model import HostMemory, Snapshot
 from exporter.sim import fake_nvml
-from exporter.sim.scenario import load
+from exporter.sim.scenario import SCENARIO_DIR, load
 from exporter.sources.nvml import NvmlSource
 
 GiB = 1 << 30
@@ -94,7 +94,9 @@ def test_init_failure_window_then_recovery(make):
 
 
 def test_driver_upgrade_under_us_reinitialises(make):
-    source, clock = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetCount, error: LibRmVersionMismatch, at: 10, until: 20}\n")
+    source, clock = make("faults:\n"
+                         "  - {kind: call_error, call: nvmlDeviceGetCount, error: LibRmVersionMismatch,"
+                         " at: 10, until: 20}\n")
     assert sample(source).up
     clock.advance(10)
     r = sample(source)
@@ -123,7 +125,9 @@ def test_reset_required(make):
 
 
 def test_memory_info_v2_missing_falls_back_to_v1(make):
-    source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound, at: 0}\n")
+    source, _ = make("faults:\n"
+                     "  - {kind: call_error, call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound,"
+                     " at: 0}\n")
     r = sample(source)
     g0 = r.gpus[0]
     assert g0.up and g0.total_bytes == 80 * GiB and g0.reserved_bytes is None
@@ -131,7 +135,9 @@ def test_memory_info_v2_missing_falls_back_to_v1(make):
 
 
 def test_process_list_v3_missing_falls_back_to_v2(make):
-    source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 0}\n")
+    source, _ = make("faults:\n"
+                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound,"
+                     " at: 0}\n")
     r = sample(source)
     assert [(p.pid, p.used_bytes) for p in r.gpus[0].processes] == [(100, 30 * GiB)]
     assert not r.errors
@@ -141,15 +147,19 @@ def test_no_process_list_at_all_keeps_memory(make):
     # nvidia-ml-py's unversioned call is v3 behind a version check: with v3 and v2 both missing it
     # raises NVMLLibraryMismatchError (not an NVMLError). The GPU must still report its memory.
     source, _ = make("faults:\n"
-                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 0}\n"
-                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v2, error: FunctionNotFound, at: 0}\n")
+                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound,"
+                     " at: 0}\n"
+                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v2, error: FunctionNotFound,"
+                     " at: 0}\n")
     r = sample(source)
     g0 = r.gpus[0]
     assert g0.up and g0.processes == () and g0.used_bytes >= 30 * GiB and r.up
 
 
 def test_no_permission_on_processes_keeps_gpu_up(make):
-    source, _ = make("faults:\n  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: NoPermission, at: 0}\n")
+    source, _ = make("faults:\n"
+                     "  - {kind: call_error, call: nvmlDeviceGetComputeRunningProcesses_v3, error: NoPermission,"
+                     " at: 0}\n")
     r = sample(source)
     assert r.gpus[0].up and r.gpus[0].processes == () and r.gpus[0].used_bytes is not None
     assert "no_permission" in kinds(r)
@@ -173,7 +183,8 @@ def test_unified_memory_device_reads_host_memory(make):
 
 def test_used_memory_not_available(make):
     source, _ = make(base=BASE.replace("{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB}",
-                                       "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB, memory_not_available: true}"))
+                                       "{pid: 200, name: python3, gpu: 1, memory: 10GiB, rss: 1GiB,"
+                                       " memory_not_available: true}"))
     procs = sample(source).gpus[1].processes
     assert [(p.pid, p.used_bytes) for p in procs] == [(200, None)]
 
@@ -188,7 +199,7 @@ def test_process_vanishing_is_normal(make):
 
 
 def test_mig_instances(make):
-    source, _ = make(base=open(__import__("exporter.sim.scenario", fromlist=["x"]).SCENARIO_DIR / "mig.yaml").read(), at=600)
+    source, _ = make(base=(SCENARIO_DIR / "mig.yaml").read_text(), at=600)
     gpus = sample(source).gpus
     assert [g.index for g in gpus] == ["0", "0/0", "0/1"]
     parent, a, b = gpus

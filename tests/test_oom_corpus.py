@@ -113,7 +113,7 @@ def test_entry(path):
     found = run(entry)
     wanted = [w for w in entry.expected if not w.get("missed")]
     assert [e.kind for e in found] == [w["kind"] for w in wanted], [e.message for e in found]
-    for event, want in zip(found, wanted):
+    for event, want in zip(found, wanted, strict=True):
         assert not matches(event, want), (matches(event, want), event)
         if expected_class(want) is not None:
             assert event.klass == expected_class(want), event.verdict

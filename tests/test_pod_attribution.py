@@ -11,8 +11,7 @@ import pytest
 from exporter.clock import FixedClock
 from exporter.config import ConfigError
 from exporter.config import build as build_config
-from exporter.model import GpuSample, ProcessSample
-from exporter.model import Snapshot
+from exporter.model import GpuSample, ProcessSample, Snapshot
 from exporter.runtime import Host, kubelet_pods, make_sampler
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import from_dict

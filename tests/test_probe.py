@@ -22,8 +22,7 @@ sys.path.insert(0, str(ROOT / "probe"))  # the probe is its own distribution: te
 import gpumem_probe  # noqa: E402
 from gpumem_probe.files import ProbeFile  # noqa: E402
 from gpumem_probe.identity import file_name  # noqa: E402
-from gpumem_probe.probe import (MAX_SETTING_CHARS, Probe, initialised_cuda,  # noqa: E402
-                                interval_from)
+from gpumem_probe.probe import MAX_SETTING_CHARS, Probe, initialised_cuda, interval_from  # noqa: E402
 
 STANDIN_CUDA = ROOT / "tests" / "fixtures" / "probe" / "standin_torch" / "torch" / "cuda.py"
 _names = itertools.count()

@@ -161,7 +161,7 @@ def test_a_query_over_the_server_limit_reports_the_server_message(prom):
 
 
 def test_several_exporters_need_a_selector(prom):
-    with pytest.raises(PromQueryError, match="several exporters.*instance="):
+    with pytest.raises(PromQueryError, match=r"several exporters.*instance="):
         fetch(prom["url"], prom["start"], prom["end"], step=SCRAPE)
 
 

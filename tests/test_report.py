@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.postmortem.explain import events_in_lines as parse_lines
-from exporter.postmortem.analyze import replay_episodes
 from exporter.config import build as build_config
 from exporter.model import Finding, GpuSample, OomEvent, ProcessSample, Snapshot
+from exporter.postmortem.analyze import replay_episodes
+from exporter.postmortem.explain import events_in_lines as parse_lines
 from exporter.postmortem.report import write_report
 from exporter.runtime import build as build_runtime
 

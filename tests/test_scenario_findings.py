@@ -21,7 +21,7 @@ EXPECTED = {
 }
 
 
-@functools.lru_cache(maxsize=None)  # the leak scenario is played once for both tests
+@functools.cache  # the leak scenario is played once for both tests
 def play(name, step=10.0):
     config = build_config()
     runtime = build_runtime(config, simulate=name, at=0.0)

@@ -58,7 +58,7 @@ def served():
 
 
 def test_exposition_matches_the_scenario(served):
-    server, clock = served
+    server, _ = served
     r = requests.get(server.url, timeout=5)
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
     samples = parse(r.text)
@@ -73,7 +73,8 @@ def test_exposition_matches_the_scenario(served):
     assert samples["vllm:prefix_cache_hits_total"] == [(labels, 42000 / 2)]
     [(info, value)] = samples["vllm:cache_config_info"]
     assert value == 1
-    assert {k: info[k] for k in ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "engine")} == {
+    keys = ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "engine")
+    assert {k: info[k] for k in keys} == {
         "block_size": "16", "cache_dtype": "fp8", "gpu_memory_utilization": "0.9",
         "num_gpu_blocks": "26368", "engine": "0"}
 

@@ -48,7 +48,7 @@ def env():
 
 
 def test_process_info(env):
-    host, clock = env
+    host, _ = env
     info = host.process(120)
     assert isinstance(info, ProcessInfo)
     assert (info.pid, info.name, info.ppid) == (120, "VLLM::Worker_TP", 110)

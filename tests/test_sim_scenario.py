@@ -96,7 +96,8 @@ VALIDATION_CASES = [
     (lambda d: d["processes"][1].update(stop=0), "processes[1].stop: must be after start"),
     (lambda d: d["processes"][1].pop("memory"), "processes[1].memory: required for a process on a GPU"),
     (lambda d: d["processes"][0].update(memory="1GiB"), "processes[0].memory: the process has no 'gpu'"),
-    (lambda d: d["processes"][1].update(memory=[{"spline": {}}]), "processes[1].memory[0].spline: unknown curve component"),
+    (lambda d: d["processes"][1].update(memory=[{"spline": {}}]),
+     "processes[1].memory[0].spline: unknown curve component"),
     (lambda d: d["processes"][1].update(memory=[{"ramp": {"kv_cache": "1GiB"}}]),
      "processes[1].memory[0].ramp.weights: required key is missing"),
     (lambda d: d["processes"][1].update(memory=[{"step": {"at": 5, "to": 1, "by": 1}}]),
@@ -105,7 +106,8 @@ VALIDATION_CASES = [
      "processes[1].memory[0].linear.until: must not be before 'from'"),
     (lambda d: d["processes"][1].update(memory=[{"noise": {"stddev": "1GiB", "colour": "pink"}}]),
      "processes[1].memory[0].noise.colour: unknown key"),
-    (lambda d: d["processes"][1].update(memory_by_gpu={1: "1GiB"}), "processes[1].memory_by_gpu.1: the process is not on GPU 1"),
+    (lambda d: d["processes"][1].update(memory_by_gpu={1: "1GiB"}),
+     "processes[1].memory_by_gpu.1: the process is not on GPU 1"),
     (lambda d: d["host"].update(psi_some="high"), "host.psi_some: expected a number"),
     (lambda d: d["host"].update(oom_kills=[{"noise": {"stddev": 1}}]), "host.oom_kills: a counter may only use"),
     (lambda d: d["vllm"][0].update(pid=999), "vllm[0].pid: no process with pid 999"),
@@ -115,17 +117,23 @@ VALIDATION_CASES = [
      "vllm[0].cache_config.gpu_memory_utilization: must be at most 1"),
     (lambda d: d["vllm"][0].update(preemptions={"sawtooth": {"period": 5, "amplitude": 3}}),
      "vllm[0].preemptions: a counter may only use"),
-    (lambda d: d["vllm"][0].update(prefix_cache_hit_ratio=2), "vllm[0].prefix_cache_hit_ratio: must be between 0 and 1"),
+    (lambda d: d["vllm"][0].update(prefix_cache_hit_ratio=2),
+     "vllm[0].prefix_cache_hit_ratio: must be between 0 and 1"),
     (lambda d: d.update(faults=[{"kind": "meteor"}]), "faults[0].kind: expected one of"),
     (lambda d: d.update(faults=[{"kind": "gpu_lost"}]), "faults[0].gpu: required for gpu_lost"),
-    (lambda d: d.update(faults=[{"kind": "gpu_lost", "gpu": 0, "at": 10, "until": 5}]), "faults[0].until: must be after 'at'"),
-    (lambda d: d.update(faults=[{"kind": "init_failure", "error": "oops"}]), "faults[0].error: expected one of library_not_found"),
-    (lambda d: d.update(faults=[{"call": "nvmlDeviceGetMemoryInfo", "error": "Exploded"}]), "faults[0].error: unknown NVML error"),
+    (lambda d: d.update(faults=[{"kind": "gpu_lost", "gpu": 0, "at": 10, "until": 5}]),
+     "faults[0].until: must be after 'at'"),
+    (lambda d: d.update(faults=[{"kind": "init_failure", "error": "oops"}]),
+     "faults[0].error: expected one of library_not_found"),
+    (lambda d: d.update(faults=[{"call": "nvmlDeviceGetMemoryInfo", "error": "Exploded"}]),
+     "faults[0].error: unknown NVML error"),
     (lambda d: d.update(faults=[{"call": "nvmlDeviceGetUUID", "error": "Timeout", "version": 2}]),
      "faults[0].version: only nvmlDeviceGetMemoryInfo has versions"),
-    (lambda d: d.update(faults=[{"call": "rm -rf", "error": "Timeout"}]), "faults[0].call: expected an NVML function name"),
+    (lambda d: d.update(faults=[{"call": "rm -rf", "error": "Timeout"}]),
+     "faults[0].call: expected an NVML function name"),
     (lambda d: d.update(faults=[{"kind": "vllm_slow", "delay": 600}]), "faults[0].delay: at most 60 seconds"),
-    (lambda d: d.update(faults=[{"kind": "vllm_http_error", "status": 200}]), "faults[0].status: expected an HTTP error status"),
+    (lambda d: d.update(faults=[{"kind": "vllm_http_error", "status": 200}]),
+     "faults[0].status: expected an HTTP error status"),
     (lambda d: d.update(gpus=[]), "gpus: at least one GPU is needed"),
     (lambda d: d.update(gpus={"name": "x"}), "gpus: expected a list"),
 ]
@@ -169,7 +177,7 @@ def test_oversized_file_is_refused(tmp_path):
 
 
 def test_unknown_name_lists_builtins():
-    with pytest.raises(ScenarioError, match="built-in: .*steady"):
+    with pytest.raises(ScenarioError, match=r"built-in: .*steady"):
         sc.load("no-such-scenario")
 
 
@@ -358,7 +366,7 @@ REQUIRED = {"steady", "leak", "contention", "unified-memory", "stale-memory", "p
 
 def test_builtin_list_has_every_required_scenario_with_a_description():
     found = dict(sc.builtin())
-    assert REQUIRED <= set(found)
+    assert set(found) >= REQUIRED
     for name, desc in found.items():
         assert desc and "\n" not in desc, name
 
@@ -464,7 +472,7 @@ def test_replace_processes_swaps_the_list_in_place():
 def test_an_alias_bomb_scenario_is_refused(tmp_path):
     """Aliases are allowed in scenarios (built-ins share curves), but their expansion is bounded."""
     lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
-    for prev, name in zip("abcdef", "bcdefg"):
+    for prev, name in zip("abcdef", "bcdefg", strict=True):
         lines.append(f"{name}: &{name} [{','.join(['*' + prev] * 9)}]")
     path = tmp_path / "bomb.yaml"
     path.write_text("\n".join(lines) + "\n")

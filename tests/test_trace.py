@@ -9,8 +9,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.model import GpuSample, HostMemory, ProcessSample, Snapshot
-from exporter.postmortem.trace import (CSV_COLUMNS, TraceError, read_csv_rows, read_prometheus_rows,
-                            read_trace, read_traces, snapshots_from_rows, write_csv)
+from exporter.postmortem.trace import (
+    CSV_COLUMNS,
+    TraceError,
+    read_csv_rows,
+    read_prometheus_rows,
+    read_trace,
+    read_traces,
+    snapshots_from_rows,
+    write_csv,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 GiB = 1 << 30

@@ -6,7 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.analysis.trend import (
-    mad, mann_kendall, median, theil_sen, theil_sen_line,
+    mad,
+    mann_kendall,
+    median,
+    theil_sen,
+    theil_sen_line,
 )
 
 

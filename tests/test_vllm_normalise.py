@@ -181,7 +181,8 @@ def test_a_broken_line_in_a_family_we_never_read_does_not_lose_the_page():
 
 
 def test_a_broken_line_in_a_family_we_read_fails_the_page():
-    broken = _real_sized_page().replace('vllm:num_requests_running{engine="0"', 'vllm:num_requests_running{engine="0', 1)
+    running = 'vllm:num_requests_running{engine="0"'
+    broken = _real_sized_page().replace(running, running[:-1], 1)
     with pytest.raises(ParseError, match="not Prometheus text format"):
         normalise(broken)
 

@@ -9,7 +9,12 @@ from exporter.model import GpuSample, ProcessSample, VllmSample
 from exporter.sources.hostview import ProcessInfo
 from exporter.sources.vllm_endpoint import VllmEndpoint
 from exporter.sources.vllm_procs import (
-    PidFileError, ServerPids, assign_roles, is_local_host, read_pid_file, server_pids,
+    PidFileError,
+    ServerPids,
+    assign_roles,
+    is_local_host,
+    read_pid_file,
+    server_pids,
 )
 
 

@@ -115,7 +115,8 @@ def test_basic_auth(serve):
     assert requests.get(url + "/healthz", auth=("prom", "s3cret"), timeout=5).status_code == 200
 
 
-@pytest.mark.parametrize("header", ["Basic !!!notbase64", "Bearer abc", "Basic " + base64.b64encode(b"\xff\xfe").decode(), ""])
+@pytest.mark.parametrize("header", ["Basic !!!notbase64", "Bearer abc",
+                                    "Basic " + base64.b64encode(b"\xff\xfe").decode(), ""])
 def test_malformed_auth_headers_are_refused(header):
     assert BasicAuth({"prom": HASH}).check(header) is False
 

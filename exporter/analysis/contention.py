@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..model import Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 
 if TYPE_CHECKING:
-    from .history import History
+    from .history import History, Identity
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -45,7 +45,7 @@ class ContentionConfig:
             raise ValueError("contention: top_processes must be >= 1")
 
 
-def _baseline(history: "History", now: float, window: float) -> Snapshot | None:
+def _baseline(history: History, now: float, window: float) -> Snapshot | None:
     """The newest snapshot at least `window` seconds old, if history reaches back that far."""
     base = None
     for snap in history.recent(now - 2 * window):
@@ -55,7 +55,7 @@ def _baseline(history: "History", now: float, window: float) -> Snapshot | None:
     return base
 
 
-def detect_contention(history: "History", snapshot: Snapshot,
+def detect_contention(history: History, snapshot: Snapshot,
                       config: ContentionConfig) -> list[Finding]:
     now = snapshot.timestamp
     base = _baseline(history, now, config.window_seconds)
@@ -178,11 +178,11 @@ def _rss_growers(snapshot: Snapshot, base: Snapshot,
                  config: ContentionConfig) -> list[tuple[int, ProcessSample]]:
     """Processes whose host RSS grew the most since the baseline (once each, any GPU)."""
     before = {p.identity: p.host_rss_bytes or 0 for g in base.gpus for p in g.processes}
-    now: dict[tuple, ProcessSample] = {}
+    now: dict[Identity, tuple[int, ProcessSample]] = {}  # identity -> (rss, p)
     for g in snapshot.gpus:
         for p in g.processes:
             if p.host_rss_bytes is not None:
-                now.setdefault(p.identity, p)
-    grown = sorted(((p.host_rss_bytes - before.get(ident, 0), p) for ident, p in now.items()),
+                now.setdefault(p.identity, (p.host_rss_bytes, p))
+    grown = sorted(((rss - before.get(ident, 0), p) for ident, (rss, p) in now.items()),
                    key=lambda gp: -gp[0])
     return [(g, p) for g, p in grown if g >= config.process_min_bytes][:config.top_processes]

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TypeVar
 
 from ..model import Analysis, Finding, OomEvent, Snapshot
 from .budget import memory_budgets
@@ -36,6 +37,10 @@ findings_log = logging.getLogger("exporter.findings")
 log = logging.getLogger(__name__)
 
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+
+_T = TypeVar("_T")
+# Finding.key: (kind, gpu, pid, endpoint)
+FindingKey = tuple[object, ...]
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class Analyzer:
         self.log_findings = log_findings
         self.detector_errors: Counter[str] = Counter()  # detector -> exceptions caught
         self.dropped_findings = 0  # episodes evicted from all_findings by the size bound
-        self._active: dict[tuple, tuple[int, Finding]] = {}  # key -> (episode id, finding)
+        self._active: dict[FindingKey, tuple[int, Finding]] = {}  # key -> (episode id, finding)
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
         self._gpus = GpuVerdicts()
@@ -122,8 +127,8 @@ class Analyzer:
     def update(self, snapshot: Snapshot) -> Analysis:
         # OOM messages arrive parsed; from here on every detector sees them classified (an event
         # classified before, e.g. by `explain` for a replay, keeps its verdict).
-        snapshot = replace(snapshot, log_events=tuple(m if isinstance(m, OomEvent) else classify(m)
-                                                      for m in snapshot.log_events))
+        events = tuple(m if isinstance(m, OomEvent) else classify(m) for m in snapshot.log_events)
+        snapshot = replace(snapshot, log_events=events)
         now, cfg, history = snapshot.timestamp, self.config, self.history
         budgets = memory_budgets(snapshot)
         history.update(snapshot, budgets)
@@ -154,10 +159,10 @@ class Analyzer:
         self._previous = snapshot
         return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets,
                         process_trends=leak.trends if leak is not None else (),
-                        transitions=changed, oom_events=snapshot.log_events)
+                        transitions=changed, oom_events=events)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, name: str, fn):
+    def _run(self, name: str, fn: Callable[[], _T]) -> _T | None:
         """A bug in one detector must not silence the others; it is logged and counted, and
         None returned."""
         try:
@@ -168,13 +173,13 @@ class Analyzer:
             return None
 
     def _track(self, findings: list[Finding], failed: set[str], now: float) -> tuple[Finding, ...]:
-        current: dict[tuple, Finding] = {}
+        current: dict[FindingKey, Finding] = {}
         for f in findings:
             current.setdefault(f.key, f)
         for key, (_, f) in self._active.items():  # a failed detector's findings stay as they were
             if f.kind in failed and key not in current:
                 current[key] = f
-        active: dict[tuple, tuple[int, Finding]] = {}
+        active: dict[FindingKey, tuple[int, Finding]] = {}
         for key, f in current.items():
             if key in self._active:
                 episode_id, old = self._active[key]

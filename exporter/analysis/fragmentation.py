@@ -43,7 +43,7 @@ class FragmentationConfig:
 def detect_fragmentation(history: History, snapshot: Snapshot, config: FragmentationConfig,
                          budgets: tuple[Budget, ...]) -> list[Finding]:
     """`budgets`: this tick's memory budgets (earlier ticks' come with their snapshots)."""
-    found: dict[tuple, Finding] = {}
+    found: dict[tuple[object, ...], Finding] = {}
     tensor_parallel = tensor_parallel_endpoints(budgets)
     for finding in (*_from_ooms(history, snapshot, config, tensor_parallel),
                     *_from_preemptions(history, snapshot, config, budgets),
@@ -214,13 +214,16 @@ def _from_budgets(history: History, snapshot: Snapshot, config: FragmentationCon
         return []
     findings = []
     for (endpoint, gpu_index), b in over.items():
-        excess = b.used_bytes - b.budget_bytes
+        used, budget = b.used_bytes, b.budget_bytes
+        if used is None or budget is None:
+            continue  # never: _excess() is False for these
+        excess = used - budget
         findings.append(Finding(
             kind="fragmentation", severity="warning", first_detected_at=now, gpu=gpu_index,
             uuid=b.uuid, endpoint=endpoint,
-            summary=f"{endpoint} uses {b.used_bytes / GIB:.1f} GiB on GPU {gpu_index}, "
-                    f"{excess / GIB:.1f} GiB above its budget of {b.budget_bytes / GIB:.1f} GiB",
-            evidence=(("used_bytes", b.used_bytes), ("budget_bytes", b.budget_bytes),
+            summary=f"{endpoint} uses {used / GIB:.1f} GiB on GPU {gpu_index}, "
+                    f"{excess / GIB:.1f} GiB above its budget of {budget / GIB:.1f} GiB",
+            evidence=(("used_bytes", used), ("budget_bytes", budget),
                       ("excess_bytes", excess),
                       ("sustained_seconds", round(now - since, 1))),
             advice=_advice(endpoint in tensor_parallel) + (
@@ -229,7 +232,7 @@ def _from_budgets(history: History, snapshot: Snapshot, config: FragmentationCon
     return findings
 
 
-def _excess(snapshot: Snapshot, b, config: FragmentationConfig) -> bool:
+def _excess(snapshot: Snapshot, b: Budget, config: FragmentationConfig) -> bool:
     if b.budget_bytes is None or b.used_bytes is None:
         return False
     gpu = _gpu(snapshot, b.gpu)

@@ -12,7 +12,7 @@ MAX_GPUS_REMEMBERED = 4096  # GPUs come and go rarely; bound the admission memor
 
 
 class GpuVerdicts:
-    def __init__(self):
+    def __init__(self) -> None:
         self._admission: dict[str, bool] = {}  # GPU uuid -> open
 
     def update(self, snapshot: Snapshot, budgets: tuple[Budget, ...], history: History,

@@ -28,14 +28,16 @@ from __future__ import annotations
 import zlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-
-from typing import Iterator
+from typing import cast
 
 from ..model import Budget, OomEvent, Snapshot
 from .trend import median
 
 Identity = tuple[int, "float | None"]
+# ("gpu", uuid) | ("mem", uuid, pid, start_time) | ("rss", pid, start_time)
+SeriesKey = tuple[object, ...]
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,24 @@ class _Series:
     """One series: raw ring (two arrays with a moving start) plus the bucket-median tier."""
 
     __slots__ = (
-        "last_seen", "name", "offset", "bucket_seconds",
-        "raw_t", "raw_v", "raw_start", "tier_t", "tier_v", "tier_lo", "tier_start",
-        "bucket", "bucket_vals", "bucket_tsum", "view",
+        "bucket",
+        "bucket_seconds",
+        "bucket_tsum",
+        "bucket_vals",
+        "last_seen",
+        "name",
+        "offset",
+        "raw_start",
+        "raw_t",
+        "raw_v",
+        "tier_lo",
+        "tier_start",
+        "tier_t",
+        "tier_v",
+        "view",
     )
 
-    def __init__(self, key: tuple, t: float, name: str, bucket_seconds: float):
+    def __init__(self, key: SeriesKey, t: float, name: str, bucket_seconds: float):
         self.last_seen = t
         self.name = name
         self.bucket_seconds = bucket_seconds
@@ -126,7 +140,7 @@ class _Series:
         return (len(self.raw_t) - self.raw_start) + (len(self.tier_t) - self.tier_start)
 
 
-def _trim(ts: array, start: int, cutoff: float, *columns: array) -> int:
+def _trim(ts: array[float], start: int, cutoff: float, *columns: array[float]) -> int:
     """Advance `start` past points older than `cutoff`; compact when half the array is dead."""
     n = len(ts)
     while start < n and ts[start] < cutoff:
@@ -158,7 +172,7 @@ class History:
         self.bucket_seconds = float(bucket_seconds)
         self.max_series = max_series
         # Insertion order = least recently updated first (moved to the end on every update).
-        self._series: OrderedDict[tuple, _Series] = OrderedDict()
+        self._series: OrderedDict[SeriesKey, _Series] = OrderedDict()
         self._frames: deque[tuple[Snapshot, tuple[Budget, ...]]] = deque()
         self._last_timestamp: float | None = None
         self._next_sweep = float("-inf")
@@ -172,7 +186,7 @@ class History:
             self.dropped_out_of_order += 1  # a clock step backwards must not corrupt order
             return
         self._last_timestamp = t
-        rss_done: set[tuple] = set()
+        rss_done: set[SeriesKey] = set()
         for gpu in snapshot.gpus:
             if gpu.used_bytes is not None:
                 self._add(("gpu", gpu.uuid), t, float(gpu.used_bytes), "")
@@ -197,7 +211,7 @@ class History:
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
 
-    def _add(self, key: tuple, t: float, value: float, name: str) -> None:
+    def _add(self, key: SeriesKey, t: float, value: float, name: str) -> None:
         series = self._series.get(key)
         if series is not None and key[0] != "gpu" and key[-1] is None and name and series.name \
                 and name != series.name:
@@ -219,7 +233,7 @@ class History:
             del self._series[key]
 
     # --- reading -------------------------------------------------------------------------
-    def _view(self, key: tuple, raw: bool) -> SeriesView:
+    def _view(self, key: SeriesKey, raw: bool) -> SeriesView:
         series = self._series.get(key)
         if series is None:
             return EMPTY
@@ -260,10 +274,12 @@ class History:
 def recent_events(history: History, snapshot: Snapshot,
                   window: float) -> Iterator[tuple[Snapshot, OomEvent]]:
     """OOM events that arrived within `window` seconds, with the snapshot they came in."""
+    # Snapshot.log_events holds OomMessages as parsed; the engine classifies them (OomEvent)
+    # before a snapshot reaches the detectors or the history, which the type cannot say.
     now = snapshot.timestamp
     for snap in history.recent(now - window):
         if snap.timestamp < now:
             for event in snap.log_events:
-                yield snap, event
+                yield snap, cast(OomEvent, event)
     for event in snapshot.log_events:
-        yield snapshot, event
+        yield snapshot, cast(OomEvent, event)

@@ -27,7 +27,9 @@ LeakLatch adds the hysteresis a caller raising and clearing findings needs.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from .history import SeriesView
@@ -35,6 +37,8 @@ from .trend import mad, mann_kendall, median, theil_sen, theil_sen_line
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+
+Evidence = tuple[tuple[str, float | int | str], ...]
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class LeakConfig:
 class LeakAssessment:
     suspected: bool
     slope_bytes_per_second: float | None  # robust (Theil–Sen) slope; None if too few points
-    evidence: tuple[tuple[str, float | int | str], ...] = ()
+    evidence: Evidence = ()
 
 
 DEFAULT_CONFIG = LeakConfig()
@@ -115,11 +119,12 @@ class LeakAssessor:
     all but about one tick a minute reuse it. Keys not assessed between two prune() calls are
     forgotten, so it holds only the series still asked about."""
 
-    def __init__(self):
-        self._kept: dict = {}  # key -> (view, total_bytes, config, verdict)
-        self._asked: dict = {}
+    def __init__(self) -> None:
+        # key -> (view, total_bytes, config, verdict)
+        self._kept: dict[Hashable, tuple[SeriesView, int | None, LeakConfig, LeakAssessment]] = {}
+        self._asked: dict[Hashable, tuple[SeriesView, int | None, LeakConfig, LeakAssessment]] = {}
 
-    def __call__(self, key, series: SeriesView, total_bytes: int | None, now: float,
+    def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
                  config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
@@ -194,7 +199,7 @@ def verdict(series: SeriesView, total_bytes: int | None,
     return LeakAssessment(False, slope, (("reason", why),))
 
 
-def _noise(values, base: int) -> float:
+def _noise(values: Sequence[float], base: int) -> float:
     """Robust sigma of point-to-point noise since the last large step.
 
     The smaller of two estimates: the MAD of first differences (blind to a steady climb) and
@@ -211,7 +216,8 @@ def _noise(values, base: int) -> float:
     return min(1.4826 * mad(diffs) / math.sqrt(2.0), median(res) / 0.316)
 
 
-def _drops(times, values, base: int, threshold: float, config: LeakConfig) -> list[float]:
+def _drops(times: Sequence[float], values: Sequence[float], base: int, threshold: float,
+           config: LeakConfig) -> list[float]:
     """Times of sharp falls in the recent past; falls split over adjacent points count once."""
     lo = max(base + 1, bisect.bisect_left(times, times[-1] - config.drop_lookback_seconds))
     out: list[float] = []
@@ -229,11 +235,11 @@ def _tooth(drops: list[float], since: float, config: LeakConfig) -> float | None
     if not drops:
         return None
     edges = drops if len(drops) > 1 else [since] + drops
-    teeth = [b - a for a, b in zip(edges, edges[1:]) if b - a <= config.max_tooth_seconds]
+    teeth = [b - a for a, b in itertools.pairwise(edges) if b - a <= config.max_tooth_seconds]
     return 1.25 * median(teeth) if teeth else None
 
 
-def _recent_slope(times, values, base: int, config: LeakConfig) -> float | None:
+def _recent_slope(times: Sequence[float], values: Sequence[float], base: int, config: LeakConfig) -> float | None:
     """Theil–Sen slope over the last slope_window_seconds, never across a large step.
 
     Thinned to at most 16 evenly spaced points (120 pairs): this runs for every process on every
@@ -248,12 +254,13 @@ def _recent_slope(times, values, base: int, config: LeakConfig) -> float | None:
     return theil_sen([times[i] for i in idx][::-1], [values[i] for i in idx][::-1])
 
 
-def _floor(values, lo: int, hi: int) -> float | None:
+def _floor(values: Sequence[float], lo: int, hi: int) -> float | None:
     return min(values[lo:hi]) if hi > lo else None
 
 
-def _window_test(times, values, base: int, settled_from: float, start: float, window: float,
-                 noise: float, config: LeakConfig):
+def _window_test(times: Sequence[float], values: Sequence[float], base: int, settled_from: float,
+                 start: float, window: float, noise: float,
+                 config: LeakConfig) -> str | tuple[float, Evidence]:
     """The persistent-floor-growth test on [start, end]: (slope, evidence), or why not."""
     n = len(times)
     j = bisect.bisect_left(times, start)
@@ -261,7 +268,7 @@ def _window_test(times, values, base: int, settled_from: float, start: float, wi
         return "too_few_points"
     span = window / config.blocks
     edges = [bisect.bisect_left(times, start + k * span, j) for k in range(config.blocks)] + [n]
-    floors = []
+    floors: list[float] = []
     for k in range(config.blocks):
         f = _floor(values, edges[k], edges[k + 1])
         if f is None:
@@ -315,9 +322,10 @@ def _window_test(times, values, base: int, settled_from: float, start: float, wi
     # rise between sub-windows with that over the sub-windows just before, settling period
     # included (medians: one step there does not count as pace).
     recent = earlier[:config.blocks]
-    if recent and all(f is not None for _, f in recent):
-        chain = recent[::-1] + [(start, floors[0])]
-        before = median([(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(chain, chain[1:])])
+    known = [(t, f) for t, f in recent if f is not None]
+    if recent and len(known) == len(recent):
+        chain = known[::-1] + [(start, floors[0])]
+        before = median([(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(chain)])
         if median(rises) / span < config.min_pace_ratio * before:
             return "slower_than_before"
     bt, bv = _binned_floor(times, values, j, start, window, config.max_bins)
@@ -327,7 +335,7 @@ def _window_test(times, values, base: int, settled_from: float, start: float, wi
     slope = theil_sen(bt, bv)
     if slope is None or slope < config.min_slope_bytes_per_second:
         return "slope_too_small"
-    evidence = (
+    evidence: Evidence = (
         ("slope_bytes_per_second", round(slope, 3)),
         ("growth_bytes", int(growth)),
         ("mann_kendall_z", round(mk.z, 2)),
@@ -338,7 +346,8 @@ def _window_test(times, values, base: int, settled_from: float, start: float, wi
     return slope, evidence
 
 
-def _binned_floor(times, values, j: int, start: float, window: float, max_bins: int):
+def _binned_floor(times: Sequence[float], values: Sequence[float], j: int, start: float,
+                  window: float, max_bins: int) -> tuple[Sequence[float], Sequence[float]]:
     """At most max_bins points: the minimum of each equal-time bin, at the time it occurred."""
     if len(times) - j <= max_bins:
         return times[j:], values[j:]
@@ -398,11 +407,11 @@ class LeakLatch:
     long (their processes are gone) are forgotten, so the latch stays bounded.
     """
 
-    def __init__(self, clear_after_seconds: float = 1800):
+    def __init__(self, clear_after_seconds: float = 1800) -> None:
         self.clear_after_seconds = clear_after_seconds
-        self._last_suspected: dict = {}
+        self._last_suspected: dict[Hashable, float] = {}
 
-    def update(self, key, suspected: bool, now: float) -> bool:
+    def update(self, key: Hashable, suspected: bool, now: float) -> bool:
         """Record this tick's verdict for `key`; return whether the leak finding is active."""
         if suspected:
             self._last_suspected[key] = now

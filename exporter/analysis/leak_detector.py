@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..model import Budget, Finding, GpuSample, ProcessSample, ProcessTrend, Snapshot
 from .budget import tensor_parallel_endpoints
-from .history import History
+from .history import History, Identity
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
 
 
@@ -25,7 +25,7 @@ class LeakResult:
 class LeakDetector:
     """Holds what must outlive a tick: the latch, and each series' last verdict."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._latch = LeakLatch()
         self._assess = LeakAssessor()
 
@@ -34,7 +34,7 @@ class LeakDetector:
         now = snapshot.timestamp
         host_total = snapshot.host.total_bytes if snapshot.host else None
         tensor_parallel = tensor_parallel_endpoints(budgets)
-        rss: dict[tuple, tuple[LeakAssessment, bool]] = {}  # identity -> (assessment, latched)
+        rss: dict[Identity, tuple[LeakAssessment, bool]] = {}  # identity -> (assessment, latched)
         trends, findings = [], []
         for gpu in snapshot.gpus:
             for p in gpu.processes:

@@ -16,9 +16,10 @@ threshold (0.80), so a GPU hovering at the threshold does not flap.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..model import Finding, GpuAnalysis, GpuSample, HostMemory
+from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def memory_ratio(gpu: GpuSample, host: HostMemory | None) -> float | None:
     return None
 
 
-def beyond_budget_bytes(gpu: GpuSample, budgets) -> int | None:
+def beyond_budget_bytes(gpu: GpuSample, budgets: Iterable[Budget]) -> int | None:
     """Used memory minus what the vLLM servers on this GPU use within their budgets
     (analysis.budget.Budget). A server whose budget is not known yet (still starting, its
     /metrics not up) counts all its memory as planned, so a start-up never looks like pressure."""

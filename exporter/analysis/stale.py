@@ -8,13 +8,14 @@ explanation changes:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import Finding, GpuSample, ProcessSample, Snapshot
 
 if TYPE_CHECKING:
-    from .history import History
+    from .history import History, Identity
 
 GIB = 1 << 30
 
@@ -50,7 +51,7 @@ def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
     return max(config.min_bytes, int(config.min_ratio * (gpu.total_bytes or 0)))
 
 
-def detect_stale(history: "History", snapshot: Snapshot, config: StaleConfig) -> list[Finding]:
+def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig) -> list[Finding]:
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
     exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
@@ -89,7 +90,7 @@ def exited_servers(snapshot: Snapshot,
     of the last minutes, the transitions of a tick ask it of the tick before."""
     now = snapshot.timestamp
     live = {(g.uuid, p.identity) for g in snapshot.gpus for p in g.processes}
-    last_seen: dict[tuple, tuple[int, ProcessSample]] = {}
+    last_seen: dict[tuple[str, Identity], tuple[int, ProcessSample]] = {}
     for i, snap in enumerate(past):
         for g in snap.gpus:
             for p in g.processes:
@@ -128,8 +129,8 @@ def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
         advice=_ADVICE)
 
 
-def _exited_server(gpu: GpuSample, unowned: int, exited, now: float,
-                   config: StaleConfig) -> Finding | None:
+def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, ProcessSample]],
+                   now: float, config: StaleConfig) -> Finding | None:
     """The largest serving process that left this GPU while its memory stayed behind."""
     best = None
     for gone_at, proc in exited:

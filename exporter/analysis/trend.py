@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -101,5 +101,5 @@ def theil_sen_line(times: Sequence[float], values: Sequence[float]) -> tuple[flo
     slope = theil_sen(times, values)
     if slope is None:
         return None
-    return slope, median([v - slope * t for t, v in zip(times, values)])
+    return slope, median([v - slope * t for t, v in zip(times, values, strict=True)])
 

@@ -5,8 +5,19 @@ fall back to a default). docs/configuration.md is generated from the schema (doc
 """
 from .fields import DEFAULT_PORT, ConfigError, parse_listen
 from .loading import build, file_form, load, load_file
-from .schema import (AdmissionConfig, Config, EndpointConfig, HistoryConfig, HostConfig, KubeletConfig,
-                     LogsConfig, NvmlConfig, RecorderConfig, VllmConfig, read_secret_file)
+from .schema import (
+                     AdmissionConfig,
+                     Config,
+                     EndpointConfig,
+                     HistoryConfig,
+                     HostConfig,
+                     KubeletConfig,
+                     LogsConfig,
+                     NvmlConfig,
+                     RecorderConfig,
+                     VllmConfig,
+                     read_secret_file,
+)
 from .yamlfile import MAX_YAML_BYTES as MAX_CONFIG_BYTES
 
 __all__ = ["DEFAULT_PORT", "MAX_CONFIG_BYTES", "AdmissionConfig", "Config", "ConfigError", "EndpointConfig",

@@ -6,6 +6,7 @@ A test fails when the committed file differs from what this prints.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal, get_args, get_origin
 
 import annotated_types
@@ -44,11 +45,11 @@ NVML back-off take effect at the next sample; `listen`, `health_listen`, `web_co
 """
 
 
-def _doc_type(metadata) -> str | None:
+def _doc_type(metadata: Iterable[object]) -> str | None:
     return next((m.type for m in metadata if isinstance(m, Doc)), None)
 
 
-def _inner_doc(typ) -> str | None:
+def _inner_doc(typ: object) -> str | None:
     """The Doc of an Annotated type argument, as in tuple[Path, ...]."""
     return _doc_type(get_args(typ)[1:])
 

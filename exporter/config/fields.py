@@ -12,8 +12,16 @@ from dataclasses import dataclass
 from typing import Annotated, Any, get_args
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
-from pydantic import model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .. import units
@@ -73,7 +81,7 @@ class Section(BaseModel):
         return iter(())
 
     @model_validator(mode="after")
-    def _check_across_keys(self):
+    def _check_across_keys(self) -> Section:
         found = list(self.problems())
         if found:
             raise fail(found[0][1], found[0][0], found[1:])
@@ -126,7 +134,7 @@ def check_url(value: str, example: str) -> str:
         raise fail("a URL must not contain spaces or control characters")
     try:
         parts = urlsplit(value)
-        parts.port  # raises on a port out of range or not a number
+        _ = parts.port  # read only to validate: raises on a port out of range or not a number
     except ValueError as exc:  # also a broken IPv6 literal such as http://[::1/metrics
         raise fail(f"not a valid URL ({exc}): {show(value)}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -187,11 +195,11 @@ def _key_text(part: Any) -> str:
     return "." + (text if re.fullmatch(r"[\w-]{1,64}", text) else show(text))
 
 
-def path_text(loc: tuple) -> str:
+def path_text(loc: tuple[int | str, ...]) -> str:
     return "".join(_key_text(p) for p in loc).lstrip(".")
 
 
-def _bound(value: Any, loc: tuple) -> str:
+def _bound(value: Any, loc: tuple[int | str, ...]) -> str:
     if loc and str(loc[-1]).endswith("_bytes"):
         return size_text(value)
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
@@ -204,7 +212,7 @@ def _section(typ: Any) -> Any:
     return typ
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """The keys the section at `loc` knows, for 'did you mean'."""
     typ: Any = model
     for part in loc:

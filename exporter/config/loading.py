@@ -10,7 +10,7 @@ from .schema import Config
 from .yamlfile import YamlError, read_yaml
 
 
-def load_file(path: str) -> dict:
+def load_file(path: str) -> dict[str, Any]:
     """The file's mapping, as written. Raises ConfigError."""
     try:
         data = read_yaml(path, "config")
@@ -23,7 +23,7 @@ def load_file(path: str) -> dict:
     return data
 
 
-def _override(data: dict, dotted: str, value: Any) -> None:
+def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
     """Set `a.b.c` in a copy of the file's mapping; a section that is not a mapping stays as
     written, for the schema to report."""
     *parents, last = dotted.split(".")
@@ -36,7 +36,7 @@ def _override(data: dict, dotted: str, value: Any) -> None:
     node[last] = list(value) if isinstance(value, tuple) else value
 
 
-def build(file_data: dict | None = None, overrides: dict[str, Any] | None = None) -> Config:
+def build(file_data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """The file's values, then the overrides (flags and environment, keyed by dotted key path;
     None or () leaves a key alone), checked as one. Raises ConfigError with every problem."""
     data = dict(file_data or {})
@@ -53,6 +53,6 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
     return build(load_file(path) if path else None, overrides)
 
 
-def file_form(config: Config) -> dict:
+def file_form(config: Config) -> dict[str, Any]:
     """The configuration as a file would say it (nested, sizes as 8MiB): `build` accepts it back."""
     return config.model_dump(mode="json")

@@ -10,15 +10,36 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from .. import units
 from ..boundedio import read_head
-from .fields import (DEFAULT_PORT, EMPTY, ConfigError, Count, Doc, Listen, ListenOrOff, Path, PositiveSeconds, Ratio,
-                     Regex, Section, Seconds, Size, Text, fail, parse_listen, url_check)
+from .fields import (
+    DEFAULT_PORT,
+    EMPTY,
+    ConfigError,
+    Count,
+    Doc,
+    Listen,
+    ListenOrOff,
+    Path,
+    PositiveSeconds,
+    Ratio,
+    Regex,
+    Seconds,
+    Section,
+    Size,
+    Text,
+    fail,
+    parse_listen,
+    url_check,
+)
 from .web import load_web_config
+
+if TYPE_CHECKING:
+    from ..analysis.engine import AnalysisConfig
 
 MAX_TOKEN_BYTES = 64 << 10
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -118,7 +139,8 @@ class HistoryConfig(Section):
 
 
 class NvmlConfig(Section):
-    retry_initial_seconds: PositiveSeconds = Field(5.0, description="Back-off while NVML or the driver is unavailable ...")
+    retry_initial_seconds: PositiveSeconds = Field(5.0, description=(
+        "Back-off while NVML or the driver is unavailable ..."))
     retry_max_seconds: PositiveSeconds = Field(300.0, description="... doubling up to this.")
 
 
@@ -138,7 +160,8 @@ class VllmConfig(Section):
 
 
 class AdmissionConfig(Section):
-    close_above: Ratio = Field(0.90, description="/admission and gpumem_admission_open close above this utilisation ...")
+    close_above: Ratio = Field(0.90, description=(
+        "/admission and gpumem_admission_open close above this utilisation ..."))
     open_below: Ratio = Field(0.80, description=(
         "... and reopen below this one. Memory vLLM reserves by design (gpu_memory_utilization) "
         "never closes it; see docs/metrics.md."))
@@ -155,7 +178,8 @@ class RecorderConfig(Section):
     directory: Path = Field("", description=(
         "On an out-of-memory event, a newly critical finding or a vLLM process that disappeared, "
         "the last window of samples is written here as a trace. Off while empty."))
-    window_seconds: PositiveSeconds = Field(3600.0, description="Samples each trace holds; at most history.raw_seconds.")
+    window_seconds: PositiveSeconds = Field(3600.0, description=(
+        "Samples each trace holds; at most history.raw_seconds."))
     tail_seconds: Seconds = Field(300.0, description=(
         "How long the recorder keeps recording after a trigger before it writes the trace."))
     max_files: Annotated[Count, Field(ge=1)] = Field(20, description="Oldest traces rotated out by count ...")
@@ -205,7 +229,8 @@ class Config(Section):
     health_listen: ListenOrOff = Field("", description=(
         "A second HOST:PORT, without TLS or authentication, that serves only /healthz and "
         "/admission (for probes and load balancers when basic auth is on). Empty: off."))
-    interval_seconds: PositiveSeconds = Field(5.0, description="Sampling interval (independent of the scrape interval).")
+    interval_seconds: PositiveSeconds = Field(5.0, description=(
+        "Sampling interval (independent of the scrape interval)."))
     stale_after_seconds: Seconds = Field(0.0, description=(
         "/healthz turns 503 when no sample completed for this long; 0: three intervals."))
     web_config_file: Annotated[Path, AfterValidator(_web_config)] = Field("", description=(
@@ -223,7 +248,7 @@ class Config(Section):
     def effective_stale_after(self) -> float:
         return self.stale_after_seconds or 3 * self.interval_seconds
 
-    def analysis(self):
+    def analysis(self) -> AnalysisConfig:
         """The detectors' settings that come from this file."""
         from ..analysis.engine import AnalysisConfig
 

@@ -7,6 +7,7 @@ curves between processes) may allow them; the expanded size is then bounded inst
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import yaml
@@ -24,16 +25,16 @@ class YamlError(ValueError):
 class _Loader(yaml.SafeLoader):
     allow_aliases = False
 
-    def compose_node(self, parent, index):
-        event = self.peek_event()
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # types-PyYAML leaves it unannotated
         if not self.allow_aliases and (isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None)):
             raise yaml.composer.ComposerError(
                 None, None, "anchors and aliases (&name, *name) are not allowed in this file", event.start_mark)
         return super().compose_node(parent, index)
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         if isinstance(node, yaml.MappingNode):
-            seen = set()
+            seen: set[Any] = set()
             for key_node, _ in node.value:
                 if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                     if key_node.value in seen:
@@ -42,7 +43,7 @@ class _Loader(yaml.SafeLoader):
                     seen.add(key_node.value)
         return super().construct_mapping(node, deep)
 
-    def construct_object(self, node, deep=False):
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
         except (ValueError, OverflowError):  # e.g. a 5,000-digit integer, a 13th month
@@ -58,7 +59,7 @@ def _short(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
-def _expanded_size(node, memo: dict, limit: int) -> int:
+def _expanded_size(node: yaml.Node, memo: dict[int, int], limit: int) -> int:
     """How many nodes the document has with every alias expanded; stops past `limit`. An
     alias inside the node it names expands without end."""
     key = id(node)

@@ -8,11 +8,12 @@ the result as text or as the JSON of DESIGN.md (`{"findings": [...]}`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Iterable
+from typing import Any
 
 from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
-from ..model import Finding, Snapshot
+from ..model import Finding, OomEvent, Snapshot
 from .trace import read_traces
 
 
@@ -39,7 +40,7 @@ def analyze(paths: list[str], fmt: str = "text", config: AnalysisConfig | None =
 
 
 def analyze_snapshots(snapshots: list[Snapshot], fmt: str = "text", config: AnalysisConfig | None = None,
-                      report_path: str | None = None, oom_events=()) -> str:
+                      report_path: str | None = None, oom_events: Iterable[OomEvent] = ()) -> str:
     """Replay `snapshots` and render the findings as `fmt`; with `report_path`, also write the
     HTML incident report there (OSError when it cannot be written)."""
     if fmt not in ("text", "json"):
@@ -54,7 +55,7 @@ def analyze_snapshots(snapshots: list[Snapshot], fmt: str = "text", config: Anal
     return render_text(snapshots, episodes, analyzer)
 
 
-def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict:
+def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, Any]:
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
     return {
         "samples": len(snapshots),
@@ -81,8 +82,7 @@ def _when(ts: float) -> str:
 
 
 def _span(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
+    hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 

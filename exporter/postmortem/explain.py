@@ -9,8 +9,9 @@ them. The JSON form is the DESIGN.md contract: {"events": [{"file", "line", "kin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import fields
-from typing import Iterable
+from typing import Any
 
 from ..analysis.oom import classify
 from ..boundedio import open_regular
@@ -28,7 +29,7 @@ class ExplainError(Exception):
 
 
 def read_events(path: str, max_bytes: int = MAX_FILE_BYTES,
-                max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[OomEvent], dict]:
+                max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[OomEvent], dict[str, Any]]:
     """The OOM events of one log file, and what was read of it. Raises ExplainError."""
     try:
         fh = open_regular(path)
@@ -64,9 +65,9 @@ def events_in_lines(lines: Iterable[str], source: str = "") -> list[OomEvent]:
 _RENAMED = {"source": "file", "klass": "class"}
 
 
-def event_to_dict(event: OomEvent) -> dict:
+def event_to_dict(event: OomEvent) -> dict[str, Any]:
     """The `explain --format json` shape of one event: every field, sizes in bytes."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     for f in fields(event):
         value = getattr(event, f.name)
         if f.name == "other_processes":
@@ -88,7 +89,7 @@ def explain(paths: list[str], fmt: str = "text", *, max_bytes_per_file: int = MA
     if not paths:
         raise ExplainError("no log file given")
     events: list[OomEvent] = []
-    files: list[dict] = []
+    files: list[dict[str, Any]] = []
     for path in paths:
         found, info = read_events(str(path), max_bytes_per_file, max_line_bytes)
         events += found
@@ -110,7 +111,7 @@ def _numbers(e: OomEvent) -> str:
     return ", ".join(f"{name} {format_bytes(v)}" for name, v in parts if v is not None)
 
 
-def render_text(events: list[OomEvent], files: list[dict], max_bytes: int = MAX_FILE_BYTES) -> str:
+def render_text(events: list[OomEvent], files: list[dict[str, Any]], max_bytes: int = MAX_FILE_BYTES) -> str:
     out: list[str] = []
     for e in events:
         where = f" on GPU {e.gpu}" if e.gpu is not None else ""

@@ -17,13 +17,13 @@ import json
 import math
 import re
 from datetime import datetime, timezone
+from typing import Any
 
 import requests
 
 from ..model import Snapshot
 from ..sources.httpclient import HttpFailure, describe, get, printable, public_url
-from .trace import (MAX_ROWS, PROMETHEUS_METRICS, TraceError, TraceRow, prometheus_rows,
-                    snapshots_from_rows)
+from .trace import MAX_ROWS, PROMETHEUS_METRICS, TraceError, TraceRow, prometheus_rows, snapshots_from_rows
 
 PROMETHEUS_MAX_POINTS = 11_000  # Prometheus's limit per series per range query
 DEFAULT_STEP_SECONDS = 15.0  # Prometheus's default scrape interval
@@ -70,13 +70,14 @@ def parse_time(text: str | float, now: float | None = None) -> float:
     return value
 
 
-def chunks(start: float, end: float, step: float, max_points: int = PROMETHEUS_MAX_POINTS):
+def chunks(start: float, end: float, step: float,
+           max_points: int = PROMETHEUS_MAX_POINTS) -> list[tuple[float, float]]:
     """[(start, end)] pieces of at most max_points points each on one grid (start + k*step):
     each piece starts one step after the previous one ended, so no point comes twice."""
     if max_points < 1:
         raise ValueError("max_points must be at least 1")
     span = step * (max_points - 1)
-    pieces = []
+    pieces: list[tuple[float, float]] = []
     t = start
     while t <= end:
         pieces.append((t, min(end, t + span)))
@@ -108,7 +109,7 @@ def fetch(url: str, start: float, end: float, step: float | None = None,
     own = session is None
     session = session or requests.Session()
     try:
-        responses: dict[str, list[dict]] = {}
+        responses: dict[str, list[dict[str, Any]]] = {}
         for metric in PROMETHEUS_METRICS:
             query = f"{metric}{{{selector}}}" if selector else metric
             for a, b in chunks(start, end, step, max_points):
@@ -125,8 +126,8 @@ def fetch(url: str, start: float, end: float, step: float | None = None,
         raise PromQueryError(str(exc)) from None
 
 
-def _query_range(session, url: str, query: str, start: float, end: float, step: float,
-                 timeout: float, max_bytes: int) -> dict:
+def _query_range(session: requests.Session, url: str, query: str, start: float, end: float,
+                 step: float, timeout: float, max_bytes: int) -> dict[str, Any]:
     api = url.rstrip("/") + "/api/v1/query_range"
     where = f"{redact(url)} query {query!r} [{start:.3f}, {end:.3f}] step {step:g}s"
     params = {"query": query, "start": repr(start), "end": repr(end), "step": repr(step)}
@@ -155,7 +156,7 @@ def _query_range(session, url: str, query: str, start: float, end: float, step: 
     return doc
 
 
-def _rows(responses: dict[str, list[dict]], where: str, max_rows: int) -> list[TraceRow]:
+def _rows(responses: dict[str, list[dict[str, Any]]], where: str, max_rows: int) -> list[TraceRow]:
     """Rows from the responses, through trace.py's own range-query reader."""
     pieces = [(f"{where}: {metric} chunk {i}", response, metric)
               for metric, chunk_responses in responses.items()
@@ -176,5 +177,12 @@ def _rows(responses: dict[str, list[dict]], where: str, max_rows: int) -> list[T
     return rows
 
 
-__all__ = ["fetch", "parse_time", "chunks", "redact", "PromQueryError",
-           "PROMETHEUS_MAX_POINTS", "DEFAULT_STEP_SECONDS"]
+__all__ = [
+    "DEFAULT_STEP_SECONDS",
+    "PROMETHEUS_MAX_POINTS",
+    "PromQueryError",
+    "chunks",
+    "fetch",
+    "parse_time",
+    "redact",
+]

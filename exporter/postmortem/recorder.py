@@ -34,10 +34,10 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Sequence
 
 from ..model import TRANSITIONS, Snapshot, State
 from .trace import write_csv
@@ -293,4 +293,4 @@ def _remove(path: str) -> None:
         pass
 
 
-__all__ = ["FlightRecorder", "RecorderStats", "TRIGGERS", "error_kind"]
+__all__ = ["TRIGGERS", "FlightRecorder", "RecorderStats", "error_kind"]

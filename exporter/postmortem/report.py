@@ -14,12 +14,29 @@ import base64
 import html
 import io
 import os
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
 from statistics import median
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..model import Finding, OomEvent, Snapshot
 from ..units import GiB, MiB, format_bytes
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # (Figure, FigureCanvasAgg, matplotlib.dates), as _matplotlib() returns them
+    _Mpl = tuple[type[Figure], type[FigureCanvasAgg], ModuleType]
+
+# (finding, cleared_at or None), as Analyzer.episodes() gives them
+_Episode = tuple[Finding, float | None]
+# The plots' Axes: they are given datetimes, which matplotlib converts through its units
+# registry; its type hints admit only floats and arrays there, so the axes are left untyped.
+_DateAxes = Any
 
 MAX_PLOT_POINTS = 2000  # per series: more does not show on a 1000-pixel plot
 MAX_PROCESS_PLOTS = 24
@@ -42,7 +59,7 @@ img{max-width:100%;border:1px solid #eee}.note{color:#666;font-style:italic}code
 
 # ---------------------------------------------------------------- small formatting helpers
 
-def _e(value) -> str:
+def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
@@ -53,22 +70,22 @@ def _when(ts: float | None) -> str:
 
 
 def _span(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(abs(seconds), 3600)
+    whole = round(seconds)
+    hours, rest = divmod(abs(whole), 3600)
     minutes, secs = divmod(rest, 60)
-    sign = "-" if seconds < 0 else ""
+    sign = "-" if whole < 0 else ""
     return f"{sign}{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{sign}{minutes}m{secs:02d}s"
 
 
-def _bytes(n) -> str:
+def _bytes(n: float | None) -> str:
     return "" if n is None else format_bytes(n)
 
 
-def _rate(bytes_per_second) -> str:
+def _rate(bytes_per_second: float) -> str:
     return f"{float(bytes_per_second) * 60 / MiB:.1f} MiB/min"
 
 
-def _evidence_value(name: str, value) -> str:
+def _evidence_value(name: str, value: object) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if name.endswith("bytes_per_second"):
             return f"{_rate(value)} ({value:g} B/s)"
@@ -92,7 +109,7 @@ def _where(f: Finding) -> str:
     return ", ".join(parts)
 
 
-def _thin(xs: Sequence, ys: Sequence) -> tuple[list, list]:
+def _thin(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
     if len(xs) <= MAX_PLOT_POINTS:
         return list(xs), list(ys)
     stride = -(-len(xs) // MAX_PLOT_POINTS)
@@ -101,15 +118,25 @@ def _thin(xs: Sequence, ys: Sequence) -> tuple[list, list]:
 
 # ---------------------------------------------------------------- data extraction
 
-def _gpu_series(snapshots: Sequence[Snapshot]) -> dict[str, dict[str, list]]:
+class _GpuSeries(TypedDict):
+    t: list[float]
+    serving: list[int]
+    other: list[int]
+    unattributed: list[int]
+    free: list[int]
+    total: list[int | None]
+    used: list[int]
+
+
+def _gpu_series(snapshots: Sequence[Snapshot]) -> dict[str, _GpuSeries]:
     """Per GPU index: times and the four stacked parts (bytes), for the samples where it was up."""
-    out: dict[str, dict[str, list]] = {}
+    out: dict[str, _GpuSeries] = {}
     for s in snapshots:
         for g in s.gpus:
             if not g.up or g.used_bytes is None:
                 continue
-            d = out.setdefault(g.index, {k: [] for k in ("t", "serving", "other", "unattributed",
-                                                         "free", "total", "used")})
+            d = out.setdefault(g.index, _GpuSeries(t=[], serving=[], other=[], unattributed=[],
+                                                   free=[], total=[], used=[]))
             serving = sum(p.used_bytes or 0 for p in g.processes if p.role == "vllm")
             other = sum(p.used_bytes or 0 for p in g.processes if p.role != "vllm")
             d["t"].append(s.timestamp)
@@ -122,9 +149,11 @@ def _gpu_series(snapshots: Sequence[Snapshot]) -> dict[str, dict[str, list]]:
     return out
 
 
-def _process_series(snapshots: Sequence[Snapshot], gpu: str | None, pid: int) -> tuple[list, list]:
+def _process_series(snapshots: Sequence[Snapshot], gpu: str | None,
+                    pid: int) -> tuple[list[float], list[int]]:
     """GPU memory of pid on gpu over time; gpu None: the process's host RSS."""
-    ts, vs = [], []
+    ts: list[float] = []
+    vs: list[int] = []
     for s in snapshots:
         for g in s.gpus:
             if gpu is not None and g.index != gpu:
@@ -138,9 +167,11 @@ def _process_series(snapshots: Sequence[Snapshot], gpu: str | None, pid: int) ->
     return ts, vs
 
 
-def _fitted_line(ts: list, vs: list, f: Finding, end: float):
+def _fitted_line(ts: list[float], vs: list[int], f: Finding,
+                 end: float) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
     """The detector's growth line: its slope, through the samples of its window before
-    detection (intercept = median residual), drawn from the window's start to the end."""
+    detection (intercept = median residual), drawn from the window's start to the end.
+    (slope, (t_start, t_end), (v_start, v_end)), or None without a slope in the evidence."""
     ev = dict(f.evidence)
     slope = ev.get("slope_bytes_per_second")
     if not isinstance(slope, (int, float)) or not ts:
@@ -148,14 +179,14 @@ def _fitted_line(ts: list, vs: list, f: Finding, end: float):
     window = ev.get("window_seconds")
     window = float(window) if isinstance(window, (int, float)) and window > 0 else 3600.0
     t0 = f.first_detected_at
-    inside = [(t, v) for t, v in zip(ts, vs) if t0 - window <= t <= t0] or list(zip(ts, vs))
+    inside = [(t, v) for t, v in zip(ts, vs, strict=True) if t0 - window <= t <= t0] or list(zip(ts, vs, strict=True))
     level = median(v - slope * (t - t0) for t, v in inside)
     a = max(ts[0], t0 - window)
-    return (a, end), (level + slope * (a - t0), level + slope * (end - t0))
+    return slope, (a, end), (level + slope * (a - t0), level + slope * (end - t0))
 
 
-def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict]:
-    rows: dict[tuple[str, int], dict] = {}
+def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
     for s in snapshots:
         for g in s.gpus:
             for p in g.processes:
@@ -171,7 +202,7 @@ def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict]:
 
 # ---------------------------------------------------------------- plotting (optional)
 
-def _matplotlib():
+def _matplotlib() -> _Mpl | None:
     """(Figure, FigureCanvasAgg, dates) or None when the `report` extra is not installed."""
     try:
         import matplotlib
@@ -184,7 +215,7 @@ def _matplotlib():
     return Figure, FigureCanvasAgg, dates
 
 
-def _png(mpl, fig) -> str:
+def _png(mpl: _Mpl, fig: Figure) -> str:
     _, canvas_class, _ = mpl
     canvas_class(fig)
     buf = io.BytesIO()
@@ -196,18 +227,18 @@ def _dt(ts: Iterable[float]) -> list[datetime]:
     return [datetime.fromtimestamp(t, timezone.utc) for t in ts]
 
 
-def _time_axis(mpl, ax) -> None:
+def _time_axis(mpl: _Mpl, ax: _DateAxes) -> None:
     dates = mpl[2]
     ax.xaxis.set_major_formatter(dates.DateFormatter("%H:%M", tz=timezone.utc))
     ax.set_xlabel("time (UTC)")
     ax.grid(True, alpha=0.3)
 
 
-def _timeline_plot(mpl, episodes, start: float, end: float) -> str:
+def _timeline_plot(mpl: _Mpl, episodes: Sequence[_Episode], start: float, end: float) -> str:
     Figure = mpl[0]
     shown = episodes[:40]
     fig = Figure(figsize=(10, 0.45 * len(shown) + 1.2))
-    ax = fig.add_subplot()
+    ax: _DateAxes = fig.add_subplot()
     for i, (f, cleared) in enumerate(shown):
         a, b = f.first_detected_at, cleared if cleared is not None else end
         # Date axes count days: a bar of at least 1/400 of the range so a short one shows.
@@ -223,12 +254,13 @@ def _timeline_plot(mpl, episodes, start: float, end: float) -> str:
     return _png(mpl, fig)
 
 
-def _gpu_plot(mpl, index: str, d: dict, ooms: list[OomEvent], findings) -> str:
+def _gpu_plot(mpl: _Mpl, index: str, d: _GpuSeries, ooms: list[OomEvent],
+              findings: Iterable[_Episode]) -> str:
     Figure = mpl[0]
     fig = Figure(figsize=(10, 3.6))
-    ax = fig.add_subplot()
-    t, parts = d["t"], ("serving", "other", "unattributed", "free")
-    thinned = [_thin(t, [v / GiB for v in d[k]]) for k in parts]
+    ax: _DateAxes = fig.add_subplot()
+    t, parts = d["t"], (d["serving"], d["other"], d["unattributed"], d["free"])
+    thinned = [_thin(t, [v / GiB for v in part]) for part in parts]
     ax.stackplot(_dt(thinned[0][0]), *[y for _, y in thinned],
                  labels=["serving (vLLM) processes", "other processes",
                          "unattributed (no live process)", "free"],
@@ -248,17 +280,16 @@ def _gpu_plot(mpl, index: str, d: dict, ooms: list[OomEvent], findings) -> str:
     return _png(mpl, fig)
 
 
-def _process_plot(mpl, f: Finding, ts: list, vs: list, end: float) -> str:
+def _process_plot(mpl: _Mpl, f: Finding, ts: list[float], vs: list[int], end: float) -> str:
     Figure = mpl[0]
     fig = Figure(figsize=(10, 3.2))
-    ax = fig.add_subplot()
+    ax: _DateAxes = fig.add_subplot()
     what = "GPU memory" if f.gpu is not None else "host RSS"
     xs, ys = _thin(ts, [v / GiB for v in vs])
     ax.plot(_dt(xs), ys, color="#1976d2", linewidth=1, label=what)
     line = _fitted_line(ts, vs, f, end)
-    slope = dict(f.evidence).get("slope_bytes_per_second")
     if line is not None:
-        (a, b), (va, vb) = line
+        slope, (a, b), (va, vb) = line
         ax.plot(_dt([a, b]), [va / GiB, vb / GiB], color="#c62828", linewidth=2,
                 label=f"fitted growth {_rate(slope)}")
     ax.axvline(_dt([f.first_detected_at])[0], color="#c62828", linestyle="--", linewidth=1)
@@ -268,7 +299,7 @@ def _process_plot(mpl, f: Finding, ts: list, vs: list, end: float) -> str:
     # Zoom on the growth: a start-up ramp of tens of GiB would flatten a leak of MiB/min.
     window = dict(f.evidence).get("window_seconds")
     since = f.first_detected_at - (float(window) if isinstance(window, (int, float)) else 3600.0)
-    recent = [v / GiB for t, v in zip(ts, vs) if t >= since] or [v / GiB for v in vs]
+    recent = [v / GiB for t, v in zip(ts, vs, strict=True) if t >= since] or [v / GiB for v in vs]
     low, high = min(recent), max(recent)
     if line is not None:
         low, high = min(low, va / GiB, vb / GiB), max(high, va / GiB, vb / GiB)
@@ -289,7 +320,8 @@ def _img(src: str, alt: str) -> str:
 
 # ---------------------------------------------------------------- HTML sections
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence], numeric: set[int] = frozenset()) -> str:
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
+           numeric: AbstractSet[int] = frozenset()) -> str:
     out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
     for row in rows:
         out.append("<tr>" + "".join(
@@ -337,7 +369,7 @@ def _oom_section(events: Sequence[OomEvent]) -> str:
     return "\n".join(out)
 
 
-def _advice_section(episodes, events: Sequence[OomEvent]) -> str:
+def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) -> str:
     advice: dict[str, list[str]] = {}
     for f, _ in episodes:
         for a in f.advice:
@@ -352,8 +384,8 @@ def _advice_section(episodes, events: Sequence[OomEvent]) -> str:
         for a, why in advice.items()) + "</ol>"
 
 
-def render_report(snapshots: Sequence[Snapshot], findings_with_clearing, oom_events,
-                  title: str = "GPU memory post-mortem") -> str:
+def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
+                  oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem") -> str:
     """The report as one HTML string (see write_report)."""
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
     episodes = sorted(findings_with_clearing,
@@ -403,7 +435,7 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing, oom_eve
     with_pid = [(f, c) for f, c in episodes if f.pid is not None]
     for i, (f, c) in enumerate(with_pid):
         plot = None
-        if mpl is not None and i < MAX_PROCESS_PLOTS:
+        if mpl is not None and i < MAX_PROCESS_PLOTS and f.pid is not None:
             ts, vs = _process_series(snapshots, f.gpu, f.pid)
             if ts:
                 plot = _process_plot(mpl, f, ts, vs, end)
@@ -430,8 +462,8 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing, oom_eve
             + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_report(snapshots: Sequence[Snapshot], findings_with_clearing, oom_events, path: str,
-                 title: str = "GPU memory post-mortem") -> None:
+def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
+                 oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem") -> None:
     """Write the report to `path` as one self-contained HTML file (temporary file + rename).
 
     findings_with_clearing: (Finding, cleared_at or None) pairs, as Analyzer.episodes() or
@@ -447,4 +479,4 @@ def write_report(snapshots: Sequence[Snapshot], findings_with_clearing, oom_even
             os.unlink(tmp)
 
 
-__all__ = ["write_report", "render_report"]
+__all__ = ["render_report", "write_report"]

@@ -21,8 +21,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Any, TypedDict, TypeVar
 
 from ..boundedio import read_head
 from ..model import GpuSample, HostMemory, ProcessSample, Snapshot
@@ -39,6 +40,8 @@ CSV_COLUMNS = REQUIRED_COLUMNS + (
     "container", "pod", "namespace", "endpoint",
     "host_total_bytes", "host_available_bytes", "host_psi_some_avg10", "host_oom_kills",
 )
+
+_T = TypeVar("_T")
 
 PROMETHEUS_METRICS = {
     "gpumem_process_memory_used_bytes": "process_used",
@@ -124,14 +127,14 @@ def _parse_bool(text: str, what: str) -> bool:
     raise ValueError(f"{what} is not a boolean: {text[:40]!r}")
 
 
-def _opt(cell: str | None, parse, what: str):
+def _opt(cell: str | None, parse: Callable[[str, str], _T], what: str) -> _T | None:
     cell = (cell or "").strip()
     return None if cell == "" else parse(cell, what)
 
 
 # ---------------------------------------------------------------- CSV
 
-def _bounded_lines(handle, limit: int, path: str) -> Iterator[str]:
+def _bounded_lines(handle: Iterable[str], limit: int, path: str) -> Iterator[str]:
     """Yield lines, failing once more than `limit` bytes have been read (files may grow)."""
     total = 0
     for line in handle:
@@ -205,7 +208,7 @@ def read_csv_rows(path: str, max_bytes: int = MAX_CSV_BYTES,
                 count += 1
                 if count > max_rows:
                     raise TraceError(f"{path}:{line}: more than {max_rows} rows; split the trace")
-                yield _csv_row(path, line, dict(zip(header, cells)))
+                yield _csv_row(path, line, dict(zip(header, cells, strict=True)))
         except csv.Error as exc:
             raise TraceError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
 
@@ -239,7 +242,7 @@ def write_csv(snapshots: Iterable[Snapshot], path: str) -> None:
             os.unlink(tmp)
 
 
-def _text(value) -> str:
+def _text(value: object) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
@@ -289,15 +292,16 @@ def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
         raise TraceError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
     responses = doc if isinstance(doc, list) else [doc]
     rows, known = prometheus_rows(
-        (f"{path}: response {i}" if isinstance(doc, list) else path, response, None)
-        for i, response in enumerate(responses))
+        ((f"{path}: response {i}" if isinstance(doc, list) else path, response, None)
+         for i, response in enumerate(responses)), max_rows)
     if known == 0:
         raise TraceError(f"{path}: no gpumem_process_memory_used_bytes or gpumem_gpu_memory_* "
                          "series with a __name__ label (query the metric names directly)")
     return rows
 
 
-def prometheus_rows(responses, max_rows: int = MAX_ROWS) -> tuple[list[TraceRow], int]:
+def prometheus_rows(responses: Iterable[tuple[str, object, str | None]],
+                    max_rows: int = MAX_ROWS) -> tuple[list[TraceRow], int]:
     """(rows, how many gpumem series were used) from (where, query_range response, name)
     triples; `name` stands in for a series without a __name__ label (None: skip such series).
     Shared by saved JSON files and live queries (exporter.postmortem.promquery)."""
@@ -323,7 +327,7 @@ def prometheus_rows(responses, max_rows: int = MAX_ROWS) -> tuple[list[TraceRow]
     return _attach_rss(rows, rss_rows), known
 
 
-def _matrix(response, where: str):
+def _matrix(response: object, where: str) -> Iterator[tuple[int, dict[str, str], list[Any]]]:
     if not isinstance(response, dict):
         raise TraceError(f"{where}: expected a query_range response object")
     if response.get("status") not in (None, "success"):
@@ -343,7 +347,7 @@ def _matrix(response, where: str):
         yield index, metric, series["values"]
 
 
-def _points(values: list, where: str) -> Iterator[tuple[float, float]]:
+def _points(values: list[Any], where: str) -> Iterator[tuple[float, float]]:
     for index, point in enumerate(values):
         if not isinstance(point, list) or len(point) != 2:
             raise TraceError(f"{where}: value {index} is not a [timestamp, \"value\"] pair")
@@ -372,17 +376,17 @@ def _series_row(kind: str, metric: dict[str, str], ts: float, value: float,
             raise ValueError("process series has no pid label")
     except ValueError as exc:
         raise TraceError(f"{origin}: {exc}") from None
-    common = dict(origin=origin, timestamp=ts, gpu=gpu, uuid=metric.get("uuid", ""))
+    common = TraceRow(origin=origin, timestamp=ts, gpu=gpu, uuid=metric.get("uuid", ""))
     if kind == "gpu_total":
-        return TraceRow(total_bytes=count, **common)
+        return replace(common, total_bytes=count)
     if kind == "gpu_used":
-        return TraceRow(used_bytes=count, **common)
-    proc = dict(pid=pid, process=metric.get("process", ""), role=metric.get("role", ""),
-                container=metric.get("container", ""), pod=metric.get("pod", ""),
-                namespace=metric.get("namespace", ""))
+        return replace(common, used_bytes=count)
+    proc = replace(common, pid=pid, process=metric.get("process", ""), role=metric.get("role", ""),
+                   container=metric.get("container", ""), pod=metric.get("pod", ""),
+                   namespace=metric.get("namespace", ""))
     if kind == "process_rss":
-        return TraceRow(host_rss_bytes=count, **proc, **common)
-    return TraceRow(used_bytes=count, **proc, **common)
+        return replace(proc, host_rss_bytes=count)
+    return replace(proc, used_bytes=count)
 
 
 def _attach_rss(rows: list[TraceRow], rss_rows: list[TraceRow]) -> list[TraceRow]:
@@ -425,10 +429,18 @@ def read_traces(paths: Iterable[str]) -> list[Snapshot]:
 _GPU_FIELDS = ("uuid", "total_bytes", "unified")
 
 
+class _GpuEntry(TypedDict):
+    """One GPU at one timestamp while rows are grouped."""
+
+    gpu: dict[str, Any]  # merged GPU fields: uuid, total_bytes, unified, used_bytes
+    origins: dict[str, str]  # field -> the row that gave it
+    procs: dict[tuple[int, float | None], TraceRow]  # (pid, start_time) -> row
+
+
 def snapshots_from_rows(rows: Iterable[TraceRow]) -> list[Snapshot]:
     """Group rows by timestamp into Snapshots. Conflicting duplicates are a TraceError."""
     # timestamp -> gpu -> {"gpu": merged GPU fields, "procs": {(pid, start): row}}
-    grouped: dict[float, dict[str, dict]] = {}
+    grouped: dict[float, dict[str, _GpuEntry]] = {}
     hosts: dict[float, HostMemory] = {}
     for row in rows:
         gpus = grouped.setdefault(row.timestamp, {})
@@ -452,7 +464,7 @@ def snapshots_from_rows(rows: Iterable[TraceRow]) -> list[Snapshot]:
             for ts in sorted(grouped)]
 
 
-def _merge_field(entry: dict, name: str, value, origin: str) -> None:
+def _merge_field(entry: _GpuEntry, name: str, value: object, origin: str) -> None:
     if value is None or value == "":
         return
     have = entry["gpu"].get(name)
@@ -464,21 +476,21 @@ def _merge_field(entry: dict, name: str, value, origin: str) -> None:
                          f"{entry['origins'][name]}")
 
 
-def _gpu_order(index: str):
+def _gpu_order(index: str) -> tuple[tuple[int, int, str], ...]:
     """"10" after "9"; MIG "0/1" after "0"."""
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in index.split("/"))
 
 
-def _gpu_sample(index: str, entry: dict) -> GpuSample:
+def _gpu_sample(index: str, entry: _GpuEntry) -> GpuSample:
     info = entry["gpu"]
     total, used = info.get("total_bytes"), info.get("used_bytes")
     free = total - used if total is not None and used is not None and used <= total else None
     procs = tuple(
-        ProcessSample(pid=r.pid, used_bytes=r.used_bytes, name=r.process,
+        ProcessSample(pid=pid, used_bytes=r.used_bytes, name=r.process,
                       host_rss_bytes=r.host_rss_bytes, start_time=r.start_time,
                       container=r.container, pod=r.pod, namespace=r.namespace,
                       role=r.role or "other", endpoint=r.endpoint)
-        for _, r in sorted(entry["procs"].items(), key=lambda kv: (kv[0][0], kv[0][1] or 0.0)))
+        for (pid, _), r in sorted(entry["procs"].items(), key=lambda kv: (kv[0][0], kv[0][1] or 0.0)))
     return GpuSample(index=index, uuid=info.get("uuid") or f"trace-gpu-{index}",
                      total_bytes=total, used_bytes=used, free_bytes=free,
                      unified=bool(info.get("unified", False)),
@@ -486,6 +498,14 @@ def _gpu_sample(index: str, entry: dict) -> GpuSample:
 
 
 __all__ = [
-    "TraceError", "TraceRow", "read_trace", "read_traces", "read_rows", "read_csv_rows",
-    "read_prometheus_rows", "snapshots_from_rows", "write_csv", "CSV_COLUMNS",
+    "CSV_COLUMNS",
+    "TraceError",
+    "TraceRow",
+    "read_csv_rows",
+    "read_prometheus_rows",
+    "read_rows",
+    "read_trace",
+    "read_traces",
+    "snapshots_from_rows",
+    "write_csv",
 ]

@@ -7,21 +7,25 @@ in docs/metrics.md (a test keeps the two in step).
 from __future__ import annotations
 
 import platform
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
-from ..model import State
+from ..model import Analysis, Snapshot, State
+
+if TYPE_CHECKING:
+    from ..postmortem.recorder import RecorderStats
 
 GPU = ["gpu", "uuid"]
 PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
 TREND = ["gpu", "pid", "process", "role"]
 
 
-def _gauge(name, doc, labels=()):
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
@@ -51,7 +55,7 @@ class StateCollector(Collector):
             yield from self._recorder(state.recorder)
 
     # -- exporter health ------------------------------------------------------------------
-    def _self_metrics(self, state: State):
+    def _self_metrics(self, state: State) -> Iterator[Metric]:
         info = _gauge("gpumem_exporter_build_info", "Build information; always 1.",
                       ["version", "python", "driver_version"])
         info.add_metric([__version__, platform.python_version(),
@@ -85,7 +89,7 @@ class StateCollector(Collector):
                                     value=max(0.0, self.now() - state.last_sample_at))
 
     # -- GPUs and processes ---------------------------------------------------------------
-    def _gpus(self, snap):
+    def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
         info = _gauge("gpumem_gpu_info", "GPU identity; always 1.", ["gpu", "uuid", "name", "unified", "mig"])
         up = _gauge("gpumem_gpu_up", "1 if the GPU answered NVML in the last sample.", GPU)
         fams = {f: _gauge(f"gpumem_gpu_memory_{f}_bytes", doc, GPU) for f, doc in (
@@ -105,11 +109,11 @@ class StateCollector(Collector):
         yield up
         yield from fams.values()
 
-    def _processes(self, snap):
+    def _processes(self, snap: Snapshot) -> Iterator[Metric]:
         used = _gauge("gpumem_process_memory_used_bytes", "GPU memory used by a process on a GPU.", PROCESS)
         rss = _gauge("gpumem_process_host_rss_bytes", "Host resident memory of a process using a GPU.",
                      ["pid", "process", "role", "container", "pod", "namespace"])
-        seen_rss = set()
+        seen_rss: set[int] = set()
         for g in snap.gpus:
             for p in g.processes:
                 if p.used_bytes is not None:
@@ -122,7 +126,7 @@ class StateCollector(Collector):
         yield used
         yield rss
 
-    def _host(self, snap):
+    def _host(self, snap: Snapshot) -> Iterator[Metric]:
         h = snap.host
         if h is None:
             return
@@ -138,8 +142,7 @@ class StateCollector(Collector):
                                       value=h.oom_kills)
 
     # -- vLLM -----------------------------------------------------------------------------
-    def _vllm(self, state: State):
-        snap = state.snapshot
+    def _vllm(self, state: State) -> Iterator[Metric]:
         up = _gauge("gpumem_vllm_up", "1 if the vLLM endpoint answered with valid metrics.", ["endpoint"])
         dur = _gauge("gpumem_vllm_scrape_duration_seconds", "Time taken to scrape the vLLM endpoint.",
                      ["endpoint"])
@@ -162,12 +165,13 @@ class StateCollector(Collector):
         for b in state.analysis.budgets if state.analysis is not None else ():
             if b.budget_bytes is not None:
                 budget.add_metric([b.endpoint, b.gpu, b.uuid], b.budget_bytes)
-            budget_used.add_metric([b.endpoint, b.gpu, b.uuid], b.used_bytes)
+            if b.used_bytes is not None:  # None: NVML gave no per-process figure
+                budget_used.add_metric([b.endpoint, b.gpu, b.uuid], b.used_bytes)
         profile = _gauge("gpumem_vllm_memory_profile_bytes",
                          "The server's start-up memory profile from its log, by component.", ["endpoint", "component"])
         cfg = _gauge("gpumem_vllm_cache_config_info", "The server's KV cache configuration; always 1.",
                      ["endpoint", "block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks"])
-        for v in snap.vllm:
+        for v in state.snapshot.vllm if state.snapshot is not None else ():
             up.add_metric([v.endpoint], 1 if v.up else 0)
             dur.add_metric([v.endpoint], v.scrape_duration_seconds)
             for e in v.engines:
@@ -176,10 +180,10 @@ class StateCollector(Collector):
                                    (waiting, e.requests_waiting)):
                     if value is not None:
                         fam.add_metric(labels, value)
-                for attr, fam in counters.items():
+                for attr, counter in counters.items():
                     value = getattr(e, attr)
                     if value is not None:
-                        fam.add_metric(labels, value)
+                        counter.add_metric(labels, value)
             for component, value in v.memory_profile:
                 profile.add_metric([v.endpoint, component], value)
             c = v.cache_config
@@ -192,7 +196,7 @@ class StateCollector(Collector):
             errors.add_metric([endpoint, kind], n)
         yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile, errors)
 
-    def _oom_events(self, state: State):
+    def _oom_events(self, state: State) -> Iterator[Metric]:
         ooms = CounterMetricFamily("gpumem_oom_events", "Out-of-memory events found in the watched logs.",
                                    labels=["kind", "class"])
         for (kind, klass), n in sorted(state.oom_events_total.items()):
@@ -200,7 +204,7 @@ class StateCollector(Collector):
         yield ooms
 
     # -- analysis -------------------------------------------------------------------------
-    def _analysis(self, analysis):
+    def _analysis(self, analysis: Analysis) -> Iterator[Metric]:
         util = _gauge("gpumem_gpu_memory_utilization_ratio", "Used over total GPU memory (0-1).", GPU)
         beyond = _gauge("gpumem_gpu_memory_beyond_budget_bytes",
                         "Used memory the vLLM servers did not budget for (all of it on a GPU without vLLM).", GPU)
@@ -243,7 +247,7 @@ class StateCollector(Collector):
         yield active
 
 
-    def _recorder(self, stats):
+    def _recorder(self, stats: RecorderStats) -> Iterator[Metric]:
         yield CounterMetricFamily("gpumem_recorder_writes", "Trace files the flight recorder wrote.",
                                   value=stats.writes_total)
         for name, doc, label, counts in (
@@ -263,7 +267,7 @@ class StateCollector(Collector):
                                     value=stats.last_write_timestamp)
 
 
-def _str(value) -> str:
+def _str(value: object) -> str:
     return "" if value is None else str(value)
 
 

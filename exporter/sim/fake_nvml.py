@@ -22,13 +22,14 @@ Faithful details worth knowing:
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import types
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pynvml as _real
 
-from .scenario import Scenario, ScenarioError
+from .scenario import Scenario, ScenarioClock, ScenarioError
 from .scenario.state import GpuState, State
 
 # ---- Re-exports: the real module's errors, constants and structures -------------------------
@@ -38,7 +39,7 @@ NVMLLibraryMismatchError = _real.NVMLLibraryMismatchError
 nvmlExceptionClass = _real.nvmlExceptionClass
 nvmlFriendlyObject = _real.nvmlFriendlyObject
 nvmlStructToFriendlyObject = _real.nvmlStructToFriendlyObject
-_PrintableStructure = _real._PrintableStructure  # noqa: SLF001 (tools test for it)
+_PrintableStructure = _real._PrintableStructure
 
 
 def _reexport() -> None:
@@ -53,7 +54,7 @@ def _reexport() -> None:
 _reexport()
 
 _UNAVAILABLE_ID = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG mode
-_INIT_ERRORS = {
+_INIT_ERRORS: dict[str, int] = {
     "library_not_found": _real.NVML_ERROR_LIBRARY_NOT_FOUND,
     "driver_not_loaded": _real.NVML_ERROR_DRIVER_NOT_LOADED,
     "lib_rm_version_mismatch": _real.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
@@ -64,9 +65,9 @@ _MAX_MIG_DEVICES = 7  # an H100/A100 can be split into at most 7 instances
 
 _lock = threading.RLock()
 _scenario: Scenario | None = None
-_clock = None
+_clock: ScenarioClock | None = None
 _refcount = 0
-_handles: dict[tuple[int, int | None], "_Handle"] = {}
+_handles: dict[tuple[int, int | None], _Handle] = {}
 
 
 class _Handle:
@@ -83,7 +84,7 @@ class _Handle:
         return f"<fake nvmlDevice {where}>"
 
 
-def configure(scenario: Scenario | None, clock) -> None:
+def configure(scenario: Scenario | None, clock: ScenarioClock | None) -> None:
     """Bind the module to a scenario and a clock; (None, None) is a host without a driver.
 
     Also drops any NVML initialisation, as if the process had restarted.
@@ -103,15 +104,20 @@ def _raise(code: int) -> NoReturn:
     raise NVMLError(code)
 
 
-def _state(name: str) -> State:
-    """Check initialisation and the faults aimed at this call; return the state now."""
+def _bound(name: str) -> tuple[Scenario, State]:
+    """Check initialisation and the faults aimed at this call; return the scenario and its state now."""
     with _lock:
-        if _refcount == 0 or _scenario is None:
+        if _refcount == 0 or _scenario is None or _clock is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
     state = scenario.state_for(clock)
     _check_call_fault(state, name, None)
-    return state
+    return scenario, state
+
+
+def _state(name: str) -> State:
+    """Check initialisation and the faults aimed at this call; return the state now."""
+    return _bound(name)[1]
 
 
 def _check_call_fault(state: State, name: str, gpu: int | None, version: int | None = None) -> None:
@@ -125,12 +131,12 @@ def _check_call_fault(state: State, name: str, gpu: int | None, version: int | N
         raise getattr(_real, "NVMLError_" + f.error)()
 
 
-def _device(name: str, handle, version: int | None = None) -> tuple[State, GpuState, _Handle]:
+def _device(name: str, handle: object, version: int | None = None) -> tuple[State, GpuState, _Handle]:
     """Resolve a handle for a device call: lost/reset GPUs and per-call faults raise here."""
     if not isinstance(handle, _Handle):
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     with _lock:
-        if _refcount == 0 or _scenario is None:
+        if _refcount == 0 or _scenario is None or _clock is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
     state = scenario.state_for(clock)
@@ -163,11 +169,11 @@ def _handle(gpu: int, mig: int | None = None) -> _Handle:
 # ---- Initialisation ----------------------------------------------------------------------------
 
 
-def nvmlInitWithFlags(flags):
+def nvmlInitWithFlags(flags: int) -> None:
     global _refcount
     with _lock:
         scenario, clock = _scenario, _clock
-    if scenario is None:
+    if scenario is None or clock is None:
         _raise(_real.NVML_ERROR_LIBRARY_NOT_FOUND)
     for f in scenario.faults_at(clock.elapsed()):
         if f.kind == "init_failure":
@@ -176,11 +182,11 @@ def nvmlInitWithFlags(flags):
         _refcount += 1
 
 
-def nvmlInit():
+def nvmlInit() -> None:
     nvmlInitWithFlags(0)
 
 
-def nvmlShutdown():
+def nvmlShutdown() -> None:
     global _refcount
     with _lock:
         if _refcount == 0:
@@ -188,34 +194,34 @@ def nvmlShutdown():
         _refcount -= 1
 
 
-def nvmlErrorString(result):
+def nvmlErrorString(result: int) -> str:
     return str(NVMLError(result))
 
 
 # ---- System ------------------------------------------------------------------------------------
 
 
-def nvmlSystemGetDriverVersion():
-    _state("nvmlSystemGetDriverVersion")
-    return _scenario.driver_version
+def nvmlSystemGetDriverVersion() -> str:
+    scenario, _ = _bound("nvmlSystemGetDriverVersion")
+    return scenario.driver_version
 
 
-def nvmlSystemGetNVMLVersion():
-    _state("nvmlSystemGetNVMLVersion")
-    return f"{_scenario.cuda_driver_version // 1000}.{_scenario.driver_version}"
+def nvmlSystemGetNVMLVersion() -> str:
+    scenario, _ = _bound("nvmlSystemGetNVMLVersion")
+    return f"{scenario.cuda_driver_version // 1000}.{scenario.driver_version}"
 
 
-def nvmlSystemGetCudaDriverVersion():
-    _state("nvmlSystemGetCudaDriverVersion")
-    return _scenario.cuda_driver_version
+def nvmlSystemGetCudaDriverVersion() -> int:
+    scenario, _ = _bound("nvmlSystemGetCudaDriverVersion")
+    return scenario.cuda_driver_version
 
 
-def nvmlSystemGetCudaDriverVersion_v2():
-    _state("nvmlSystemGetCudaDriverVersion_v2")
-    return _scenario.cuda_driver_version
+def nvmlSystemGetCudaDriverVersion_v2() -> int:
+    scenario, _ = _bound("nvmlSystemGetCudaDriverVersion_v2")
+    return scenario.cuda_driver_version
 
 
-def nvmlSystemGetProcessName(pid):
+def nvmlSystemGetProcessName(pid: int) -> str:
     state = _state("nvmlSystemGetProcessName")
     proc = state.process(int(pid))
     if proc is None:
@@ -227,11 +233,11 @@ def nvmlSystemGetProcessName(pid):
 # ---- Devices -----------------------------------------------------------------------------------
 
 
-def nvmlDeviceGetCount():
+def nvmlDeviceGetCount() -> int:
     return len(_state("nvmlDeviceGetCount").gpus)
 
 
-def nvmlDeviceGetHandleByIndex(index):
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
     state = _state("nvmlDeviceGetHandleByIndex")
     if not isinstance(index, int) or not 0 <= index < len(state.gpus):
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
@@ -239,7 +245,7 @@ def nvmlDeviceGetHandleByIndex(index):
     return _handle(index)
 
 
-def nvmlDeviceGetHandleByUUID(uuid):
+def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> _Handle:
     state = _state("nvmlDeviceGetHandleByUUID")
     if isinstance(uuid, bytes):
         uuid = uuid.decode(errors="replace")
@@ -254,47 +260,49 @@ def nvmlDeviceGetHandleByUUID(uuid):
     _raise(_real.NVML_ERROR_NOT_FOUND)
 
 
-def nvmlDeviceGetIndex(handle):
+def nvmlDeviceGetIndex(handle: _Handle) -> int:
     _, gpu, _ = _device("nvmlDeviceGetIndex", handle)
     return gpu.index
 
 
-def nvmlDeviceGetMinorNumber(handle):
+def nvmlDeviceGetMinorNumber(handle: _Handle) -> int:
     _, gpu, _ = _device("nvmlDeviceGetMinorNumber", handle)
     return gpu.index
 
 
-def nvmlDeviceGetUUID(handle):
+def nvmlDeviceGetUUID(handle: _Handle) -> str:
     _, gpu, h = _device("nvmlDeviceGetUUID", handle)
     return gpu.uuid if h.mig is None else gpu.mig[h.mig].uuid
 
 
-def nvmlDeviceGetName(handle):
+def nvmlDeviceGetName(handle: _Handle) -> str:
     _, gpu, h = _device("nvmlDeviceGetName", handle)
     return gpu.name if h.mig is None else f"{gpu.name} MIG {gpu.mig[h.mig].profile}"
 
 
-def nvmlDeviceGetBrand(handle):
+def nvmlDeviceGetBrand(handle: _Handle) -> int:
     _device("nvmlDeviceGetBrand", handle)
-    return _real.NVML_BRAND_NVIDIA
+    brand: int = _real.NVML_BRAND_NVIDIA
+    return brand
 
 
-def nvmlDeviceGetSerial(handle):
+def nvmlDeviceGetSerial(handle: _Handle) -> str:
     _, gpu, _ = _device("nvmlDeviceGetSerial", handle)
     return f"16523{gpu.index:08d}"
 
 
-def nvmlDeviceGetArchitecture(handle):
+def nvmlDeviceGetArchitecture(handle: _Handle) -> int:
     _, gpu, _ = _device("nvmlDeviceGetArchitecture", handle)
-    return _real.NVML_DEVICE_ARCH_BLACKWELL if gpu.unified else _real.NVML_DEVICE_ARCH_HOPPER
+    arch: int = _real.NVML_DEVICE_ARCH_BLACKWELL if gpu.unified else _real.NVML_DEVICE_ARCH_HOPPER
+    return arch
 
 
-def nvmlDeviceGetCudaComputeCapability(handle):
+def nvmlDeviceGetCudaComputeCapability(handle: _Handle) -> tuple[int, int]:
     _, gpu, _ = _device("nvmlDeviceGetCudaComputeCapability", handle)
     return (12, 1) if gpu.unified else (9, 0)
 
 
-def nvmlDeviceGetMemoryInfo(handle, version=None):
+def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> ctypes.Structure:
     v = 2 if version else 1
     _, gpu, h = _device("nvmlDeviceGetMemoryInfo", handle, version=v)
     if version and version != _real.nvmlMemory_v2:
@@ -307,6 +315,7 @@ def nvmlDeviceGetMemoryInfo(handle, version=None):
         m = gpu.mig[h.mig]
         total, reserved, used = m.total_bytes, 0, m.used_bytes
     free = total - reserved - used
+    mem: ctypes.Structure
     if version:
         mem = _real.c_nvmlMemory_v2_t()
         mem.version = version
@@ -318,27 +327,29 @@ def nvmlDeviceGetMemoryInfo(handle, version=None):
     return mem
 
 
-def nvmlDeviceGetBAR1MemoryInfo(handle):
+def nvmlDeviceGetBAR1MemoryInfo(handle: _Handle) -> ctypes.Structure:
     _, gpu, _ = _device("nvmlDeviceGetBAR1MemoryInfo", handle)
     if gpu.unified:
         _raise(_real.NVML_ERROR_NOT_SUPPORTED)
-    bar1 = _real.c_nvmlBAR1Memory_t()
+    bar1: ctypes.Structure = _real.c_nvmlBAR1Memory_t()
     bar1.bar1Total, bar1.bar1Used = 128 * 2**30, 64 * 2**20
     bar1.bar1Free = bar1.bar1Total - bar1.bar1Used
     return bar1
 
 
-def nvmlDeviceGetAddressingMode(device):
+def nvmlDeviceGetAddressingMode(device: _Handle) -> int:
     _, gpu, _ = _device("nvmlDeviceGetAddressingMode", device)
-    return _real.NVML_DEVICE_ADDRESSING_MODE_ATS if gpu.unified else _real.NVML_DEVICE_ADDRESSING_MODE_NONE
+    mode: int = _real.NVML_DEVICE_ADDRESSING_MODE_ATS if gpu.unified else _real.NVML_DEVICE_ADDRESSING_MODE_NONE
+    return mode
 
 
 # ---- Processes ---------------------------------------------------------------------------------
 
 
-def _processes(name: str, handle, kind: str) -> list:
+def _processes(name: str, handle: object, kind: str) -> list[Any]:
+    """nvmlFriendlyObject instances, as nvidia-ml-py returns: their fields are set at run time."""
     state, gpu, h = _device(name, handle)
-    out = []
+    out: list[Any] = []
     mig_ids = {m.index: m for m in gpu.mig}
     for proc in state.processes:
         if proc.kind != kind:
@@ -359,15 +370,15 @@ def _processes(name: str, handle, kind: str) -> list:
     return out
 
 
-def nvmlDeviceGetComputeRunningProcesses_v3(handle):
+def nvmlDeviceGetComputeRunningProcesses_v3(handle: _Handle) -> list[Any]:
     return _processes("nvmlDeviceGetComputeRunningProcesses_v3", handle, "compute")
 
 
-def nvmlDeviceGetComputeRunningProcesses_v2(handle):
+def nvmlDeviceGetComputeRunningProcesses_v2(handle: _Handle) -> list[Any]:
     return _processes("nvmlDeviceGetComputeRunningProcesses_v2", handle, "compute")
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle):
+def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[Any]:
     _plain_check("nvmlDeviceGetComputeRunningProcesses", handle)
     try:
         return nvmlDeviceGetComputeRunningProcesses_v3(handle)
@@ -375,15 +386,15 @@ def nvmlDeviceGetComputeRunningProcesses(handle):
         raise _mismatch("nvmlDeviceGetComputeRunningProcesses") from None
 
 
-def nvmlDeviceGetGraphicsRunningProcesses_v3(handle):
+def nvmlDeviceGetGraphicsRunningProcesses_v3(handle: _Handle) -> list[Any]:
     return _processes("nvmlDeviceGetGraphicsRunningProcesses_v3", handle, "graphics")
 
 
-def nvmlDeviceGetGraphicsRunningProcesses_v2(handle):
+def nvmlDeviceGetGraphicsRunningProcesses_v2(handle: _Handle) -> list[Any]:
     return _processes("nvmlDeviceGetGraphicsRunningProcesses_v2", handle, "graphics")
 
 
-def nvmlDeviceGetGraphicsRunningProcesses(handle):
+def nvmlDeviceGetGraphicsRunningProcesses(handle: _Handle) -> list[Any]:
     _plain_check("nvmlDeviceGetGraphicsRunningProcesses", handle)
     try:
         return nvmlDeviceGetGraphicsRunningProcesses_v3(handle)
@@ -391,34 +402,35 @@ def nvmlDeviceGetGraphicsRunningProcesses(handle):
         raise _mismatch("nvmlDeviceGetGraphicsRunningProcesses") from None
 
 
-def nvmlDeviceGetMPSComputeRunningProcesses_v3(handle):
+def nvmlDeviceGetMPSComputeRunningProcesses_v3(handle: _Handle) -> list[Any]:
     _device("nvmlDeviceGetMPSComputeRunningProcesses_v3", handle)
     return []
 
 
-def nvmlDeviceGetMPSComputeRunningProcesses(handle):
+def nvmlDeviceGetMPSComputeRunningProcesses(handle: _Handle) -> list[Any]:
     return nvmlDeviceGetMPSComputeRunningProcesses_v3(handle)
 
 
-def _plain_check(name: str, handle) -> None:
+def _plain_check(name: str, handle: object) -> None:
     """A fault aimed at the unversioned function itself raises its own error."""
     with _lock:
         scenario, clock = _scenario, _clock
-    if scenario is not None and _refcount > 0:
+    if scenario is not None and clock is not None and _refcount > 0:
         _check_call_fault(scenario.state_for(clock), name, getattr(handle, "gpu", None))
 
 
 def _mismatch(name: str) -> Exception:
-    return NVMLLibraryMismatchError(
+    error: Exception = NVMLLibraryMismatchError(
         "Unversioned function called and the pyNVML version does not match the NVML lib version. "
         "Either use matching pyNVML and NVML lib versions or use a versioned function such as "
         f"{name}_v2")
+    return error
 
 
 # ---- MIG ---------------------------------------------------------------------------------------
 
 
-def nvmlDeviceGetMigMode(device):
+def nvmlDeviceGetMigMode(device: _Handle) -> list[int]:
     _, gpu, h = _device("nvmlDeviceGetMigMode", device)
     if gpu.unified or h.mig is not None:
         _raise(_real.NVML_ERROR_NOT_SUPPORTED)
@@ -426,14 +438,14 @@ def nvmlDeviceGetMigMode(device):
     return [mode, mode]
 
 
-def nvmlDeviceGetMaxMigDeviceCount(device):
+def nvmlDeviceGetMaxMigDeviceCount(device: _Handle) -> int:
     _, gpu, h = _device("nvmlDeviceGetMaxMigDeviceCount", device)
     if gpu.unified or h.mig is not None:
         _raise(_real.NVML_ERROR_NOT_SUPPORTED)
     return _MAX_MIG_DEVICES
 
 
-def nvmlDeviceGetMigDeviceHandleByIndex(device, index):
+def nvmlDeviceGetMigDeviceHandleByIndex(device: _Handle, index: int) -> _Handle:
     _, gpu, h = _device("nvmlDeviceGetMigDeviceHandleByIndex", device)
     if h.mig is not None or not isinstance(index, int) or not 0 <= index < _MAX_MIG_DEVICES:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
@@ -442,27 +454,27 @@ def nvmlDeviceGetMigDeviceHandleByIndex(device, index):
     return _handle(gpu.index, index)
 
 
-def nvmlDeviceIsMigDeviceHandle(device):
+def nvmlDeviceIsMigDeviceHandle(device: _Handle) -> ctypes.c_uint:
     _, _, h = _device("nvmlDeviceIsMigDeviceHandle", device)
     # nvidia-ml-py returns the c_uint itself here, not its value; so do we.
-    return _real.c_uint(0 if h.mig is None else 1)
+    return ctypes.c_uint(0 if h.mig is None else 1)
 
 
-def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice):
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: _Handle) -> _Handle:
     _, gpu, h = _device("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice)
     if h.mig is None:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     return _handle(gpu.index)
 
 
-def nvmlDeviceGetGpuInstanceId(device):
+def nvmlDeviceGetGpuInstanceId(device: _Handle) -> int:
     _, gpu, h = _device("nvmlDeviceGetGpuInstanceId", device)
     if h.mig is None:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     return gpu.mig[h.mig].gpu_instance_id
 
 
-def nvmlDeviceGetComputeInstanceId(device):
+def nvmlDeviceGetComputeInstanceId(device: _Handle) -> int:
     _, gpu, h = _device("nvmlDeviceGetComputeInstanceId", device)
     if h.mig is None:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
@@ -472,159 +484,163 @@ def nvmlDeviceGetComputeInstanceId(device):
 # ---- Plausible constants for tools that ask more (nvitop, gpustat, exporters) ------------------
 
 
-def nvmlDeviceGetUtilizationRates(handle):
+def nvmlDeviceGetUtilizationRates(handle: _Handle) -> ctypes.Structure:
     state, gpu, _ = _device("nvmlDeviceGetUtilizationRates", handle)
     busy = any(str(gpu.index) == k.partition("/")[0] for p in state.processes for k in p.gpu_bytes)
-    util = _real.c_nvmlUtilization_t()
+    util: ctypes.Structure = _real.c_nvmlUtilization_t()
     util.gpu, util.memory = (87, 41) if busy else (0, 0)
     return util
 
 
-def nvmlDeviceGetTemperature(handle, sensor):
+def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
     _device("nvmlDeviceGetTemperature", handle)
     if sensor != _real.NVML_TEMPERATURE_GPU:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     return 46
 
 
-def nvmlDeviceGetTemperatureThreshold(handle, threshold):
+def nvmlDeviceGetTemperatureThreshold(handle: _Handle, threshold: int) -> int:
     _device("nvmlDeviceGetTemperatureThreshold", handle)
     return 92
 
 
-def nvmlDeviceGetFanSpeed(handle):
+def nvmlDeviceGetFanSpeed(handle: _Handle) -> int:
     _device("nvmlDeviceGetFanSpeed", handle)
     _raise(_real.NVML_ERROR_NOT_SUPPORTED)  # data-centre cards are passively cooled
 
 
-def nvmlDeviceGetNumFans(device):
+def nvmlDeviceGetNumFans(device: _Handle) -> int:
     _device("nvmlDeviceGetNumFans", device)
     return 0
 
 
-def nvmlDeviceGetPowerUsage(handle):
+def nvmlDeviceGetPowerUsage(handle: _Handle) -> int:
     _device("nvmlDeviceGetPowerUsage", handle)
     return 312_000  # milliwatts
 
 
-def nvmlDeviceGetTotalEnergyConsumption(handle):
+def nvmlDeviceGetTotalEnergyConsumption(handle: _Handle) -> int:
     state, _, _ = _device("nvmlDeviceGetTotalEnergyConsumption", handle)
     return int(312 * 1000 * max(state.t, 0.0))  # millijoules, grows with time
 
 
-def nvmlDeviceGetPowerManagementLimit(handle):
+def nvmlDeviceGetPowerManagementLimit(handle: _Handle) -> int:
     _device("nvmlDeviceGetPowerManagementLimit", handle)
     return 700_000
 
 
-def nvmlDeviceGetEnforcedPowerLimit(handle):
+def nvmlDeviceGetEnforcedPowerLimit(handle: _Handle) -> int:
     _device("nvmlDeviceGetEnforcedPowerLimit", handle)
     return 700_000
 
 
-def nvmlDeviceGetPowerManagementLimitConstraints(handle):
+def nvmlDeviceGetPowerManagementLimitConstraints(handle: _Handle) -> list[int]:
     _device("nvmlDeviceGetPowerManagementLimitConstraints", handle)
     return [200_000, 700_000]
 
 
-def nvmlDeviceGetClockInfo(handle, type):  # noqa: A002 (nvidia-ml-py's parameter name)
+def nvmlDeviceGetClockInfo(handle: _Handle, type: int) -> int:
     _device("nvmlDeviceGetClockInfo", handle)
     return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
 
 
-def nvmlDeviceGetMaxClockInfo(handle, type):  # noqa: A002
+def nvmlDeviceGetMaxClockInfo(handle: _Handle, type: int) -> int:
     _device("nvmlDeviceGetMaxClockInfo", handle)
     return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
 
 
-def nvmlDeviceGetPerformanceState(handle):
+def nvmlDeviceGetPerformanceState(handle: _Handle) -> int:
     _device("nvmlDeviceGetPerformanceState", handle)
     return 0
 
 
-def nvmlDeviceGetPersistenceMode(handle):
+def nvmlDeviceGetPersistenceMode(handle: _Handle) -> int:
     _device("nvmlDeviceGetPersistenceMode", handle)
-    return _real.NVML_FEATURE_ENABLED
+    mode: int = _real.NVML_FEATURE_ENABLED
+    return mode
 
 
-def nvmlDeviceGetComputeMode(handle):
+def nvmlDeviceGetComputeMode(handle: _Handle) -> int:
     _device("nvmlDeviceGetComputeMode", handle)
-    return _real.NVML_COMPUTEMODE_DEFAULT
+    mode: int = _real.NVML_COMPUTEMODE_DEFAULT
+    return mode
 
 
-def nvmlDeviceGetDisplayMode(handle):
+def nvmlDeviceGetDisplayMode(handle: _Handle) -> int:
     _device("nvmlDeviceGetDisplayMode", handle)
-    return _real.NVML_FEATURE_DISABLED
+    mode: int = _real.NVML_FEATURE_DISABLED
+    return mode
 
 
-def nvmlDeviceGetDisplayActive(handle):
+def nvmlDeviceGetDisplayActive(handle: _Handle) -> int:
     _device("nvmlDeviceGetDisplayActive", handle)
-    return _real.NVML_FEATURE_DISABLED
+    mode: int = _real.NVML_FEATURE_DISABLED
+    return mode
 
 
-def nvmlDeviceGetEccMode(handle):
+def nvmlDeviceGetEccMode(handle: _Handle) -> list[int]:
     _device("nvmlDeviceGetEccMode", handle)
     return [_real.NVML_FEATURE_ENABLED, _real.NVML_FEATURE_ENABLED]
 
 
-def nvmlDeviceGetTotalEccErrors(handle, errorType, counterType):
+def nvmlDeviceGetTotalEccErrors(handle: _Handle, errorType: int, counterType: int) -> int:
     _device("nvmlDeviceGetTotalEccErrors", handle)
     return 0
 
 
-def nvmlDeviceGetCurrentClocksThrottleReasons(handle):
+def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
     _device("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
     return 0
 
 
-def nvmlDeviceGetCurrentClocksEventReasons(handle):
+def nvmlDeviceGetCurrentClocksEventReasons(handle: _Handle) -> int:
     _device("nvmlDeviceGetCurrentClocksEventReasons", handle)
     return 0
 
 
-def nvmlDeviceGetEncoderUtilization(handle):
+def nvmlDeviceGetEncoderUtilization(handle: _Handle) -> list[int]:
     _device("nvmlDeviceGetEncoderUtilization", handle)
     return [0, 167_000]
 
 
-def nvmlDeviceGetDecoderUtilization(handle):
+def nvmlDeviceGetDecoderUtilization(handle: _Handle) -> list[int]:
     _device("nvmlDeviceGetDecoderUtilization", handle)
     return [0, 167_000]
 
 
-def nvmlDeviceGetCurrPcieLinkGeneration(handle):
+def nvmlDeviceGetCurrPcieLinkGeneration(handle: _Handle) -> int:
     _device("nvmlDeviceGetCurrPcieLinkGeneration", handle)
     return 5
 
 
-def nvmlDeviceGetMaxPcieLinkGeneration(handle):
+def nvmlDeviceGetMaxPcieLinkGeneration(handle: _Handle) -> int:
     _device("nvmlDeviceGetMaxPcieLinkGeneration", handle)
     return 5
 
 
-def nvmlDeviceGetCurrPcieLinkWidth(handle):
+def nvmlDeviceGetCurrPcieLinkWidth(handle: _Handle) -> int:
     _device("nvmlDeviceGetCurrPcieLinkWidth", handle)
     return 16
 
 
-def nvmlDeviceGetMaxPcieLinkWidth(handle):
+def nvmlDeviceGetMaxPcieLinkWidth(handle: _Handle) -> int:
     _device("nvmlDeviceGetMaxPcieLinkWidth", handle)
     return 16
 
 
-def nvmlDeviceGetPcieThroughput(device, counter):
+def nvmlDeviceGetPcieThroughput(device: _Handle, counter: int) -> int:
     _device("nvmlDeviceGetPcieThroughput", device)
     return 1024  # KB/s
 
 
-def nvmlDeviceGetVbiosVersion(handle):
+def nvmlDeviceGetVbiosVersion(handle: _Handle) -> str:
     _device("nvmlDeviceGetVbiosVersion", handle)
     return "96.00.99.00.01"
 
 
-def nvmlDeviceGetPciInfo_v3(handle):
+def nvmlDeviceGetPciInfo_v3(handle: _Handle) -> ctypes.Structure:
     _, gpu, _ = _device("nvmlDeviceGetPciInfo_v3", handle)
-    info = _real.nvmlPciInfo_t()
+    info: ctypes.Structure = _real.nvmlPciInfo_t()
     bus = 0x18 + 0x10 * gpu.index
     info.busIdLegacy = (_real.NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT % (0, bus, 0)).encode()
     info.busId = (_real.NVML_DEVICE_PCI_BUS_ID_FMT % (0, bus, 0)).encode()
@@ -633,17 +649,18 @@ def nvmlDeviceGetPciInfo_v3(handle):
     return info
 
 
-def nvmlDeviceGetPciInfo(handle):
+def nvmlDeviceGetPciInfo(handle: _Handle) -> ctypes.Structure:
     return nvmlDeviceGetPciInfo_v3(handle)
 
 
 # ---- Everything else the real module has: a library without that symbol ----------------------
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
+    # Any: to a type checker this stands for every name _reexport() copied in at run time too.
     real = getattr(_real, name, None)
     if name.startswith("nvml") and isinstance(real, types.FunctionType):
-        def missing(*args, **kwargs):
+        def missing(*args: Any, **kwargs: Any) -> NoReturn:
             _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
         missing.__name__ = name
         return missing

@@ -22,16 +22,27 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest,
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    generate_latest,
 )
 from prometheus_client.core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
 )
 
-from .scenario import Scenario
+from .scenario import Scenario, ScenarioClock
 from .scenario.state import State, VllmState
 
 LABELS = ["model_name", "engine"]
@@ -85,7 +96,8 @@ HIGHR_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 
                  7.5, 10.0, 30.0, 60.0]
 
 
-def _histogram(name, doc, labels, values, buckets, count, mean, created=None):
+def _histogram(name: str, doc: str, labels: Sequence[str], values: Sequence[str], buckets: Sequence[float],
+               count: int, mean: float, created: float | None = None) -> HistogramMetricFamily:
     """A histogram of `count` observations spread around `mean` (half below it, the rest
     thinning out over the larger buckets)."""
     h = HistogramMetricFamily(name, doc, labels=labels)
@@ -96,7 +108,7 @@ def _histogram(name, doc, labels, values, buckets, count, mean, created=None):
     return h
 
 
-def _traffic(labels: list[str], created: float, uptime: float):
+def _traffic(labels: list[str], created: float, uptime: float) -> Iterator[Metric]:
     """Token and request counters and request histograms: a real page's bulk."""
     requests = int(REQUESTS_PER_SECOND * max(uptime, 0.0))
     for name, doc, per_request in (("vllm:prompt_tokens", "Number of prefill tokens processed.", 900),
@@ -113,7 +125,7 @@ def _traffic(labels: list[str], created: float, uptime: float):
         yield _histogram(name, doc, LABELS, labels, buckets, requests, mean, created)
 
 
-def _api_server(uptime: float):
+def _api_server(uptime: float) -> Iterator[Metric]:
     """The API server's own families, as prometheus-fastapi-instrumentator exports them."""
     requests = int(REQUESTS_PER_SECOND * max(uptime, 0.0))
     total = CounterMetricFamily("http_requests", "Total number of requests by method, status and handler.",
@@ -172,16 +184,16 @@ def cache_config_labels(server: VllmState) -> dict[str, str]:
     }
 
 
-def _serving(s: VllmState, created: float):
+def _serving(s: VllmState, created: float) -> Iterator[Metric]:
     """The families the exporter reads: the server's state at this moment."""
     labels = [s.model, "0"]
 
-    def gauge(name, doc, value):
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=LABELS)
         g.add_metric(labels, value)
         return g
 
-    def counter(name, doc, value):
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
         c = CounterMetricFamily(name, doc, labels=LABELS)
         c.add_metric(labels, value, created=created)
         return c
@@ -203,14 +215,14 @@ def _serving(s: VllmState, created: float):
 class _Families:
     """A collector over families made beforehand: one state read serves the whole page."""
 
-    def __init__(self, families):
+    def __init__(self, families: Iterable[Metric]) -> None:
         self.families = list(families)
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         return iter(self.families)
 
 
-def _exposition(families) -> bytes:
+def _exposition(families: Iterable[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry)
@@ -220,17 +232,17 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "uvicorn"  # what vLLM's API server answers with
     protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn does: scrapers reuse the connection
     disable_nagle_algorithm = True  # TCP_NODELAY, as uvicorn: else a kept-alive answer stalls 40 ms
-    sim: "FakeVllmServer"
+    sim: FakeVllmServer
 
-    def setup(self):
+    def setup(self) -> None:
         super().setup()
         self.sim._connections.add(self.connection)
 
-    def finish(self):
+    def finish(self) -> None:
         self.sim._connections.discard(self.connection)
         super().finish()
 
-    def do_GET(self):  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path not in ("/metrics", "/health"):
             return self._send(404, b'{"detail":"Not Found"}', "application/json")
@@ -258,22 +270,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format, *args):  # noqa: A002 - keep test output quiet
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def handle_error(self, request, client_address):
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any) -> None:
         pass  # a scraper that gave up mid-answer (its deadline) is normal, not a traceback
 
 
 class FakeVllmServer:
     """Serves scenario server `server_index` on host:port (0: any free port) until stop()."""
 
-    def __init__(self, scenario: Scenario, clock, server_index: int = 0,
-                 host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, scenario: Scenario, clock: ScenarioClock, server_index: int = 0,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         if not 0 <= server_index < len(scenario.vllm):
             raise ValueError(f"scenario {scenario.name!r} has no vLLM server {server_index}")
         self.scenario = scenario
@@ -288,7 +300,7 @@ class FakeVllmServer:
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
             self._python.register(collector)  # the Python families every vLLM page ends with
         self._render_lock = threading.Lock()
-        self._traffic: tuple[tuple, bytes] | None = None  # (what it shows, its exposition)
+        self._traffic: tuple[tuple[str, float, float], bytes] | None = None  # (what it shows, its exposition)
         self._connections: set[socket.socket] = set()  # open keep-alive connections
 
     def state(self) -> State:
@@ -312,7 +324,7 @@ class FakeVllmServer:
                 self._traffic = (key, _exposition(bulk))
             return _exposition(_serving(s, created)) + self._traffic[1] + generate_latest(self._python)
 
-    def start(self) -> "FakeVllmServer":
+    def start(self) -> FakeVllmServer:
         if self._httpd is not None:
             return self
         handler = type("Handler", (_Handler,), {"sim": self})
@@ -347,10 +359,10 @@ class FakeVllmServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
 
-    def __enter__(self) -> "FakeVllmServer":
+    def __enter__(self) -> FakeVllmServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -379,5 +391,6 @@ def startup_log(scenario: Scenario, server_index: int) -> str:
                               f"{peak:.2f}GiB; non-torch forward increase memory: {non_torch:.2f}GiB; "
                               f"weights memory: {weights:.2f}GiB."),
         ("gpu_worker.py:270", f"Available KV cache memory: {kv:.2f} GiB"),
-        ("gpu_model_runner.py:2500", f"Graph capturing finished in {ramp['graph_seconds']:.0f} secs, took {graphs:.2f} GiB"),
+        ("gpu_model_runner.py:2500", f"Graph capturing finished in {ramp['graph_seconds']:.0f} secs, "
+                                     f"took {graphs:.2f} GiB"),
     ))

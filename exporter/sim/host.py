@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ..model import HostMemory
 from ..sources.hostview import ProcessInfo
-from .scenario import Scenario
-from .scenario.state import ProcessState
+from .scenario import Scenario, ScenarioClock
+from .scenario.state import ProcessState, State
 
 
 def cgroup_text(proc: ProcessState) -> str:
@@ -30,7 +30,7 @@ def cgroup_text(proc: ProcessState) -> str:
 class SimulatedHost:
     """HostView over a scenario: process(pid), pid_listening_on(port), memory()."""
 
-    def __init__(self, scenario: Scenario, clock):
+    def __init__(self, scenario: Scenario, clock: ScenarioClock):
         self.scenario = scenario
         self.clock = clock
         self._ports: dict[int, int] = {}  # port a fake vLLM server really bound -> the scenario's port
@@ -39,7 +39,7 @@ class SimulatedHost:
         """The fake vLLM server binds a free port; answer for it as for the scenario's port."""
         self._ports[bound] = scenario_port
 
-    def _state(self):
+    def _state(self) -> State:
         return self.scenario.state_for(self.clock)
 
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:

@@ -9,14 +9,26 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from ..model import GpuSample, Snapshot, VllmSample
 from .hostview import HostView
 from .source import Reading
 from .vllm_procs import assign_roles
 
+if TYPE_CHECKING:
+    from .kubelet import KubeletPods, Pod
+    from .logs import LogSource
+    from .vllm import VllmSource
+    from .vllm_log import ProfileCache
 
-def pod_name(pods, pod_uid: str) -> tuple[str, str]:
+
+class PodLookup(Protocol):
+    def lookup(self, pod_uid: str) -> Pod | None: ...
+
+
+def pod_name(pods: PodLookup, pod_uid: str) -> tuple[str, str]:
     """(pod, namespace) for a pod UID; ('', '') outside a pod or while the kubelet does not
     know it. `pods` is a kubelet.KubeletPods (anything with lookup(uid) -> Pod | None)."""
     if not pod_uid:
@@ -33,7 +45,7 @@ class PodNames:
 
     name = "kubelet"
 
-    def __init__(self, pods):
+    def __init__(self, pods: KubeletPods):
         self.pods = pods
 
     def collect(self, snapshot: Snapshot) -> Reading:
@@ -63,11 +75,11 @@ class VllmServers:
 
     name = "vllm"
 
-    def __init__(self, scraper, host: HostView, profiles=None):
+    def __init__(self, scraper: VllmSource, host: HostView, profiles: ProfileCache | None = None):
         self.scraper = scraper  # vllm.VllmSource
         self.host = host
         self.profiles = profiles  # vllm_log.ProfileCache, or None
-        self._roles: dict[tuple, tuple[str, str]] = {}  # process identity -> (role, endpoint)
+        self._roles: dict[tuple[int, float | None], tuple[str, str]] = {}  # process identity -> (role, endpoint)
 
     def collect(self, snapshot: Snapshot) -> Reading:
         samples: tuple[VllmSample, ...] = tuple(self.scraper.sample(
@@ -79,11 +91,12 @@ class VllmServers:
         return Reading(dataclasses.replace(snapshot, vllm=samples, gpus=gpus), up=not down,
                        error=down[0].error if down else "")
 
-    def _sticky_roles(self, gpus) -> tuple[GpuSample, ...]:
+    def _sticky_roles(self, gpus: Iterable[GpuSample]) -> tuple[GpuSample, ...]:
         """A process serves its server for life. When a server shuts down, its listener goes
         first and its workers free their GPU memory a moment later: keep their role meanwhile,
         so the exit is seen as a serving process's exit."""
-        roles, out = {}, []
+        roles: dict[tuple[int, float | None], tuple[str, str]] = {}
+        out: list[GpuSample] = []
         for gpu in gpus:
             procs = []
             for p in gpu.processes:
@@ -107,7 +120,7 @@ class OomLogs:
 
     name = "logs"
 
-    def __init__(self, tailer):
+    def __init__(self, tailer: LogSource):
         self.tailer = tailer  # logs.LogSource
 
     def collect(self, snapshot: Snapshot) -> Reading:

@@ -20,7 +20,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,23 +80,23 @@ def normalise_uuid(uuid: str) -> str:
 
 # `type(x) is int` rather than isinstance: it refuses booleans too, and this runs ~15 times per
 # file per tick.
-def _count(value) -> int:
+def _count(value: object) -> int:
     if type(value) is int and 0 <= value < _MAX_COUNT:
         return value
     raise _Invalid("bad_schema", f"not a count: {str(value)[:40]!r}")
 
 
-def _optional_count(value) -> int | None:
+def _optional_count(value: object) -> int | None:
     return None if value is None else _count(value)
 
 
-def _seconds(value) -> float:
+def _seconds(value: Any) -> float:  # Any: a decoded JSON value, checked here
     if type(value) in (int, float) and 0 <= value < math.inf:  # NaN fails every comparison
         return float(value)
     raise _Invalid("bad_schema", f"not a time: {str(value)[:40]!r}")
 
 
-def _text(value, limit: int = MAX_TEXT) -> str:
+def _text(value: object, limit: int = MAX_TEXT) -> str:
     if not isinstance(value, str):
         raise _Invalid("bad_schema", "not a string")
     return value[:limit]
@@ -134,7 +134,7 @@ def parse(data: bytes) -> ProbeReport:
         raise _Invalid("bad_schema", f"missing or mistyped {str(exc)[:60]}") from None
 
 
-def _device(entry, common: dict[str, Any]) -> tuple[str | None, AllocatorStats]:
+def _device(entry: object, common: dict[str, Any]) -> tuple[str | None, AllocatorStats]:
     if not isinstance(entry, dict):
         raise _Invalid("bad_schema", "device: not an object")
     uuid = entry.get("uuid")
@@ -170,7 +170,7 @@ class AllocatorSource:
         self.max_entries = max_entries
         self.max_file_bytes = max_file_bytes
         self._pid_namespace = pid_namespace or (lambda pid: read_pid_namespace(proc_root, pid))
-        self._namespaces: dict[tuple, int | None] = {}  # process identity -> its PID namespace
+        self._namespaces: dict[tuple[int, float | None], int | None] = {}  # process identity -> its PID namespace
 
     def close(self) -> None:
         pass  # nothing held between ticks
@@ -188,7 +188,7 @@ class AllocatorSource:
             errors.append(SourceError(SOURCE, kind, f"{self.directory}: {exc.strerror}"))
             return AllocatorReading(gpus, SourceStatus(SOURCE, False, time.perf_counter() - started, kind),
                                     tuple(errors))
-        namespaces: dict[tuple, int | None] = {}
+        namespaces: dict[tuple[int, float | None], int | None] = {}
         out = []
         for gpu in gpus:
             procs = []
@@ -249,7 +249,9 @@ class AllocatorSource:
             return None
         return report
 
-    def _match(self, p: ProcessSample, candidates, namespaces: dict, errors: list[SourceError]) -> ProbeReport | None:
+    def _match(self, p: ProcessSample, candidates: Sequence[ProbeReport],
+               namespaces: dict[tuple[int, float | None], int | None],
+               errors: list[SourceError]) -> ProbeReport | None:
         """The one report that is this process's, or None."""
         if p.start_time is None:
             return None
@@ -282,7 +284,7 @@ def _device_stats(report: ProbeReport, gpu: GpuSample, p: ProcessSample,
         if device_uuid == uuid:
             return stats
     # A torch too old to report UUIDs: unambiguous only for a process on one GPU using one device.
-    if len(report.devices) == 1 and report.devices[0][0] is None:
-        if sum(any(q.pid == p.pid for q in g.processes) for g in gpus) == 1:
-            return report.devices[0][1]
+    if (len(report.devices) == 1 and report.devices[0][0] is None
+            and sum(any(q.pid == p.pid for q in g.processes) for g in gpus) == 1):
+        return report.devices[0][1]
     return None

@@ -1,7 +1,8 @@
 """Container id and Kubernetes pod UID from the text of /proc/<pid>/cgroup (v1 and v2).
 
 Shapes seen in the field, all handled:
-  v2 systemd + containerd  0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope
+  v2 systemd + containerd  0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_with_underscores>
+                           .slice/cri-containerd-<id>.scope   (one line, wrapped here)
   v2 systemd + CRI-O       0::/kubepods.slice/kubepods-pod<uid>.slice/crio-<id>.scope
   v1 cgroupfs              11:memory:/kubepods/burstable/pod<uid>/<id>
   Docker                   0::/system.slice/docker-<id>.scope   or   12:pids:/docker/<id>

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -49,7 +50,7 @@ class _Tracked:
 
 
 class LocalHost(HostView):
-    def __init__(self, listener_cache_seconds: float = 30.0, monotonic=time.monotonic):
+    def __init__(self, listener_cache_seconds: float = 30.0, monotonic: Callable[[], float] = time.monotonic):
         self.proc_root = psutil.PROCFS_PATH  # e.g. /host/proc: read, never set here
         self._monotonic = monotonic  # the caches' clock; the overhead benchmark plays it fast
         self._listener_ttl = listener_cache_seconds

@@ -3,9 +3,8 @@ total deadline, so a server that drips one byte a second never holds sampling, a
 bound counted after decompression, so neither a huge body nor a gzip bomb gets through."""
 from __future__ import annotations
 
-import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import requests
 import urllib3
@@ -42,7 +41,7 @@ def read_body(response: requests.Response, max_bytes: int, deadline: float, time
             chunks.append(data)
     except BodyError:
         raise
-    except (TimeoutError, socket.timeout, urllib3.exceptions.TimeoutError):
+    except (TimeoutError, urllib3.exceptions.TimeoutError):
         raise BodyError("timeout", late) from None
     except urllib3.exceptions.DecodeError:
         raise BodyError("parse", "body could not be decoded") from None

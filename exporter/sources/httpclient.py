@@ -5,15 +5,16 @@ Every hop of a request, redirects included, runs under one total deadline, and n
 body is ever read: the connection of a 3xx answer is dropped at once, so a 302 carrying
 gigabytes (chunked, or a gzip bomb) costs nothing. requests' Session.send reads a redirect's
 whole body, outside any size bound and deadline, even with allow_redirects=False (it prepares
-the next hop), so requests go straight to the session's transport adapter instead. Redirects are followed only to the same origin (scheme, host and port), so a bearer
-token is never sent to another host, and at most `max_redirects` times.
+the next hop), so requests go straight to the session's transport adapter instead. Redirects
+are followed only to the same origin (scheme, host and port), so a bearer token is never sent
+to another host, and at most `max_redirects` times.
 """
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
@@ -82,8 +83,10 @@ def _send(session: requests.Session, request: requests.PreparedRequest, seconds:
     Session.send does, less the redirect handling that reads bodies without bound."""
     try:
         adapter = session.get_adapter(request.url or "")
-        proxies = resolve_proxies(request, session.proxies, session.trust_env)
-        return adapter.send(request, stream=True, timeout=(seconds, seconds), verify=session.verify,
+        proxies = resolve_proxies(request, dict(session.proxies), session.trust_env)
+        # verify None (unset) would turn TLS verification off in the adapter: requests' default is True.
+        verify = True if session.verify is None else session.verify
+        return adapter.send(request, stream=True, timeout=(seconds, seconds), verify=verify,
                             cert=session.cert, proxies=proxies)
     except requests.exceptions.RequestException as exc:
         failure = failure_of(exc)

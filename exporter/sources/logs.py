@@ -16,8 +16,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from ..boundedio import open_regular
 from ..model import OomMessage, SourceError

@@ -8,9 +8,11 @@ turns that GPU down while the others keep reporting, and an unsupported field is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
 from .source import Reading
@@ -33,7 +35,7 @@ class NvmlSource:
 
     name = "nvml"
 
-    def __init__(self, nvml, host_memory: Callable[[], HostMemory | None],
+    def __init__(self, nvml: Any, host_memory: Callable[[], HostMemory | None],
                  now: Callable[[], float] = time.time,
                  retry_initial_seconds: float = 5.0, retry_max_seconds: float = 300.0,
                  label: str = "NVML", retry: bool = True):
@@ -145,7 +147,7 @@ class NvmlSource:
             gpu = dataclasses.replace(gpu, processes=())
         return [gpu, *instances]
 
-    def _read(self, index: str, uuid: str, name: str, handle, errors: list[SourceError],
+    def _read(self, index: str, uuid: str, name: str, handle: Any, errors: list[SourceError],
               mig: bool = False) -> GpuSample:
         total = used = free = reserved = None
         unified = self._addressing_is_ats(handle, uuid)
@@ -166,8 +168,9 @@ class NvmlSource:
                          free_bytes=free, reserved_bytes=reserved, unified=unified, mig=mig,
                          processes=processes)
 
-    def _memory_info(self, handle, uuid: str, errors: list[SourceError]):
-        """Memory info v2 (with driver-reserved memory), falling back to v1."""
+    def _memory_info(self, handle: Any, uuid: str, errors: list[SourceError]) -> Any:
+        """Memory info v2 (with driver-reserved memory), falling back to v1: NVML's struct,
+        UNSUPPORTED or None (see _first_working)."""
         nvml = self.nvml
         variants = [lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2),
                     lambda: nvml.nvmlDeviceGetMemoryInfo(handle)]
@@ -175,16 +178,18 @@ class NvmlSource:
             variants = variants[1:]
         return self._first_working(uuid, "memory", variants, errors)
 
-    def _first_working(self, uuid: str, call: str, variants, errors: list[SourceError]):
+    def _first_working(self, uuid: str, call: str, variants: Sequence[Callable[[], Any]],
+                       errors: list[SourceError]) -> Any:
         """Try `variants` from the newest the GPU is known to support. Returns UNSUPPORTED when
         none is supported, None on another error (counted); GPU-fatal errors propagate so the
         caller can mark the GPU down."""
         start = self._variant.get((uuid, call), 0)
         last_kind = ""
+        mismatch: Any = getattr(self.nvml, "NVMLLibraryMismatchError", ())  # () where the bindings lack it
         for i in range(start, len(variants)):
             try:
                 result = variants[i]()
-            except (self.nvml.NVMLError, getattr(self.nvml, "NVMLLibraryMismatchError", ())) as exc:
+            except (self.nvml.NVMLError, mismatch) as exc:
                 last_kind = self.error_kind(exc)
                 if last_kind in _FALL_BACK:
                     continue
@@ -196,14 +201,14 @@ class NvmlSource:
             return result
         return UNSUPPORTED
 
-    def _processes(self, handle, uuid: str, errors: list[SourceError]) -> tuple[ProcessSample, ...]:
+    def _processes(self, handle: Any, uuid: str, errors: list[SourceError]) -> tuple[ProcessSample, ...]:
         nvml = self.nvml
         found: dict[int, ProcessSample] = {}
         for kind, base in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
                            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
             variants = [getattr(nvml, base + suffix) for suffix in ("_v3", "_v2", "")
                         if hasattr(nvml, base + suffix)]
-            procs = self._first_working(uuid, kind, [lambda f=f: f(handle) for f in variants], errors)
+            procs = self._first_working(uuid, kind, [functools.partial(f, handle) for f in variants], errors)
             if procs is None or procs is UNSUPPORTED:
                 continue
             for p in procs:
@@ -216,7 +221,7 @@ class NvmlSource:
                 found[p.pid] = ProcessSample(pid=p.pid, used_bytes=used, kind=kind)
         return tuple(found[pid] for pid in sorted(found))
 
-    def _addressing_is_ats(self, handle, uuid: str) -> bool:
+    def _addressing_is_ats(self, handle: Any, uuid: str) -> bool:
         """ATS means the GPU addresses host memory coherently (Grace Hopper/Blackwell). HMM is
         left out on purpose: it is available on ordinary discrete GPUs with open kernel modules."""
         nvml = self.nvml
@@ -228,7 +233,7 @@ class NvmlSource:
             self._ats[uuid] = mode == getattr(nvml, "NVML_DEVICE_ADDRESSING_MODE_ATS", 2)
         return self._ats[uuid]
 
-    def _mig_instances(self, index: int, handle, parent: GpuSample,
+    def _mig_instances(self, index: int, handle: Any, parent: GpuSample,
                        errors: list[SourceError]) -> list[GpuSample]:
         nvml = self.nvml
         try:
@@ -238,7 +243,7 @@ class NvmlSource:
             slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
         except nvml.NVMLError:
             return []  # NOT_SUPPORTED on GPUs without MIG
-        out = []
+        out: list[GpuSample] = []
         for slot in range(slots):
             try:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
@@ -253,5 +258,5 @@ class NvmlSource:
         return out
 
 
-def _text(value) -> str:
+def _text(value: object) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)

@@ -20,8 +20,9 @@ holds real copies of each.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any
 
 from ..model import OomMessage
 from ..units import bytes_in_message
@@ -199,7 +200,7 @@ _KERNEL_CONTINUATION = re.compile(r"^(?:[\d,]*\s?kB\b|[a-z_\-]{1,32}[=:]\S)")
 _RSS = re.compile(r"\b(anon-rss|file-rss|shmem-rss):([\d,]{1,20})\s?kB")
 
 
-def _vllm_startup_match(text: str) -> re.Match | None:
+def _vllm_startup_match(text: str) -> re.Match[str] | None:
     return _VLLM_FREE.search(text) or _VLLM_MAX_LEN_V1.search(text)
 
 
@@ -367,7 +368,7 @@ class OomParser:
         self.source = source
         self._pending: _Pending | None = None
         self._kernel: _KernelReport | None = None
-        self._recent: list[tuple[int, tuple]] = []  # (line, signature) of recent messages
+        self._recent: list[tuple[int, tuple[object, ...]]] = []  # (line, signature) of recent messages
         self._last_line = 0
         self.faults = 0  # lines dropped because the parser itself failed (a bug, counted)
 
@@ -390,8 +391,8 @@ class OomParser:
 
     # -- internals
 
-    def _feed(self, line_no: int, text: str) -> list[OomMessage]:
-        if not isinstance(text, str):
+    def _feed(self, line_no: int, text: object) -> list[OomMessage]:
+        if not isinstance(text, str):  # callers may pass bytes or None despite the annotation
             return []
         out: list[OomMessage] = []
         if line_no <= self._last_line:  # the file was truncated or rotated: start over
@@ -444,7 +445,7 @@ class OomParser:
         self._recent.append((message.line, signature))
         return [message]
 
-    def _message(self, kind: str, line: int, text: str, **numbers) -> OomMessage:
+    def _message(self, kind: str, line: int, text: str, **numbers: Any) -> OomMessage:
         return OomMessage(kind=kind, line=line, source=self.source, message=_clean_message(text),
                           **numbers)
 
@@ -579,7 +580,7 @@ class OomParser:
             return self._ray(p)
         return None
 
-    def _vllm_free(self, line_no: int, body: str, m: re.Match | None) -> OomMessage:
+    def _vllm_free(self, line_no: int, body: str, m: re.Match[str] | None) -> OomMessage:
         if not m:
             return self._message("vllm_insufficient_memory", line_no, body)
         g = re.search(r"(\d+)$", m.group(1) or "")
@@ -594,7 +595,7 @@ class OomParser:
             requested_bytes=bytes_in_message(m.group(5), "GiB"),
             gpu_memory_utilization=utilization)
 
-    def _vllm_kv_v1(self, line_no: int, body: str, m: re.Match) -> OomMessage:
+    def _vllm_kv_v1(self, line_no: int, body: str, m: re.Match[str]) -> OomMessage:
         max_len = int(m.group(1))
         needed = bytes_in_message(m.group(2), "GiB") if not m.group(2).startswith("-") else None
         # A negative "available" (weights alone exceed the budget) means none.

@@ -13,8 +13,8 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
 
 import requests
 
@@ -25,8 +25,17 @@ from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_normalise import ParseError, normalise
 from .vllm_procs import ServerPids
 
-__all__ = ["VllmEndpoint", "VllmSource", "scrape", "prepare", "public_url", "redact",
-           "DEFAULT_MAX_RESPONSE_BYTES", "ERROR_KINDS", "MAX_REDIRECTS"]
+__all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "ERROR_KINDS",
+    "MAX_REDIRECTS",
+    "VllmEndpoint",
+    "VllmSource",
+    "prepare",
+    "public_url",
+    "redact",
+    "scrape",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +135,7 @@ class VllmSource:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, workers),
             thread_name_prefix="vllm-scrape")
-        self._inflight: dict[int, concurrent.futures.Future] = {}
+        self._inflight: dict[int, concurrent.futures.Future[VllmSample]] = {}
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # (endpoint, metric) already logged
 
@@ -135,7 +144,7 @@ class VllmSource:
         container_id / process_pattern look-ups. Returns one sample per endpoint, in order."""
         started = time.monotonic()
         results: dict[int, VllmSample] = {}
-        waiting: dict[concurrent.futures.Future, int] = {}
+        waiting: dict[concurrent.futures.Future[VllmSample], int] = {}
         with self._lock:
             for i, endpoint in enumerate(self.endpoints):
                 previous = self._inflight.get(i)

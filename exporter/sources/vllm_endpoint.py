@@ -32,7 +32,7 @@ class VllmEndpoint:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"vLLM endpoint {self.label!r}: URL must be http(s)://host[:port][/path]")
         try:
-            parts.port
+            _ = parts.port  # read only to validate: raises on a port out of range or not a number
         except ValueError:
             raise ValueError(f"vLLM endpoint {self.label!r}: invalid port") from None
         if not (isinstance(self.timeout_seconds, (int, float)) and math.isfinite(self.timeout_seconds)

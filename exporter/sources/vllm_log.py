@@ -50,10 +50,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..boundedio import open_regular, read_head
-from ..model import MemoryProfile
+from ..model import MemoryProfile, VllmSample
 from ..units import bytes_in_message
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
@@ -67,7 +68,7 @@ _SIZE = _NUM + r"\s*(GiB|GB|MiB|MB|KiB|KB)"
 # (field, regex, priority): a higher priority replaces a lower one (a measured CUDA graph size
 # beats an estimate); at equal priority the first line wins, which with tensor parallelism
 # is the first worker's report.
-_SIZE_RULES: tuple[tuple[str, re.Pattern, int], ...] = tuple(
+_SIZE_RULES: tuple[tuple[str, re.Pattern[str], int], ...] = tuple(
     (field, re.compile(pattern, re.IGNORECASE), priority) for field, pattern, priority in (
         ("weights_bytes", r"Loading model weights took " + _SIZE, 1),
         ("weights_bytes", r"Model loading took " + _SIZE, 1),
@@ -83,7 +84,8 @@ _SIZE_RULES: tuple[tuple[str, re.Pattern, int], ...] = tuple(
         ("kv_cache_bytes", r"Available KV cache memory: " + _SIZE, 1),
         ("kv_cache_bytes", r"Current kv cache memory in use is " + _SIZE, 1),
         ("kv_cache_bytes", r"reserved " + _SIZE + r" memory for KV Cache as specified by kv_cache_memory_bytes", 1),
-        ("kv_cache_memory_flag_bytes", r"reserved " + _SIZE + r" memory for KV Cache as specified by kv_cache_memory_bytes", 1),
+        ("kv_cache_memory_flag_bytes",
+         r"reserved " + _SIZE + r" memory for KV Cache as specified by kv_cache_memory_bytes", 1),
         ("free_at_start_bytes", r"Initial free memory " + _SIZE + r", reserved", 1),
         ("free_at_start_bytes", r"Free memory on device (?:\S+ )?\(" + _NUM + r"/[\d.]+ (GiB)\) on startup", 1),
         ("total_gpu_bytes", r"Free memory on device (?:\S+ )?\([\d.]+/" + _SIZE + r"\) on startup", 1),
@@ -165,7 +167,7 @@ class ProfileParser:
             self._estimate_applied = False
 
     def profile(self) -> MemoryProfile:
-        values: dict = {field: value for field, (_, value) in self._found.items()}
+        values: dict[str, Any] = {field: value for field, (_, value) in self._found.items()}
         weights = values.get("weights_bytes")
         summary_peak = values.pop("summary_peak_bytes", None)
         if "activation_peak_bytes" not in values and summary_peak is not None:
@@ -198,7 +200,7 @@ def read_profile(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> MemoryProfile
     return parse_profile(text.splitlines())
 
 
-def _keep(found: dict, field: str, priority: int, value: float | int) -> None:
+def _keep(found: dict[str, tuple[int, float | int]], field: str, priority: int, value: float | int) -> None:
     old = found.get(field)
     if old is None or priority > old[0]:
         found[field] = (priority, value)
@@ -263,7 +265,7 @@ class ProfileCache:
         self.log_files = log_files  # endpoint label -> log path
         self._followers = {path: LogFollower(path) for path in log_files.values()}
 
-    def attach(self, samples):
+    def attach(self, samples: Iterable[VllmSample]) -> tuple[VllmSample, ...]:
         out = []
         for sample in samples:
             path = self.log_files.get(sample.endpoint)

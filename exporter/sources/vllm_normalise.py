@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -14,14 +14,14 @@ import ipaddress
 import logging
 import re
 import socket
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
 
 import psutil
 
 from ..boundedio import read_head
 from ..model import GpuSample, VllmSample
-from .hostview import HostView
+from .hostview import HostView, ProcessInfo
 from .vllm_endpoint import VllmEndpoint
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def is_local_host(hostname: str) -> bool:
     return str(address) in local
 
 
-def _safe_process(host: HostView, pid: int):
+def _safe_process(host: HostView, pid: int) -> ProcessInfo | None:
     try:
         return host.process(pid)
     except Exception as exc:

@@ -54,7 +54,7 @@ def initialised_cuda(modules: dict = sys.modules) -> Any:
     cuda = getattr(modules.get("torch"), "cuda", None)
     try:
         return cuda if cuda is not None and cuda.is_initialized() else None
-    except Exception:  # noqa: BLE001 - torch half-imported by another thread, or odd
+    except Exception:
         return None
 
 
@@ -89,7 +89,7 @@ class Probe:
         while True:
             try:
                 self.poll()
-            except Exception:  # noqa: BLE001 - a bug here must neither reach vLLM nor stop the probe
+            except Exception:
                 self.errors["internal"] += 1
             if self._stop.wait(self.interval):
                 return
@@ -144,7 +144,7 @@ class Probe:
         if index not in self._uuids:
             try:
                 self._uuids[index] = device_uuid(cuda.get_device_properties(index))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.errors["device_properties"] += 1
                 return None
         return self._uuids[index]
@@ -153,7 +153,7 @@ class Probe:
         if self._backend is None:  # fixed once CUDA is initialised
             try:
                 self._backend = str(cuda.get_allocator_backend())[:32]
-            except Exception:  # noqa: BLE001 - torch < 2.0
+            except Exception:
                 self._backend = ""
         return self._backend
 
@@ -224,7 +224,7 @@ def _after_fork_in_child() -> None:
         this.probe = parent.forked()
         this.probe.start()
         _remove_at_multiprocessing_exit(this.probe)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
 

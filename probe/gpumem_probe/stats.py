@@ -71,19 +71,19 @@ def read_devices(cuda: Any, uuid_of: Callable[[int], str | None], errors: dict[s
     try:
         count = min(int(cuda.device_count()), MAX_DEVICES)
         current = int(cuda.current_device())
-    except Exception:  # noqa: BLE001
+    except Exception:
         errors["device_count"] += 1
         return []
     try:
         cumem = cumem_bytes_by_device(modules)
-    except Exception:  # noqa: BLE001 - vLLM internals change between releases
+    except Exception:
         errors["cumem"] += 1
         cumem = {}
     devices = []
     for index in range(count):
         try:
             stats = cuda.memory_stats(index)
-        except Exception:  # noqa: BLE001
+        except Exception:
             errors["memory_stats"] += 1
             continue
         if index != current and not stats.get("num_device_alloc") and not stats.get("reserved_bytes.all.current"):

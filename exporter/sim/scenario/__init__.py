@@ -17,7 +17,7 @@ One job per module, in the order data flows:
     load       built-ins by name, files by path, YAML text (`load`, `loads`, `builtin`)
 """
 from .curves import Curve, parse_curve
-from .evaluate import Scenario
+from .evaluate import Scenario, ScenarioClock
 from .load import MAX_SCENARIO_BYTES, SCENARIO_DIR, builtin, load, loads
 from .schema import from_dict
 from .validate import ScenarioError, parse_duration, parse_rate, parse_size
@@ -27,6 +27,7 @@ __all__ = [
     "SCENARIO_DIR",
     "Curve",
     "Scenario",
+    "ScenarioClock",
     "ScenarioError",
     "builtin",
     "from_dict",

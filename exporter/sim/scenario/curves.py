@@ -140,7 +140,7 @@ class _Reading:
         if kind == "constant":
             return constant(self.value(params, f"{item_path}.{kind}"))
         n = Node(params, f"{item_path}.{kind}")
-        made = getattr(self, "_" + kind)(n, item_path)
+        made: Component = getattr(self, "_" + kind)(n, item_path)
         n.done()
         return made
 
@@ -218,7 +218,7 @@ def parse_curve(value: Any, path: str, *, bytes_: bool, seed_base: int = 0,
     else:
         raise ScenarioError(f"{path}: expected a curve (a number, a component or a list), got {type_name(value)}")
     components = []
-    for item, p in zip(items, paths):
+    for item, p in zip(items, paths, strict=True):
         if not isinstance(item, Mapping) or len(item) != 1:
             raise ScenarioError(f"{p}: expected one component, one of: {', '.join(COMPONENTS)}")
         (kind, params), = item.items()

@@ -11,9 +11,24 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Protocol
 
 from .specs import FaultSpec, GpuSpec, HostSpec, ProcessSpec, StaleSpec, VllmSpec
 from .state import GpuState, HostState, MigState, ProcessState, State, VllmState
+
+
+class ScenarioClock(Protocol):
+    """The time a scenario runs on: exporter.clock's VirtualClock or FixedClock."""
+
+    @property
+    def start(self) -> float:
+        """Unix seconds at scenario time 0."""
+
+    def now(self) -> float:
+        """Clock time, Unix seconds."""
+
+    def elapsed(self) -> float:
+        """Clock seconds since `start`: the scenario's time."""
 
 
 @dataclass
@@ -31,7 +46,7 @@ class Scenario:
     cuda_driver_version: int = 12080
     source: str = ""
     resolution: float = 1.0  # state_for(clock) rounds scenario time down to this many seconds
-    _memo: tuple | None = field(default=None, repr=False, compare=False)
+    _memo: tuple[float, State] | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def faults_at(self, t: float) -> tuple[FaultSpec, ...]:
@@ -45,7 +60,7 @@ class Scenario:
             self.processes = tuple(processes)
             self._memo = None
 
-    def state_for(self, clock) -> State:
+    def state_for(self, clock: ScenarioClock) -> State:
         """The state at the clock's scenario time (a VirtualClock or FixedClock: `elapsed()`),
         rounded down to `resolution` so the many calls of one sampling tick share one evaluation."""
         t = clock.elapsed()

@@ -104,7 +104,7 @@ def boolean(value: Any, path: str) -> bool:
     return value
 
 
-def listed(value: Any, path: str) -> list:
+def listed(value: Any, path: str) -> list[Any]:
     if not isinstance(value, list):
         raise ScenarioError(f"{path}: expected a list, got {type_name(value)}")
     return value
