@@ -51,6 +51,16 @@ def test_absent_fields_are_absent_not_zero():
     assert 'pid="5"' not in text
 
 
+def test_a_budget_without_used_bytes_renders_without_that_series():
+    """NVML may give no per-process figure for any of a server's processes: the scrape must still render."""
+    state = make_state()
+    unknown = dataclasses.replace(state.analysis.budgets[0], used_bytes=None)
+    state = dataclasses.replace(state, analysis=dataclasses.replace(state.analysis, budgets=(unknown,)))
+    text = render(state)
+    assert 'gpumem_vllm_memory_budget_bytes{endpoint="llama",gpu="0",uuid="GPU-aaaa"}' in text
+    assert "gpumem_vllm_memory_used_bytes{" not in text
+
+
 def test_every_family_is_documented():
     names = set(re.findall(r"^# TYPE (\w+) ", render(make_state()), re.M))
     docs = DOCS.read_text()
