@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # postmortem.recorder imports this module
-    from .postmortem.recorder import RecorderStats
 
 
 @dataclass(frozen=True)
@@ -391,6 +387,20 @@ class Analysis:
     budgets: tuple[Budget, ...] = ()  # per (vLLM server, GPU)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, each at most once
     oom_events: tuple[OomEvent, ...] = ()  # this tick's log messages, classified
+
+
+@dataclass(frozen=True)
+class RecorderStats:
+    """A consistent copy of the counters, for the exposition (read from any thread)."""
+
+    writes_total: int = 0
+    errors_total: Mapping[str, int] = field(default_factory=dict)  # kind -> count
+    triggers_total: Mapping[str, int] = field(default_factory=dict)  # trigger -> count (fired)
+    debounced_total: Mapping[str, int] = field(default_factory=dict)  # trigger -> suppressed
+    coalesced_total: int = 0  # triggers merged into a pending write
+    rotated_total: int = 0  # files deleted by rotation
+    last_write_timestamp: float | None = None  # `now()` when the last file was complete
+    last_file: str = ""
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from exporter.model import (
     HostMemory,
     ProcessSample,
     ProcessTrend,
+    RecorderStats,
     Snapshot,
     SourceStatus,
     State,
     VllmEngineStats,
     VllmSample,
 )
-from exporter.postmortem.recorder import RecorderStats
 
 GiB = 1 << 30
 

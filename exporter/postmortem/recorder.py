@@ -34,12 +34,12 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import MappingProxyType
 
-from ..model import TRANSITIONS, Snapshot, State
+from ..model import TRANSITIONS, RecorderStats, Snapshot, State
 from .trace import write_csv
 
 log = logging.getLogger("exporter.postmortem.recorder")
@@ -56,20 +56,6 @@ _ERRNO_KINDS = {
     errno.ENOTDIR: "not_a_directory", errno.EEXIST: "not_a_directory",
     errno.ENOENT: "not_found", errno.EIO: "io",
 }
-
-
-@dataclass(frozen=True)
-class RecorderStats:
-    """A consistent copy of the counters, for the exposition (read from any thread)."""
-
-    writes_total: int = 0
-    errors_total: Mapping[str, int] = field(default_factory=dict)  # kind -> count
-    triggers_total: Mapping[str, int] = field(default_factory=dict)  # trigger -> count (fired)
-    debounced_total: Mapping[str, int] = field(default_factory=dict)  # trigger -> suppressed
-    coalesced_total: int = 0  # triggers merged into a pending write
-    rotated_total: int = 0  # files deleted by rotation
-    last_write_timestamp: float | None = None  # `now()` when the last file was complete
-    last_file: str = ""
 
 
 @dataclass

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
-from ..model import Analysis, Snapshot, State
-
-if TYPE_CHECKING:
-    from ..postmortem.recorder import RecorderStats
+from ..model import Analysis, RecorderStats, Snapshot, State
 
 GPU = ["gpu", "uuid"]
 PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
