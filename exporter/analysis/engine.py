@@ -73,6 +73,8 @@ class AnalysisConfig:
             "fragmentation.window_seconds": self.fragmentation.window_seconds,
             "2 x fragmentation.budget_sustain_seconds":
                 2 * self.fragmentation.budget_sustain_seconds,
+            "fragmentation.inactive_split_sustain_seconds":
+                self.fragmentation.inactive_split_sustain_seconds,
             "oom_hold_seconds": self.oom_hold_seconds,
         }
         for name, seconds in needed.items():

@@ -10,9 +10,19 @@ Three signals, one finding per (GPU, endpoint):
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-from ..model import Budget, Finding, GpuSample, OomEvent, Snapshot, VllmEngineStats
+from ..model import (
+    AllocatorStats,
+    Budget,
+    Finding,
+    GpuSample,
+    OomEvent,
+    ProcessSample,
+    Snapshot,
+    VllmEngineStats,
+)
 from .budget import tensor_parallel_endpoints
 from .history import History, recent_events
 
@@ -30,14 +40,29 @@ class FragmentationConfig:
     budget_excess_bytes: int = GIB  # "far above budget": by this much ...
     budget_excess_ratio: float = 0.05  # ... and this share of the GPU's total
     budget_sustain_seconds: float = 60.0  # ... for this long
+    # Allocator probe. Retries: at least this many within window_seconds, the counter having
+    # risen at this many separate samples (one burst, e.g. a single huge prompt, is not a trend).
+    alloc_retries_min: int = 3
+    alloc_retries_min_rises: int = 2
+    # Inactive splits: at least this share of the process's reserved memory and this many
+    # bytes, throughout the last inactive_split_sustain_seconds (splits come and go within a
+    # step; what stays for minutes is fragmentation).
+    inactive_split_share: float = 0.20
+    inactive_split_min_bytes: int = GIB
+    inactive_split_sustain_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("reserved_unallocated_share", "free_ratio", "kv_low_ratio",
-                     "budget_excess_ratio"):
+                     "budget_excess_ratio", "inactive_split_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"fragmentation: {name} must be within 0-1")
         if self.window_seconds <= 0 or self.budget_sustain_seconds < 0:
             raise ValueError("fragmentation: window_seconds > 0, budget_sustain_seconds >= 0")
+        if self.alloc_retries_min < 1 or self.alloc_retries_min_rises < 1 \
+                or self.inactive_split_min_bytes < 0 or self.inactive_split_sustain_seconds < 0:
+            raise ValueError("fragmentation: alloc_retries_min >= 1, alloc_retries_min_rises "
+                             ">= 1, inactive_split_min_bytes >= 0, "
+                             "inactive_split_sustain_seconds >= 0")
 
 
 def detect_fragmentation(history: History, snapshot: Snapshot, config: FragmentationConfig,
@@ -47,7 +72,8 @@ def detect_fragmentation(history: History, snapshot: Snapshot, config: Fragmenta
     tensor_parallel = tensor_parallel_endpoints(budgets)
     for finding in (*_from_ooms(history, snapshot, config, tensor_parallel),
                     *_from_preemptions(history, snapshot, config, budgets),
-                    *_from_budgets(history, snapshot, config, budgets, tensor_parallel)):
+                    *_from_budgets(history, snapshot, config, budgets, tensor_parallel),
+                    *_from_allocator(history, snapshot, config, tensor_parallel)):
         found[finding.key] = _merge(found[finding.key], finding) if finding.key in found \
             else finding
     return list(found.values())
@@ -239,3 +265,142 @@ def _excess(snapshot: Snapshot, b: Budget, config: FragmentationConfig) -> bool:
     total = gpu.total_bytes if gpu and gpu.total_bytes else 0
     return b.used_bytes - b.budget_bytes >= max(config.budget_excess_bytes,
                                                 config.budget_excess_ratio * total)
+
+
+# ------------------------------------------------------------------ allocator probe
+
+def _from_allocator(history: History, snapshot: Snapshot, config: FragmentationConfig,
+                    tensor_parallel: frozenset[str]) -> list[Finding]:
+    now = snapshot.timestamp
+    findings = []
+    for gpu in snapshot.gpus:
+        for p in gpu.processes:
+            a = p.allocator
+            if a is None:
+                continue
+            retries = history.process_allocator("alloc_retries", gpu.uuid, p.identity,
+                                                since=now - config.window_seconds)
+            rise, rises = counter_rise(retries.values)
+            retrying = rise >= config.alloc_retries_min and rises >= config.alloc_retries_min_rises
+            split_floor = _sustained_floor(history, gpu.uuid, p, now,
+                                           config.inactive_split_sustain_seconds)
+            split_needed = max(config.inactive_split_min_bytes,
+                               config.inactive_split_share * (a.reserved_bytes or 0))
+            fragmented = a.reserved_bytes is not None and split_floor is not None \
+                and split_floor >= split_needed
+            if retrying or fragmented:
+                findings.append(_allocator_finding(
+                    gpu, p, a, now, config, rise, split_floor if fragmented else None, retrying,
+                    p.endpoint in tensor_parallel))
+    return findings
+
+
+def counter_rise(values: tuple[float, ...]) -> tuple[float, int]:
+    """(increase, samples at which it rose) of a counter over its samples. A drop is a reset
+    (the stats were reset, or a reused PID's new process): the value after it is a new baseline,
+    not a rise, and neither is the first value seen (what happened before we looked)."""
+    total, rises = 0.0, 0
+    for before, after in itertools.pairwise(values):
+        if after > before:
+            total += after - before
+            rises += 1
+    return total, rises
+
+
+def _sustained_floor(history: History, uuid: str, p: ProcessSample, now: float,
+                     sustain: float) -> float | None:
+    """The least inactive-split bytes over the last `sustain` seconds, None until the series
+    reaches back that far (a process just seen, or one whose splits were not reported)."""
+    view = history.process_allocator("inactive_split", uuid, p.identity,
+                                     since=now - 2 * sustain - 1)
+    if not view.times or view.times[0] > now - sustain or view.times[-1] < now:
+        return None
+    # From the last sample at or before the window's start: it held until the next one.
+    first = max(i for i, t in enumerate(view.times) if t <= now - sustain)
+    return min(view.values[first:])
+
+
+def _allocator_finding(gpu: GpuSample, p: ProcessSample, a: AllocatorStats, now: float,
+                       config: FragmentationConfig, rise: float, split_floor: float | None,
+                       retrying: bool, tensor_parallel: bool) -> Finding:
+    """`split_floor`: the sustained inactive-split bytes when they made the finding, else None."""
+    reserved, allocated, split = a.reserved_bytes, a.allocated_bytes, a.inactive_split_bytes
+    evidence: list[tuple[str, float | int | str]] = [
+        ("alloc_retries_in_window", int(rise)), ("window_seconds", config.window_seconds)]
+    if a.alloc_retries is not None:
+        evidence.append(("alloc_retries_total", a.alloc_retries))
+    for name, value in (("reserved_bytes", reserved), ("allocated_bytes", allocated),
+                        ("inactive_split_bytes", split)):
+        if value is not None:
+            evidence.append((name, value))
+    if reserved is not None and allocated is not None:
+        evidence.append(("reserved_unallocated_bytes", reserved - allocated))
+    if split is not None and reserved:
+        evidence.append(("inactive_split_share", round(split / reserved, 4)))
+    if split_floor is not None:
+        evidence.append(("inactive_split_floor_bytes", int(split_floor)))
+        evidence.append(("sustained_seconds", config.inactive_split_sustain_seconds))
+    if split is not None:
+        evidence.append(("recoverable_bytes", split))
+    if a.ooms is not None:
+        evidence.append(("allocator_ooms_total", a.ooms))
+    if a.backend:
+        evidence.append(("allocator_backend", a.backend))
+    conf = _alloc_conf(a)
+    if conf:
+        evidence.append(("alloc_conf", conf))
+    who = f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) on GPU {gpu.index}"
+    why = []
+    if retrying:
+        why.append(f"PyTorch's allocator retried {rise:.0f} time(s) in "
+                   f"{config.window_seconds / 60:.0f} min (cache flushed, cudaMalloc retried)")
+    if split_floor is not None and reserved:
+        why.append(f"{split_floor / GIB:.1f} GiB of its {reserved / GIB:.1f} GiB reserved has "
+                   f"stayed in inactive splits for {config.inactive_split_sustain_seconds / 60:.0f} min")
+    return Finding(
+        kind="fragmentation", severity="warning", first_detected_at=now, gpu=gpu.index,
+        uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role, endpoint=p.endpoint,
+        summary=f"{who}: " + "; ".join(why or ["allocator fragmentation"]),
+        evidence=tuple(evidence), advice=allocator_advice(a, retrying, tensor_parallel))
+
+
+def _alloc_conf(a: AllocatorStats) -> str:
+    return ";".join(f"{k}={v}" for k, v in a.alloc_conf)
+
+
+def allocator_advice(a: AllocatorStats, retrying: bool, tensor_parallel: bool) -> tuple[str, ...]:
+    """Which allocator knob, for this process's allocator and settings."""
+    split = a.inactive_split_bytes
+    recover = (f" It would give back up to {split / GIB:.1f} GiB now held in inactive splits."
+               if split else "")
+    conf = _alloc_conf(a).replace(" ", "")
+    advice = []
+    if a.backend == "cudaMallocAsync":
+        advice.append("The process uses PyTorch's cudaMallocAsync backend, to which "
+                      "expandable_segments and max_split_size_mb do not apply: try the native "
+                      "backend with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True." + recover)
+    elif "expandable_segments:True" in conf or "expandable_segments:true" in conf:
+        advice.append("expandable_segments is already on: allocation sizes that vary per "
+                      "request still fragment; add garbage_collection_threshold:0.8 to "
+                      "PYTORCH_CUDA_ALLOC_CONF so cached blocks are reclaimed before a retry, "
+                      "and pad variable shapes to a few fixed sizes.")
+    elif a.cumem_bytes:
+        advice.append("vLLM sleep mode is on, and its memory pool (CuMemAllocator) refuses "
+                      "expandable_segments: set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 "
+                      "instead (blocks above 512 MiB are never split, so large requests find "
+                      "whole blocks)." + recover)
+    else:
+        advice.append("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the process's "
+                      "environment (PyTorch 2.1+): segments grow in place instead of being "
+                      "split, so freed memory serves requests of any size." + recover
+                      + " Use max_split_size_mb:512 instead where expandable segments are "
+                      "unavailable (PyTorch before 2.1) or refused (vLLM sleep mode).")
+    if retrying:
+        advice.append("Every retry frees PyTorch's whole cache and synchronises the GPU (a "
+                      "latency spike); when a retry fails the process runs out of memory. "
+                      "Until the setting is changed, leave more headroom (a lower "
+                      "--gpu-memory-utilization, --max-num-seqs or --max-num-batched-tokens).")
+    if tensor_parallel:
+        advice.append("With tensor parallelism set NCCL_CUMEM_ENABLE=0: NCCL's cuMem buffers "
+                      "live outside PyTorch's allocator and add to fragmentation.")
+    return tuple(advice)

@@ -4,6 +4,11 @@ Three kinds of series, each keyed so a reused PID never inherits an old process'
   process memory  (gpu uuid, pid, start_time)
   process rss     (pid, start_time)
   gpu used        (gpu uuid)
+and, for a process the allocator probe reports on (ProcessSample.allocator), its PyTorch
+allocator's numbers on that GPU, keyed like its memory (ALLOCATOR_SERIES): the three
+components of its GPU memory (torch allocated, torch cached = reserved - allocated, non-torch =
+NVML used - reserved) for the leak attribution, whose tier is what counts; the inactive-split
+bytes and the alloc-retries counter for the fragmentation detector, which reads their raw points.
 
 Each series keeps its raw points for `raw_seconds` and a downsampled tier of per-bucket medians
 (one bucket = `bucket_seconds`, 1 min by default) for `retention_seconds`. The tier is what the
@@ -25,6 +30,7 @@ sample, and a snapshot that carries log events is never thinned away).
 """
 from __future__ import annotations
 
+import bisect
 import zlib
 from array import array
 from collections import OrderedDict, deque
@@ -32,12 +38,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
-from ..model import Budget, OomEvent, Snapshot
+from ..model import Budget, OomEvent, ProcessSample, Snapshot
 from .trend import median
 
 Identity = tuple[int, "float | None"]
 # ("gpu", uuid) | ("mem", uuid, pid, start_time) | ("rss", pid, start_time)
+# | (allocator series name, uuid, pid, start_time)
 SeriesKey = tuple[object, ...]
+
+# The allocator series per probed process and GPU. The first three are the components of the
+# process's GPU memory (they add up to NVML's figure) and are read as trends, from the tier: their
+# raw tier keeps only the newest point. The last two are read over the detectors' recent windows
+# from their raw points, kept for raw_seconds like every raw series.
+ALLOCATOR_COMPONENTS = ("torch_allocated", "torch_cached", "non_torch")
+ALLOCATOR_SERIES = (*ALLOCATOR_COMPONENTS, "inactive_split", "alloc_retries")
 
 
 @dataclass(frozen=True)
@@ -132,8 +146,10 @@ class _Series:
                                    tuple(self.tier_lo[s:]))
         return self.view
 
-    def raw_view(self) -> SeriesView:
+    def raw_view(self, since: float | None = None) -> SeriesView:
         s = self.raw_start
+        if since is not None:
+            s = bisect.bisect_left(self.raw_t, since, s)
         return SeriesView(tuple(self.raw_t[s:]), tuple(self.raw_v[s:]))
 
     def point_count(self) -> int:
@@ -193,6 +209,10 @@ class History:
             for p in gpu.processes:
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
+                if p.allocator is not None:
+                    for name, value in _allocator_values(p):
+                        self._add((name, gpu.uuid, p.pid, p.start_time), t, value, p.name,
+                                  raw=name not in ALLOCATOR_COMPONENTS)
                 rss_key = ("rss", p.pid, p.start_time)
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
@@ -211,7 +231,7 @@ class History:
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
 
-    def _add(self, key: SeriesKey, t: float, value: float, name: str) -> None:
+    def _add(self, key: SeriesKey, t: float, value: float, name: str, raw: bool = True) -> None:
         series = self._series.get(key)
         if series is not None and key[0] != "gpu" and key[-1] is None and name and series.name \
                 and name != series.name:
@@ -222,7 +242,9 @@ class History:
             self._series[key] = series
         else:
             self._series.move_to_end(key)
-        series.add(t, value, self.raw_seconds, self.retention_seconds, self.raw_gap)
+        # A series read only from its tier keeps no raw history (only its newest point).
+        series.add(t, value, self.raw_seconds if raw else 0.0, self.retention_seconds,
+                   self.raw_gap)
 
     def _sweep(self, now: float) -> None:
         cutoff = now - self.dead_grace_seconds
@@ -249,6 +271,17 @@ class History:
     def gpu_used(self, uuid: str, raw: bool = False) -> SeriesView:
         return self._view(("gpu", uuid), raw)
 
+    def process_allocator(self, name: str, uuid: str, identity: Identity,
+                          since: float | None = None) -> SeriesView:
+        """One of ALLOCATOR_SERIES for a process on a GPU: its tier, or with `since` its raw
+        points from that time on (the components keep only their newest raw point)."""
+        if name not in ALLOCATOR_SERIES:
+            raise ValueError(f"no allocator series {name!r}")
+        series = self._series.get((name, uuid, identity[0], identity[1]))
+        if series is None:
+            return EMPTY
+        return series.tier_view() if since is None else series.raw_view(since)
+
     def recent(self, since: float) -> list[Snapshot]:
         """Raw snapshots with timestamp >= since, oldest first (kept for raw_seconds)."""
         return [snap for snap, _ in self.recent_frames(since)]
@@ -269,6 +302,26 @@ class History:
     def point_count(self) -> int:
         """Stored points over all series (for tests and self-monitoring)."""
         return sum(s.point_count() for s in self._series.values())
+
+
+def _allocator_values(p: ProcessSample) -> Iterator[tuple[str, float]]:
+    """The allocator series' values of this sample (those its numbers allow)."""
+    a = p.allocator
+    if a is None:
+        return
+    if a.allocated_bytes is not None:
+        yield "torch_allocated", float(a.allocated_bytes)
+        if a.reserved_bytes is not None and a.reserved_bytes >= a.allocated_bytes:
+            yield "torch_cached", float(a.reserved_bytes - a.allocated_bytes)
+    # NVML's figure below PyTorch's reserved: vLLM's sleep-mode pool released its physical
+    # memory behind PyTorch's back (or the two were read at different moments): no figure.
+    if a.reserved_bytes is not None and p.used_bytes is not None \
+            and p.used_bytes >= a.reserved_bytes:
+        yield "non_torch", float(p.used_bytes - a.reserved_bytes)
+    if a.inactive_split_bytes is not None:
+        yield "inactive_split", float(a.inactive_split_bytes)
+    if a.alloc_retries is not None:
+        yield "alloc_retries", float(a.alloc_retries)
 
 
 def recent_events(history: History, snapshot: Snapshot,

@@ -5,12 +5,18 @@ per-process trend exported for every process, leaking or not.
 Host RSS is a serving process's second leak signal: a vLLM server whose RSS leaks gets a finding
 without a GPU; on unified memory that RSS is GPU memory, so it also counts for the process's
 per-GPU verdict there.
+
+A GPU leak finding names the component that grows (attribution.py: torch_allocated,
+torch_cached, non_torch, or unknown without probe data), with each component's growth rate, and
+its advice follows the component; without probe data it is as it always was, plus
+`component: unknown`. A host RSS leak is not GPU memory: its component is unknown.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..model import Budget, Finding, GpuSample, ProcessSample, ProcessTrend, Snapshot
+from .attribution import NO_PROBE, Attribution, attribute, component_advice, describe
 from .budget import tensor_parallel_endpoints
 from .history import History, Identity
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
@@ -57,7 +63,9 @@ class LeakDetector:
                     host_rss_growth_bytes_per_second=host.slope_bytes_per_second if host else None))
                 tp = p.endpoint in tensor_parallel
                 if leaking:
-                    findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds))
+                    window = dict(mem.evidence).get("window_seconds", config.slope_window_seconds)
+                    why = attribute(history, gpu.uuid, p, float(window), now, config)
+                    findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds, why))
                 if rss_leak and host is not None and \
                         not any(f.pid == p.pid and f.gpu is None for f in findings):
                     findings.append(_rss_leak(gpu, p, host, snapshot, tp, critical_seconds))
@@ -72,7 +80,7 @@ def _severity(seconds_to_full: float | None, critical_seconds: float) -> str:
 
 
 def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, tp: bool,
-              critical_seconds: float) -> Finding:
+              critical_seconds: float, why: Attribution = NO_PROBE) -> Finding:
     slope = a.slope_bytes_per_second or 0.0
     left = None
     if gpu.total_bytes is not None and gpu.used_bytes is not None and slope > 0:
@@ -84,13 +92,16 @@ def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, t
     if left is not None:
         evidence.append(("time_to_full_seconds", round(left, 1)))
     evidence += [(k, v) for k, v in a.evidence if k not in dict(evidence)]
+    evidence += why.evidence
+    where = describe(why.component)
     return Finding(
         kind="leak", severity=_severity(left, critical_seconds), first_detected_at=now,
         gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
         endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) GPU {gpu.index} memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _full_in(left)),
-        evidence=tuple(evidence), advice=_advice(p, left, tp, host=False))
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + (f" {where}" if where else "")
+                 + _full_in(left)),
+        evidence=tuple(evidence), advice=_advice(p, left, tp, host=False, component=why.component))
 
 
 def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Snapshot, tp: bool,
@@ -106,6 +117,7 @@ def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Sna
         evidence.append(("time_to_full_seconds", round(left, 1)))
     evidence.append(("unified_memory", int(gpu.unified)))
     evidence += [(k, v) for k, v in a.evidence if k not in dict(evidence)]
+    evidence += NO_PROBE.evidence
     where = " (unified memory: this is GPU memory)" if gpu.unified else ""
     return Finding(
         kind="leak", severity=_severity(left, critical_seconds),
@@ -123,9 +135,11 @@ def _full_in(seconds: float | None) -> str:
         else f"; full in about {seconds / 60:.0f} min at this rate"
 
 
-def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool) -> tuple[str, ...]:
-    advice = []
-    if p.role == "vllm":
+def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool,
+            component: str = "unknown") -> tuple[str, ...]:
+    # Where the probe says what grows, its advice replaces the guesses below.
+    advice = list(component_advice(component, tp, p.role))
+    if not advice and p.role == "vllm":
         if tp:
             advice.append("Tensor parallelism: set NCCL_CUMEM_ENABLE=0 in the server's "
                           "environment (NCCL's cuMem allocations have leaked in several "
@@ -142,7 +156,7 @@ def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool) -> tuple
             "gives the memory back.",
             "Upgrade vLLM, PyTorch and NCCL: several leaks were fixed in recent releases.",
         ]
-    else:
+    elif not advice:
         advice.append("Profile the process (torch.cuda.memory_summary(), "
                       "torch.cuda.memory._record_memory_history) for tensors kept alive.")
     if left is not None:
