@@ -264,7 +264,7 @@ def test_the_knob_depends_on_the_allocator_in_use():
     assert advice().startswith("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     # vLLM sleep mode's pool refuses expandable segments: max_split_size_mb.
     sleep = advice(cumem_bytes=40 * GiB)
-    assert "max_split_size_mb:512" in sleep and "refuses expandable_segments" in sleep
+    assert "max_split_size_mb:512" in sleep and "cannot use expandable segments" in sleep
     assert "expandable_segments is already on" in advice(
         alloc_conf=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),))
 
@@ -293,7 +293,22 @@ def test_history_keeps_allocator_series_bounded_and_per_process():
     assert len(h.process_allocator("alloc_retries", "GPU-0", ident, since=now - 60)) == 13
     # The process gone for longer than dead_grace_seconds: all its series dropped.
     assert all(len(h.process_allocator(n, "GPU-0", (11, T0))) == 0 for n in ALLOCATOR_SERIES)
-    # mem + rss-less 2 x gpu... : the live process's 1 memory + 5 allocator series, and the GPU.
+    # The GPU's used series, the live process's memory series and its allocator series.
     assert h.series_count() == 1 + 1 + len(ALLOCATOR_SERIES)
     with pytest.raises(ValueError):
         h.process_allocator("bogus", "GPU-0", ident)
+
+
+def test_non_torch_while_vllm_sleeps_counts_the_released_pool():
+    """Asleep, vLLM's pool (cumem, inside reserved) has no physical memory: NVML's figure is
+    below reserved and outside-PyTorch memory is used - (reserved - cumem) (docs/probe.md)."""
+    h = History()
+    # The allocator's numbers are the same awake and asleep: PyTorch does not see the release.
+    awake = asleep = stats(50 * GiB, 60 * GiB, cumem_bytes=55 * GiB)
+    h.update(snap(T0, [gpu([vllm_proc(10, 63 * GiB, start=T0, allocator=awake)])]))
+    h.update(snap(T0 + 5, [gpu([vllm_proc(10, 8 * GiB, start=T0, allocator=asleep)])]))
+    raw = h.process_allocator("non_torch", "GPU-0", (10, T0), since=T0 + 5)
+    assert raw.values == (3 * GiB,)  # 8 - (60 - 55): the same 3 GiB as awake
+    # NVML below even that (read at another moment): no figure rather than a wrong one.
+    h.update(snap(T0 + 10, [gpu([vllm_proc(10, 4 * GiB, start=T0, allocator=asleep)])]))
+    assert h.process_allocator("non_torch", "GPU-0", (10, T0), since=T0 + 10).values == ()

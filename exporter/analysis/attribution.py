@@ -88,8 +88,9 @@ def component_advice(component: str, tensor_parallel: bool, role: str) -> tuple[
             "allocator's cache, fragmentation rather than a leak (see the fragmentation "
             "finding's numbers where there is one).",
             "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (PyTorch 2.1+), or "
-            "max_split_size_mb:512 where expandable segments are unavailable or refused (vLLM "
-            "sleep mode); torch.cuda.empty_cache() gives the cache back only for a while.",
+            "max_split_size_mb:512 where expandable segments are unavailable (PyTorch before "
+            "2.1) or do not apply (vLLM sleep mode's pool); torch.cuda.empty_cache() gives the "
+            "cache back only for a while.",
         )
     if component == "non_torch":
         advice = []

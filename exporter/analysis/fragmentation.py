@@ -385,16 +385,17 @@ def allocator_advice(a: AllocatorStats, retrying: bool, tensor_parallel: bool) -
                       "PYTORCH_CUDA_ALLOC_CONF so cached blocks are reclaimed before a retry, "
                       "and pad variable shapes to a few fixed sizes.")
     elif a.cumem_bytes:
-        advice.append("vLLM sleep mode is on, and its memory pool (CuMemAllocator) refuses "
-                      "expandable_segments: set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 "
-                      "instead (blocks above 512 MiB are never split, so large requests find "
-                      "whole blocks)." + recover)
+        advice.append("vLLM sleep mode is on, and its memory pool (CuMemAllocator) cannot use "
+                      "expandable segments (older vLLM refuses to start with them, newer turns "
+                      "them off inside the pool): set PYTORCH_CUDA_ALLOC_CONF="
+                      "max_split_size_mb:512 instead (blocks above 512 MiB are never split, so "
+                      "large requests find whole blocks)." + recover)
     else:
         advice.append("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the process's "
                       "environment (PyTorch 2.1+): segments grow in place instead of being "
                       "split, so freed memory serves requests of any size." + recover
                       + " Use max_split_size_mb:512 instead where expandable segments are "
-                      "unavailable (PyTorch before 2.1) or refused (vLLM sleep mode).")
+                      "unavailable (PyTorch before 2.1) or do not apply (vLLM sleep mode's pool).")
     if retrying:
         advice.append("Every retry frees PyTorch's whole cache and synchronises the GPU (a "
                       "latency spike); when a retry fails the process runs out of memory. "
