@@ -311,4 +311,4 @@ def test_non_torch_while_vllm_sleeps_counts_the_released_pool():
     assert raw.values == (3 * GiB,)  # 8 - (60 - 55): the same 3 GiB as awake
     # NVML below even that (read at another moment): no figure rather than a wrong one.
     h.update(snap(T0 + 10, [gpu([vllm_proc(10, 4 * GiB, start=T0, allocator=asleep)])]))
-    assert h.process_allocator("non_torch", "GPU-0", (10, T0), since=T0 + 10).values == ()
+    assert h.process_allocator("non_torch", "GPU-0", (10, T0), since=T0 + 10).times == (T0 + 5,)

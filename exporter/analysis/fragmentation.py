@@ -298,7 +298,10 @@ def _from_allocator(history: History, snapshot: Snapshot, config: FragmentationC
 def counter_rise(values: tuple[float, ...]) -> tuple[float, int]:
     """(increase, samples at which it rose) of a counter over its samples. A drop is a reset
     (the stats were reset, or a reused PID's new process): the value after it is a new baseline,
-    not a rise, and neither is the first value seen (what happened before we looked)."""
+    not a rise, and neither is the first value (what happened before the window, or before we
+    looked)."""
+    if values.count(values[0] if values else 0.0) == len(values):
+        return 0.0, 0  # flat (the usual case), or empty
     total, rises = 0.0, 0
     for before, after in itertools.pairwise(values):
         if after > before:
@@ -311,13 +314,11 @@ def _sustained_floor(history: History, uuid: str, p: ProcessSample, now: float,
                      sustain: float) -> float | None:
     """The least inactive-split bytes over the last `sustain` seconds, None until the series
     reaches back that far (a process just seen, or one whose splits were not reported)."""
-    view = history.process_allocator("inactive_split", uuid, p.identity,
-                                     since=now - 2 * sustain - 1)
+    # From the sample in effect at the window's start: it held until the next one.
+    view = history.process_allocator("inactive_split", uuid, p.identity, since=now - sustain)
     if not view.times or view.times[0] > now - sustain or view.times[-1] < now:
         return None
-    # From the last sample at or before the window's start: it held until the next one.
-    first = max(i for i, t in enumerate(view.times) if t <= now - sustain)
-    return min(view.values[first:])
+    return min(view.values)
 
 
 def _allocator_finding(gpu: GpuSample, p: ProcessSample, a: AllocatorStats, now: float,

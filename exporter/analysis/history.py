@@ -147,9 +147,11 @@ class _Series:
         return self.view
 
     def raw_view(self, since: float | None = None) -> SeriesView:
+        """The raw points; with `since`, from the one in effect then (the newest at or before
+        it, where kept) on."""
         s = self.raw_start
         if since is not None:
-            s = bisect.bisect_left(self.raw_t, since, s)
+            s = max(s, bisect.bisect_right(self.raw_t, since, s) - 1)
         return SeriesView(tuple(self.raw_t[s:]), tuple(self.raw_v[s:]))
 
     def point_count(self) -> int:
@@ -274,7 +276,8 @@ class History:
     def process_allocator(self, name: str, uuid: str, identity: Identity,
                           since: float | None = None) -> SeriesView:
         """One of ALLOCATOR_SERIES for a process on a GPU: its tier, or with `since` its raw
-        points from that time on (the components keep only their newest raw point)."""
+        points from the one in effect at that time (the newest at or before it, where kept) on;
+        the components keep only their newest raw point."""
         if name not in ALLOCATOR_SERIES:
             raise ValueError(f"no allocator series {name!r}")
         series = self._series.get((name, uuid, identity[0], identity[1]))
