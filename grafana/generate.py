@@ -3,6 +3,14 @@
 Dashboards are generated rather than hand-edited so that every panel uses the same data source
 variable, label filters and units; tests/test_dashboards.py fails when the JSON files differ
 from what this script writes. Run after editing: python grafana/generate.py
+
+Why not grafana-foundation-sdk (evaluated for issue 15 with 1769699998!10.1.0, the release pip
+picks: its versions carry a build-timestamp epoch, so the default is the Grafana 10.1 schema and
+11.x needs an exact pin). Its builders are typed (py.typed; a strict-mypy sample is clean) and
+emit correct JSON, but it needs Python >= 3.11 (typing.Self; we support 3.10), is Alpha, 2.2 MB,
+and the error-prone parts stay untyped (override properties and transformation options are
+`object`). One panel: 4 lines here (a timeseries() call) vs 14 with the SDK, and shared defaults
+still need helpers of the same size as ours. Not clearly better: kept this builder.
 """
 from __future__ import annotations
 
@@ -42,10 +50,12 @@ def _panel(kind: str, title: str, targets: list[JSON], w: int, h: int, descripti
 
 def timeseries(title: str, targets: list[JSON], unit: str = "bytes", w: int = 12, h: int = 8,
                description: str = "", stack: bool = False, overrides: Iterable[JSON] = (),
-               max_: float | None = None, decimals: int | None = None) -> JSON:
+               max_: float | None = None, decimals: int | None = None, no_value: str | None = None) -> JSON:
     custom = {"fillOpacity": 60 if stack else 10, "lineWidth": 1, "showPoints": "never",
               "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
     defaults: JSON = {"unit": unit, "custom": custom}
+    if no_value is not None:
+        defaults["noValue"] = no_value  # shown instead of Grafana's bare "No data"
     if max_ is not None:
         defaults.update(min=0, max=max_)
     if decimals is not None:
@@ -76,13 +86,14 @@ def stat(title: str, expr: str, unit: str = "none", w: int = 6, h: int = 4, desc
 
 
 def table(title: str, targets: list[JSON], w: int = 24, h: int = 8, description: str = "",
-          hide: Sequence[str] = (), units: dict[str, str] | None = None) -> JSON:
+          hide: Sequence[str] = (), units: dict[str, str] | None = None, no_value: str | None = None) -> JSON:
     """Instant queries in table format, merged into one row per label set."""
     overrides = [{"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
                  for name, unit in (units or {}).items()]
     organize = {"excludeByName": {name: True for name in ("Time", "job", "__name__", *hide)}}
+    defaults: JSON = {} if no_value is None else {"noValue": no_value}
     return _panel("table", title, targets, w, h, description,
-                  fieldConfig={"defaults": {}, "overrides": overrides},
+                  fieldConfig={"defaults": defaults, "overrides": overrides},
                   transformations=[{"id": "merge", "options": {}},
                                    {"id": "organize", "options": organize}],
                   options={"showHeader": True})
@@ -228,6 +239,32 @@ def _profile(components: str) -> str:
             f'(0 * gpumem_vllm_memory_budget_bytes{{{GPU}}} + 1))')
 
 
+# -- the allocator probe's series ---------------------------------------------------------------
+# They exist only for processes that run gpu-memory-probe (docs/probe.md); every panel that reads
+# them says so, and shows NO_PROBE instead of Grafana's bare "No data" when none is installed.
+PROBE_NOTE = (" These series come from the allocator probe inside the process (gpu-memory-probe with "
+              "GPUMEM_PROBE_DIR shared with the exporter, docs/probe.md). Without it they are absent "
+              "and the panel is empty: NVML's per-process total is then all there is.")
+NO_PROBE = "No allocator probe in these processes (docs/probe.md)"
+ALLOCATED = f"gpumem_process_torch_allocated_bytes{{{PROC}}}"
+RESERVED = f"gpumem_process_torch_reserved_bytes{{{PROC}}}"
+CACHED = f"{RESERVED} - {ALLOCATED}"  # reserved by PyTorch, held by no tensor
+NON_TORCH = f"gpumem_process_non_torch_bytes{{{PROC}}}"
+RETRIES = f"gpumem_process_alloc_retries_total{{{PROC}}}"
+COMPONENT_LEGENDS = ("torch allocated", "torch cached, free", "non-torch")
+
+
+def component_colors() -> list[JSON]:
+    """One colour per component (targets A, B, C), whichever process the series belongs to."""
+    return [{"matcher": {"id": "byFrameRefID", "options": ref},
+             "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": color}}]}
+            for ref, color in zip("ABC", ("blue", "orange", "purple"), strict=True)]
+
+
+def components(exprs: Sequence[str], who: str = "GPU {{gpu}} {{process}} ({{pid}})") -> list[JSON]:
+    return [target(e, f"{who} {legend}") for e, legend in zip(exprs, COMPONENT_LEGENDS, strict=True)]
+
+
 def memory_budget() -> JSON:
     profiled = _profile("weights|kv_cache|activation_peak|non_torch|cuda_graph")
     stack = timeseries("GPU $gpu: where the memory goes", [
@@ -250,6 +287,19 @@ def memory_budget() -> JSON:
         overrides=[threshold_line("H", "vLLM budget"), threshold_line("I", "total")])
     stack["repeat"] = "gpu"
     stack["repeatDirection"] = "h"
+    # non-torch is clamped at 0 in the stack: it is negative while a vLLM server sleeps (NVML no
+    # longer counts the released pool that PyTorch still does); the table below shows it as is.
+    inside = timeseries("GPU $gpu: each process as torch allocated / cached free / non-torch",
+                        components([ALLOCATED, CACHED, f"clamp_min({NON_TORCH}, 0)"]), stack=True, w=24, h=10,
+                        no_value=NO_PROBE, overrides=component_colors(),
+                        description="Stacked per process: memory held by live tensors (torch allocated), "
+                                    "memory PyTorch reserved and holds free in its cache (cached, free: "
+                                    "reserved - allocated; large and split into pieces, it is "
+                                    "fragmentation), and memory outside PyTorch (non-torch: CUDA context, "
+                                    "NCCL, CUDA graphs, libraries calling cudaMalloc). The three add up to "
+                                    "the process's NVML total." + PROBE_NOTE)
+    inside["repeat"] = "gpu"
+    inside["repeatDirection"] = "h"
     panels = [
         stack,
         timeseries("Processes on the GPU", [
@@ -267,6 +317,23 @@ def memory_budget() -> JSON:
         table("vLLM cache configuration", [
             target('gpumem_vllm_cache_config_info{instance=~"$instance"}', instant=True, table=True)],
             w=12, hide=("Value",), description="The servers' cache_config_info labels."),
+        row("Inside the processes: PyTorch's allocator (needs the allocator probe)"),
+        inside,
+        table("Allocator per process", [
+            per_process(ALLOCATED),
+            per_process(RESERVED),
+            per_process(CACHED),
+            per_process(NON_TORCH),
+            per_process(f"gpumem_process_torch_inactive_split_bytes{{{PROC}}}"),
+            per_process(f"increase({RETRIES}[$__range])"),
+            per_process(f"increase(gpumem_process_torch_ooms_total{{{PROC}}}[$__range])"),
+        ], h=8, no_value=NO_PROBE,
+            description="Now, per probed process. A: torch allocated (live tensors), B: torch reserved, "
+                        "C: cached but free (B - A), D: non-torch (NVML used - B; below zero while a vLLM "
+                        "server sleeps), E: inactive split (free pieces only a smaller request fits), "
+                        "F: allocator retries and G: allocator out-of-memory errors over the range "
+                        "(retries climbing: fragmentation, see GpuMemoryFragmentation)." + PROBE_NOTE,
+            units={f"Value #{c}": "bytes" for c in "ABCDE"}),
     ]
     return dashboard("gpumem-memory-budget", "GPU memory / Memory budget",
                      "Per GPU: vLLM's planned memory (weights, KV cache, scratch) against what is used, "
@@ -301,6 +368,30 @@ def leak_investigation() -> JSON:
         timeseries("GPU time to full", [target(f"gpumem_gpu_time_to_full_seconds{{{GPU}}}",
                                                "{{instance}} GPU {{gpu}}")], unit="s",
                    description="At the GPU's current growth; absent when it is not growing."),
+        row("Which part grows (needs the allocator probe)"),
+        timeseries("Allocator components per process", components([ALLOCATED, CACHED, NON_TORCH]), w=24,
+                   no_value=NO_PROBE, overrides=component_colors(),
+                   description="The process's memory split three ways. The one that climbs says what leaks: "
+                               "torch allocated (tensors kept alive: an application or cache leak), torch "
+                               "cached, free (reserved but unallocated: caching or fragmentation, not a "
+                               "leak), non-torch (NCCL, CUDA graphs, the driver)." + PROBE_NOTE),
+        timeseries("Growth by component (30-minute slope)", components([
+            f"deriv({ALLOCATED}[30m])",
+            f"deriv({RESERVED}[30m]) - deriv({ALLOCATED}[30m])",
+            f"deriv({NON_TORCH}[30m])"]), unit="Bps", no_value=NO_PROBE, overrides=component_colors(),
+            description="Least-squares slope of each component over the last 30 minutes; the component "
+                        "with a steady positive slope is the one growing." + PROBE_NOTE),
+        table("Which part grew over the selected range", [
+            per_process(f"deriv({used}[$__range]) * 3600"),
+            per_process(f"deriv({ALLOCATED}[$__range]) * 3600"),
+            per_process(f"(deriv({RESERVED}[$__range]) - deriv({ALLOCATED}[$__range])) * 3600"),
+            per_process(f"deriv({NON_TORCH}[$__range]) * 3600"),
+            per_process(f"increase({RETRIES}[$__range])"),
+        ], w=12, no_value=NO_PROBE,
+            description="Growth per hour over the range (least-squares slope). A: NVML total, B: torch "
+                        "allocated, C: torch cached, free, D: non-torch, E: allocator retries. A process "
+                        "without the probe has only A." + PROBE_NOTE,
+            units={f"Value #{c}": "bytes" for c in "ABCD"}),
     ]
     annotations = [
         annotation("Leak suspected", f"gpumem_leak_suspected{{{PROC}}} == 1",

@@ -42,7 +42,11 @@ PLANNED_METRICS = frozenset([
     "gpumem_vllm_prefix_cache_hits_total", "gpumem_vllm_cache_config_info", "gpumem_vllm_memory_budget_bytes",
     "gpumem_vllm_memory_used_bytes", "gpumem_vllm_memory_profile_bytes", "gpumem_exporter_source_up",
     "gpumem_exporter_sample_duration_seconds", "gpumem_exporter_last_sample_timestamp_seconds",
-    "gpumem_exporter_sample_age_seconds", "gpumem_exporter_errors_total", "gpumem_exporter_build_info"
+    "gpumem_exporter_sample_age_seconds", "gpumem_exporter_errors_total", "gpumem_exporter_build_info",
+    # From the allocator probe inside the serving processes (docs/probe.md); absent without it.
+    "gpumem_process_torch_allocated_bytes", "gpumem_process_torch_reserved_bytes", "gpumem_process_non_torch_bytes",
+    "gpumem_process_alloc_retries_total", "gpumem_process_torch_inactive_split_bytes",
+    "gpumem_process_torch_ooms_total",
 ])
 PROMETHEUS_METRICS = frozenset({"up", "ALERTS"})
 

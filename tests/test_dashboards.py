@@ -198,6 +198,9 @@ def test_provisioning_points_at_the_dashboards_compose_mounts():
 # annotation and variable query must then return data (a join with the wrong cardinality or a
 # label that does not exist returns an error or nothing, which parsing alone cannot see).
 # Counters grow with every scrape (TICK is the scrape's number) so that rates are not zero.
+# The vLLM process runs the allocator probe (the python process does not): its 72 GiB are 70 GiB
+# reserved by PyTorch plus 2 GiB outside it, and its live tensors (ALLOCATED) grow by 1 MiB a
+# scrape into the cache, so torch allocated rises, cached-but-free falls, non-torch stays flat.
 EXPOSITION = """\
 gpumem_gpu_info{gpu="0",uuid="GPU-0",name="NVIDIA H100",unified="false",mig="false"} 1
 gpumem_gpu_info{gpu="1",uuid="GPU-1",name="NVIDIA H100",unified="false",mig="false"} 1
@@ -244,6 +247,12 @@ gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="kv_cache"}
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="activation_peak"} 2147483648
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="non_torch"} 1073741824
 gpumem_vllm_memory_profile_bytes{endpoint="127.0.0.1:8000",component="cuda_graph"} 536870912
+gpumem_process_torch_allocated_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} ALLOCATED
+gpumem_process_torch_reserved_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 75161927680
+gpumem_process_non_torch_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 2147483648
+gpumem_process_torch_inactive_split_bytes{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 1073741824
+gpumem_process_alloc_retries_total{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} TICK
+gpumem_process_torch_ooms_total{gpu="0",uuid="GPU-0",pid="1000",process="vllm",role="vllm",container="3f4e3f4e3f4e",pod="llama-0",namespace="inference"} 0
 """  # noqa: E501 (exposition lines do not wrap)
 
 
@@ -263,7 +272,8 @@ def prometheus(tmp_path_factory):
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             n = next(scrapes)
-            body = EXPOSITION.replace("QUERIES", str(4 * n)).replace("TICK", str(n)).encode()
+            body = (EXPOSITION.replace("QUERIES", str(4 * n)).replace("TICK", str(n))
+                    .replace("ALLOCATED", str(64 * 2**30 + n * 2**20)).encode())
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -365,3 +375,50 @@ def test_fleet_by_node_counts_gpus_per_host(prometheus):
     node_table = next(p for p in all_panels(load(GRAFANA / "dashboards" / "fleet.json")) if p["title"] == "By node")
     result = prometheus(substitute(node_table["targets"][0]["expr"]))["data"]["result"]
     assert [(r["metric"]["instance"].startswith("127.0.0.1:"), r["value"][1]) for r in result] == [(True, "2")]
+
+
+# -- the allocator probe's components ------------------------------------------------------------
+PROBE_SERIES = ("gpumem_process_torch_", "gpumem_process_non_torch_bytes", "gpumem_process_alloc_retries_total")
+
+
+def _probe_panels(path: Path) -> list[dict]:
+    return [p for p in all_panels(load(path))
+            if any(s in t["expr"] for t in p.get("targets", []) for s in PROBE_SERIES)]
+
+
+def test_probe_panels_say_what_they_show_without_a_probe():
+    """The probe's series are absent for a process without gpu-memory-probe: every panel that reads
+    them says so in its description and shows that instead of a bare "No data"."""
+    panels = {path.stem: _probe_panels(path) for path in DASHBOARD_FILES}
+    assert len(panels["memory-budget"]) == 2 and len(panels["leak-investigation"]) == 3
+    for p in [p for found in panels.values() for p in found]:
+        assert "allocator probe" in p["description"] and "absent" in p["description"], p["title"]
+        assert p["fieldConfig"]["defaults"]["noValue"].startswith("No allocator probe"), p["title"]
+
+
+def test_memory_budget_stacks_each_process_as_its_three_components(prometheus):
+    """torch allocated + cached-but-free + non-torch is the process's NVML total; the process
+    without a probe has no component at all (it is not shown as zero)."""
+    inside = next(p for p in _probe_panels(GRAFANA / "dashboards" / "memory-budget.json") if p["type"] == "timeseries")
+    assert inside["repeat"] == "gpu" and inside["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert [t["legendFormat"].rsplit(") ", 1)[1] for t in inside["targets"]] == [
+        "torch allocated", "torch cached, free", "non-torch"]
+    pids: dict[str, float] = {}
+    for t in inside["targets"]:
+        for r in prometheus(substitute(t["expr"]))["data"]["result"]:
+            pids[r["metric"]["pid"]] = pids.get(r["metric"]["pid"], 0.0) + float(r["value"][1])
+    assert pids == {"1000": pytest.approx(77309411328)}
+
+
+def test_leak_dashboard_shows_which_component_grows(prometheus):
+    """Tensors filling the cache: torch allocated grows, cached-but-free shrinks as much, non-torch
+    and the NVML total stay flat."""
+    [grew] = [p for p in _probe_panels(GRAFANA / "dashboards" / "leak-investigation.json") if p["type"] == "table"]
+    per_hour = []
+    for t in grew["targets"][:4]:
+        result = prometheus(substitute(t["expr"]).replace("$__range", "1h"))["data"]["result"]
+        per_hour.append({r["metric"]["pid"]: float(r["value"][1]) for r in result}.get("1000"))
+    total, allocated, cached, non_torch = per_hour
+    assert total == 0 and non_torch == 0
+    assert allocated > 100 * 2**20  # 1 MiB a scrape, one scrape a second: ~3.5 GiB an hour
+    assert cached == pytest.approx(-allocated)
