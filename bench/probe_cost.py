@@ -6,7 +6,7 @@
    write) against the stand-in torch.cuda of the tests, for 1 and 8 devices; median µs and the
    share of one core at the default 5 s interval. Real torch's memory_stats() is a C++ call that
    builds a similar dict; the stand-in is pure Python, so this errs on the high side.
-2. The exporter: one `AllocatorSource.sample` over GPUS x 2 processes (a typical host: one or
+2. The exporter: one `AllocatorSource.collect` over GPUS x 2 processes (a typical host: one or
    two serving processes per GPU) and GPUS x PROCS processes (the stress case), each with its
    own probe file, against the same processes with no probe files (the directory listing alone).
 Medians of CPU time (this thread's) from one run, side by side; compare ratios across machines,
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "probe"))
 
 from gpumem_probe.probe import Probe, initialised_cuda  # noqa: E402
 
-from exporter.model import GpuSample, ProcessSample  # noqa: E402
+from exporter.model import GpuSample, ProcessSample, Snapshot  # noqa: E402
 from exporter.sources.allocator import AllocatorSource  # noqa: E402
 
 STANDIN_CUDA = ROOT / "tests" / "fixtures" / "probe" / "standin_torch" / "torch" / "cuda.py"
@@ -85,11 +85,12 @@ def exporter_cost(gpus: int, procs: int, ticks: int) -> list[tuple[str, float]]:
                                         ns_pid=10 + g * procs + i) for i in range(procs))
         samples.append((uuid, GpuSample(index=str(g), uuid="GPU-" + uuid, processes=processes)))
     gpu_samples = tuple(s for _, s in samples)
+    snapshot = Snapshot(now, gpus=gpu_samples)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         source = AllocatorSource(directory, pid_namespace=lambda pid: NS)
         rows.append((f"exporter tick, {gpus} GPUs x {procs} processes, no probe files",
-                     median_us(lambda: source.sample(gpu_samples, now), ticks)))
+                     median_us(lambda: source.collect(snapshot), ticks)))
         for uuid, gpu in samples:
             for p in gpu.processes:
                 doc = {"schema": 1, "probe_version": "0.1.0", "pid": p.ns_pid, "pid_ns": NS, "start_ticks": 1,
@@ -106,11 +107,11 @@ def exporter_cost(gpus: int, procs: int, ticks: int) -> list[tuple[str, float]]:
                                     "alloc_retries": 3, "ooms": 0, "device_allocs": 900, "device_frees": 20,
                                     "cumem_bytes": None}]}
                 Path(directory, f"gpumem-{NS}-{p.ns_pid}.json").write_text(json.dumps(doc, separators=(",", ":")))
-        reading = source.sample(gpu_samples, now)
-        attached = sum(p.allocator is not None for g in reading.gpus for p in g.processes)
+        reading = source.collect(snapshot)
+        attached = sum(p.allocator is not None for g in reading.snapshot.gpus for p in g.processes)
         assert attached == gpus * procs and not reading.errors, (attached, reading.errors[:3])
         rows.append((f"exporter tick, {gpus} GPUs x {procs} processes, {gpus * procs} probe files",
-                     median_us(lambda: source.sample(gpu_samples, now), ticks)))
+                     median_us(lambda: source.collect(snapshot), ticks)))
     return rows
 
 

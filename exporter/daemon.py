@@ -28,7 +28,7 @@ MAX_COUNTER_SERIES = 1000
 
 
 class Sampler:
-    """One tick: every source in turn (nvml, host, kubelet, vllm, logs), each filling its part
+    """One tick: every source in turn (nvml, host, allocator, kubelet, vllm, logs), each filling its part
     of one Snapshot; a later source reads what the earlier ones filled in."""
 
     def __init__(self, sources: Sequence[Source], now: Callable[[], float] = time.time):

@@ -62,6 +62,25 @@ class ProcessSample:
         """PID plus start time: a reused PID is a different process."""
         return (self.pid, self.start_time)
 
+    @property
+    def non_torch_bytes(self) -> int | None:
+        """GPU memory of this process outside PyTorch's caching allocator (CUDA context, NCCL,
+        CUDA graphs' driver memory, libraries calling cudaMalloc): NVML used - torch reserved.
+
+        vLLM's sleep mode releases its pool's physical memory behind PyTorch's back, so asleep
+        NVML used < reserved; then the pool (cumem) is taken out of reserved first. None (no
+        number, never a made-up zero) without a probe, without either figure, or when the two
+        cannot be reconciled (reserved above used with no sleep pool to explain it: the probe's
+        numbers are up to one probe interval older than NVML's)."""
+        stats = self.allocator
+        if stats is None or stats.reserved_bytes is None or self.used_bytes is None:
+            return None
+        if self.used_bytes >= stats.reserved_bytes:
+            return self.used_bytes - stats.reserved_bytes
+        if stats.cumem_bytes and self.used_bytes >= stats.reserved_bytes - stats.cumem_bytes:
+            return self.used_bytes - (stats.reserved_bytes - stats.cumem_bytes)
+        return None
+
 
 @dataclass(frozen=True)
 class GpuSample:

@@ -19,6 +19,7 @@ from .sources.nvml import NvmlSource
 from .sources.source import Source
 
 if TYPE_CHECKING:  # imported where used: only some hosts need them
+    from .sim.probes import SimulatedProbes
     from .sources.kubelet import KubeletPods
     from .sources.vllm import VllmEndpoint
 
@@ -29,7 +30,7 @@ log = logging.getLogger("exporter.runtime")
 class Host:
     """What lives as long as the process: the NVML module, the HostView, the clock, the
     kubelet's pod list in Kubernetes, and when simulated the scenario's fake vLLM servers
-    (with their start-up logs)."""
+    (with their start-up logs) and its processes' allocator probes (with their directory)."""
 
     nvml_module: object  # pynvml, or the simulator's drop-in
     view: HostView
@@ -37,6 +38,7 @@ class Host:
     pods: KubeletPods | None = None  # None outside Kubernetes
     simulated: bool = False
     sim_endpoints: tuple[VllmEndpoint, ...] = ()  # one per simulated vLLM server
+    sim_probes: SimulatedProbes | None = None  # when a simulated process has the allocator probe
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
@@ -142,7 +144,16 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         with open(log_file, "w") as fh:
             fh.write(startup_log(scenario, i))
         endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}", log_file=log_file))
-    return Host(fake_nvml, view, clock, simulated=True, sim_endpoints=tuple(endpoints), _cleanup=stack)
+    probes = None
+    if any(p.allocator is not None for p in scenario.processes):
+        from .sim.probes import SimulatedProbes
+
+        # The probes' shared directory, private to this run (config's allocator.probe_dir is
+        # a real host's and is not read while simulating).
+        probes = SimulatedProbes(scenario, clock, stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="gpumem-sim-probe-")))
+    return Host(fake_nvml, view, clock, simulated=True, sim_endpoints=tuple(endpoints), sim_probes=probes,
+                _cleanup=stack)
 
 
 def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
@@ -160,6 +171,9 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
                    label="simulated NVML" if host.simulated else "NVML", retry=not one_shot),
         HostSource(host.view, read_cmdline=config.host.read_cmdline),
     ]
+    allocator = _allocator_source(config, host)  # after nvml and host: it needs their processes
+    if allocator is not None:
+        sources.append(allocator)
     if host.pods is not None:
         sources.append(PodNames(host.pods))
     if endpoints:
@@ -172,6 +186,26 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
         from .sources.logs import LogSource
         sources.append(OomLogs(LogSource(log_files)))
     return Sampler(sources, now=host.clock.now)
+
+
+def _allocator_source(config: Config, host: Host) -> Source | None:
+    """The `allocator` source: the configured probe directory on a real host; when simulated,
+    the scenario's own probes' directory (if any process has one)."""
+    from .sources.allocator import AllocatorSource
+
+    if host.simulated:
+        if config.allocator.probe_dir:
+            log.info("allocator: allocator.probe_dir is not read while simulating")
+        if host.sim_probes is None:
+            return None
+        from .sim.probes import ProbedSource
+
+        # No real PID namespace to compare: the simulated files say 0 (unreadable).
+        return ProbedSource(host.sim_probes, AllocatorSource(host.sim_probes.directory,
+                                                             pid_namespace=lambda pid: None))
+    if not config.allocator.probe_dir:
+        return None
+    return AllocatorSource(config.allocator.probe_dir, proc_root=config.host.proc_root)
 
 
 def build(config: Config, simulate: str | None = None, speed: float = 1.0,

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exporter.model import GpuSample, ProcessSample
+from exporter.model import GpuSample, ProcessSample, Snapshot
 from exporter.sources.allocator import MAX_FILE_BYTES, AllocatorSource, normalise_uuid
 from exporter.sources.host import LocalHost
 
@@ -63,11 +63,11 @@ def gpus(*processes, uuid="GPU-" + UUID0):
 def sample(directory, gpu_samples, namespaces=None, **kw):
     namespaces = namespaces if namespaces is not None else {}
     source = AllocatorSource(str(directory), pid_namespace=lambda pid: namespaces.get(pid, NS), **kw)
-    return source.sample(gpu_samples, now=NOW)
+    return source.collect(Snapshot(NOW, gpus=gpu_samples))
 
 
 def stats_of(reading, gpu=0, index=0):
-    return reading.gpus[gpu].processes[index].allocator
+    return reading.snapshot.gpus[gpu].processes[index].allocator
 
 
 def kinds(reading):
@@ -83,8 +83,8 @@ def test_a_probed_process_gets_its_allocator_numbers(tmp_path):
     assert (stats.reserved_peak_bytes, stats.cumem_bytes) == (13 * GiB, None)
     assert stats.alloc_conf == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
     assert stats.backend == "native" and stats.probe_errors == 3 and stats.written_at == NOW - 2
-    assert reading.status.up and reading.errors == ()
-    assert reading.gpus[0].processes[0].used_bytes == 14 * GiB  # NVML's figure untouched
+    assert reading.up and reading.errors == ()
+    assert reading.snapshot.gpus[0].processes[0].used_bytes == 14 * GiB  # NVML's figure untouched
 
 
 def test_each_gpu_gets_the_numbers_of_its_own_device(tmp_path):
@@ -109,7 +109,7 @@ def test_without_uuids_only_an_unambiguous_process_is_matched(tmp_path):
 
 def test_a_process_without_a_probe_is_left_as_it_was(tmp_path):
     reading = sample(tmp_path, gpus(proc()))
-    assert reading.gpus[0].processes[0] == proc() and reading.errors == () and reading.status.up
+    assert reading.snapshot.gpus[0].processes[0] == proc() and reading.errors == () and reading.up
 
 
 def test_outside_containers_the_host_pid_names_the_file(tmp_path):
@@ -131,10 +131,10 @@ def test_two_containers_with_the_same_pid_and_start_are_told_apart_by_namespace(
     write(tmp_path, probe_doc(pid_ns=NS + 1, devices=[device(UUID0, reserved=2 * GiB)]), pid_ns=NS + 1)
     a, b = proc(pid=5000), proc(pid=6000)
     reading = sample(tmp_path, gpus(a, b), namespaces={5000: NS, 6000: NS + 1})
-    assert [p.allocator.reserved_bytes for p in reading.gpus[0].processes] == [GiB, 2 * GiB]
+    assert [p.allocator.reserved_bytes for p in reading.snapshot.gpus[0].processes] == [GiB, 2 * GiB]
 
     unreadable = sample(tmp_path, gpus(a, b), namespaces={5000: None, 6000: None})
-    assert [p.allocator for p in unreadable.gpus[0].processes] == [None, None]
+    assert [p.allocator for p in unreadable.snapshot.gpus[0].processes] == [None, None]
     assert kinds(unreadable) == ["ambiguous", "ambiguous"]
 
 
@@ -148,7 +148,7 @@ def test_the_namespace_is_read_once_per_process(tmp_path):
     looked = []
     source = AllocatorSource(str(tmp_path), pid_namespace=lambda pid: looked.append(pid) or NS)
     for _ in range(3):
-        assert stats_of(source.sample(gpus(proc()), now=NOW)) is not None
+        assert stats_of(source.collect(Snapshot(NOW, gpus=gpus(proc())))) is not None
     assert looked == [5000]
 
 
@@ -193,7 +193,7 @@ def test_hostile_or_truncated_content_is_counted_never_raised(tmp_path, data, ki
     write(tmp_path, data)
     reading = sample(tmp_path, gpus(proc()))
     assert stats_of(reading) is None and kinds(reading) == [kind]
-    assert reading.status.up
+    assert reading.up
 
 
 def test_a_symlink_at_a_probe_files_name_is_never_followed(tmp_path):
@@ -226,13 +226,13 @@ def test_a_flooded_directory_is_read_only_up_to_its_bound(tmp_path):
     for i in range(50):
         (tmp_path / f"junk-{i}").write_text("")
     reading = sample(tmp_path, gpus(proc()), max_entries=20)
-    assert kinds(reading) == ["too_many_files"] and reading.status.up
+    assert kinds(reading) == ["too_many_files"] and reading.up
 
 
 def test_a_missing_directory_turns_the_source_down_and_keeps_the_processes(tmp_path):
     reading = sample(tmp_path / "missing", gpus(proc()))
-    assert not reading.status.up and kinds(reading) == ["dir_missing"]
-    assert reading.gpus == gpus(proc())
+    assert not reading.up and kinds(reading) == ["dir_missing"]
+    assert reading.snapshot.gpus == gpus(proc())
 
 
 # -- real PID namespaces: the probe in a container-like namespace, the source on the host --
@@ -281,9 +281,9 @@ def test_probes_in_two_pid_namespaces_with_the_same_pid_are_each_matched_to_thei
             processes.append(ProcessSample(pid=pid, used_bytes=3 * GiB, start_time=info.start_time,
                                            ns_pid=info.ns_pid))
         source = AllocatorSource(str(tmp_path))  # the real /proc: namespaces read by readlink
-        reading = source.sample(gpus(*processes), now=time.time())
+        reading = source.collect(Snapshot(time.time(), gpus=gpus(*processes)))
         assert reading.errors == ()
-        assert [p.allocator.reserved_bytes for p in reading.gpus[0].processes] == [GiB, 2 * GiB]
+        assert [p.allocator.reserved_bytes for p in reading.snapshot.gpus[0].processes] == [GiB, 2 * GiB]
     finally:
         for c in containers:
             c.stdin.close()

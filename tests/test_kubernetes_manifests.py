@@ -224,14 +224,19 @@ def test_daemonset_shares_the_host_pid_namespace_and_reads_proc_read_only(pod, c
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     proc = next(name for name, v in volumes.items() if v.get("hostPath", {}).get("path") == "/proc")
     assert mounts[proc]["readOnly"] is True
-    host_paths = [v for v in volumes.values() if "hostPath" in v]
-    assert len(host_paths) == 1, "the host's /proc is the only host path"
+    host_paths = {name: v["hostPath"]["path"] for name, v in volumes.items() if "hostPath" in v}
+    assert set(host_paths.values()) == {"/proc", "/run/gpumem-probe"}, "/proc and the probes' directory only"
+    assert all(mounts[name]["readOnly"] is True for name in host_paths)
     config = yaml.safe_load(by_kind(rendered, "ConfigMap")["data"]["config.yaml"])
     assert config["host"]["proc_root"] == mounts[proc]["mountPath"]
+    probes = next(name for name, path in host_paths.items() if path == "/run/gpumem-probe")
+    assert config["allocator"]["probe_dir"] == mounts[probes]["mountPath"]
 
 
-def test_the_configmap_is_a_valid_exporter_configuration(rendered, pod, container):
-    config = build_config(yaml.safe_load(by_kind(rendered, "ConfigMap")["data"]["config.yaml"]))
+def test_the_configmap_is_a_valid_exporter_configuration(rendered, pod, container, tmp_path):
+    data = yaml.safe_load(by_kind(rendered, "ConfigMap")["data"]["config.yaml"])
+    data["allocator"]["probe_dir"] = str(tmp_path)  # the node's directory, which the DaemonSet creates
+    config = build_config(data)
     assert config.kubelet.enabled == "auto" and config.host.read_cmdline is False
     config_mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "config")
     assert container["args"] == ["run", "--config", f"{config_mount}/config.yaml"]

@@ -30,8 +30,8 @@ variables (`GPUMEM_RUN_LISTEN`, `GPUMEM_RUN_INTERVAL`, `GPUMEM_RUN_CONFIG`,
 `GPUMEM_RUN_VLLM_ENDPOINT` (space-separated), `GPUMEM_RUN_WEB_CONFIG`), which override the file.
 `gpu-memory-exporter check-config FILE` checks a file exactly as `run` does, the files it names
 included (web config, tokens, TLS certificate and key, the kubelet's token and CA where the kubelet
-is used), reports every problem at once with its key path, and prints the configuration as
-understood: a file `check-config` accepts again.
+is used, the allocator's probe directory), reports every problem at once with its key path, and
+prints the configuration as understood: a file `check-config` accepts again.
 
 Rules for every file: unknown keys are errors; nothing is coerced (`"5"` is not a number, `1` is
 not `true`); anchors and aliases (`&name`, `*name`) and duplicate keys are refused; at most 1 MiB.
@@ -39,9 +39,10 @@ Sizes (keys ending in `_bytes`) take a whole number of bytes or a string such as
 (binary) or `8MB` (SI); counts are whole numbers.
 
 `kill -HUP` reloads the file. A file that fails in any way keeps the running configuration, and
-the log says why. Endpoints, log files, interval, staleness limit, `admission` thresholds and the
-NVML back-off take effect at the next sample; `listen`, `health_listen`, `web_config_file`, `host`,
-`history`, `recorder` and `kubelet` change only on restart (the log names them).
+the log says why. Endpoints, log files, the allocator's probe directory, interval, staleness limit,
+`admission` thresholds and the NVML back-off take effect at the next sample; `listen`,
+`health_listen`, `web_config_file`, `host`, `history`, `recorder` and `kubelet` change only on
+restart (the log names them).
 """
 
 

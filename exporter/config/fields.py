@@ -142,7 +142,7 @@ def check_url(value: str, example: str) -> str:
     return value
 
 
-def _path(value: str) -> str:
+def no_nul(value: str) -> str:
     if "\x00" in value:
         raise fail("a file path must not contain a NUL character")
     return value
@@ -166,7 +166,7 @@ Count = Annotated[int, Field(ge=0, le=1_000_000), Doc("count")]
 Listen = Annotated[str, Field(max_length=300), AfterValidator(_listen_field), Doc("HOST:PORT")]
 ListenOrOff = Annotated[str, Field(max_length=300), AfterValidator(lambda v: v and _listen_field(v)),
                         Doc("HOST:PORT or empty")]
-Path = Annotated[str, Field(max_length=4096), AfterValidator(_path), Doc("file path")]
+Path = Annotated[str, Field(max_length=4096), AfterValidator(no_nul), Doc("file path")]
 Regex = Annotated[str, Field(max_length=1024), AfterValidator(_regex), Doc("regex")]
 Text = Annotated[str, Field(max_length=1024), Doc("string")]
 

@@ -33,6 +33,7 @@ from .fields import (
     Size,
     Text,
     fail,
+    no_nul,
     parse_listen,
     url_check,
 )
@@ -97,6 +98,17 @@ def _web_config(path: str) -> str:
 
 
 TokenFile = Annotated[Path, AfterValidator(_readable_token)]
+
+
+def _existing_directory(path: str) -> str:
+    if path and not os.path.isdir(os.path.expanduser(path)):
+        raise fail(f"{path} is not a directory" if os.path.exists(os.path.expanduser(path))
+                   else f"directory {path} does not exist")
+    return path
+
+
+ProbeDirectory = Annotated[str, Field(max_length=4096), AfterValidator(no_nul), AfterValidator(_existing_directory),
+                           Doc("directory")]
 
 
 class EndpointConfig(Section):
@@ -187,6 +199,16 @@ class RecorderConfig(Section):
     debounce_seconds: Seconds = Field(300.0, description="At most one trace per trigger kind this often.")
 
 
+class AllocatorConfig(Section):
+    """PyTorch's allocator numbers from the in-process probe (docs/probe.md): off while
+    `probe_dir` is empty."""
+
+    probe_dir: ProbeDirectory = Field("", description=(
+        "The directory the vLLM processes' probes write to (their GPUMEM_PROBE_DIR, shared with "
+        "the exporter, e.g. /run/gpumem-probe). Read once per sample; per-process torch "
+        "allocated/reserved, non-torch and retry series come from it. Off while empty."))
+
+
 def _enabled(value: Any) -> Any:
     return ("true" if value else "false") if isinstance(value, bool) else value  # YAML's true
 
@@ -243,6 +265,8 @@ class Config(Section):
     recorder: RecorderConfig = Field(default_factory=EMPTY, description="The flight recorder.")
     kubelet: KubeletConfig = Field(default_factory=EMPTY, description="Pod names for processes (Kubernetes).")
     vllm: VllmConfig = Field(default_factory=EMPTY, description="vLLM servers.")
+    allocator: AllocatorConfig = Field(default_factory=EMPTY, description=(
+        "PyTorch allocator numbers from the probe inside vLLM's processes (opt-in)."))
 
     @property
     def effective_stale_after(self) -> float:

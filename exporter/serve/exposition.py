@@ -14,7 +14,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
-from ..model import Analysis, RecorderStats, Snapshot, State
+from ..model import Analysis, ProcessSample, RecorderStats, Snapshot, State
 
 GPU = ["gpu", "uuid"]
 PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
@@ -121,6 +121,45 @@ class StateCollector(Collector):
                                    p.host_rss_bytes)
         yield used
         yield rss
+        yield from self._allocator(snap)
+
+    def _allocator(self, snap: Snapshot) -> Iterator[Metric]:
+        """PyTorch's allocator in each probed process (docs/probe.md); a process without a
+        probe, or a number its torch does not report, has no series (never a zero)."""
+        fams: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[ProcessSample], int | None]]] = [
+            (_gauge("gpumem_process_torch_allocated_bytes",
+                    "GPU memory held by live PyTorch tensors in a process (allocator probe).", PROCESS),
+             lambda p: p.allocator.allocated_bytes if p.allocator else None),
+            (_gauge("gpumem_process_torch_reserved_bytes",
+                    "GPU memory PyTorch's caching allocator holds from the driver: allocated + cached.",
+                    PROCESS),
+             lambda p: p.allocator.reserved_bytes if p.allocator else None),
+            (_gauge("gpumem_process_torch_inactive_split_bytes",
+                    "PyTorch's cached memory in free pieces of split blocks (fragmentation).", PROCESS),
+             lambda p: p.allocator.inactive_split_bytes if p.allocator else None),
+            (_gauge("gpumem_process_non_torch_bytes",
+                    "GPU memory of a process outside PyTorch's allocator: NVML used - torch reserved.",
+                    PROCESS),
+             lambda p: p.non_torch_bytes),
+            (CounterMetricFamily("gpumem_process_alloc_retries",
+                                 "Times PyTorch's allocator flushed its cache and retried cudaMalloc.",
+                                 labels=PROCESS),
+             lambda p: p.allocator.alloc_retries if p.allocator else None),
+            (CounterMetricFamily("gpumem_process_torch_ooms",
+                                 "Out-of-memory errors PyTorch's allocator raised in a process.", labels=PROCESS),
+             lambda p: p.allocator.ooms if p.allocator else None),
+        ]
+        for g in snap.gpus:
+            for p in g.processes:
+                if p.allocator is None:
+                    continue
+                labels = [g.index, g.uuid, str(p.pid), p.name, p.role, p.container, p.pod, p.namespace]
+                for fam, value_of in fams:
+                    value = value_of(p)
+                    if value is not None:
+                        fam.add_metric(labels, value)
+        for fam, _ in fams:
+            yield fam
 
     def _host(self, snap: Snapshot) -> Iterator[Metric]:
         h = snap.host

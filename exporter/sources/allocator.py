@@ -19,13 +19,13 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..boundedio import read_head
-from ..model import AllocatorStats, GpuSample, ProcessSample, SourceError, SourceStatus
+from ..model import AllocatorStats, GpuSample, ProcessSample, Snapshot, SourceError
+from .source import Reading
 
 SOURCE = "allocator"
 SCHEMAS = frozenset({1})  # the probe file versions this reader understands
@@ -63,13 +63,6 @@ class ProbeReport:
     written_at: float
     interval: float
     devices: tuple[tuple[str | None, AllocatorStats], ...]  # (normalised uuid, numbers)
-
-
-@dataclass(frozen=True)
-class AllocatorReading:
-    gpus: tuple[GpuSample, ...]
-    status: SourceStatus
-    errors: tuple[SourceError, ...]
 
 
 def normalise_uuid(uuid: str) -> str:
@@ -163,6 +156,11 @@ def read_pid_namespace(proc_root: str, pid: int) -> int | None:
 
 
 class AllocatorSource:
+    """The `allocator` source. Runs after the nvml and host sources: it needs the GPU processes
+    NVML listed and the identity (start time, NSpid) the host source gave them."""
+
+    name = SOURCE
+
     def __init__(self, directory: str, proc_root: str = "/proc",
                  pid_namespace: Callable[[int], int | None] | None = None,
                  max_entries: int = MAX_ENTRIES, max_file_bytes: int = MAX_FILE_BYTES):
@@ -175,19 +173,18 @@ class AllocatorSource:
     def close(self) -> None:
         pass  # nothing held between ticks
 
-    def sample(self, gpus: tuple[GpuSample, ...], now: float) -> AllocatorReading:
-        """`gpus` with each probed process's `allocator` filled in. `now`: the snapshot's time
-        (the simulator's clock when simulated), against which staleness is judged."""
-        started = time.perf_counter()
+    def collect(self, snapshot: Snapshot) -> Reading:
+        """The snapshot with each probed process's `allocator` filled in. Staleness is judged
+        against the snapshot's time (the simulator's clock when simulated)."""
         errors: list[SourceError] = []
+        gpus = snapshot.gpus
         wanted = {_own_pid(p) for g in gpus for p in g.processes}
         try:
-            reports = self._read(wanted, now, errors)
-        except OSError as exc:
+            reports = self._read(wanted, snapshot.timestamp, errors)
+        except OSError as exc:  # the directory itself: the source is down, the processes untouched
             kind = "dir_missing" if isinstance(exc, FileNotFoundError) else "dir_unreadable"
             errors.append(SourceError(SOURCE, kind, f"{self.directory}: {exc.strerror}"))
-            return AllocatorReading(gpus, SourceStatus(SOURCE, False, time.perf_counter() - started, kind),
-                                    tuple(errors))
+            return Reading(snapshot, up=False, errors=tuple(errors))
         namespaces: dict[tuple[int, float | None], int | None] = {}
         out = []
         for gpu in gpus:
@@ -198,8 +195,7 @@ class AllocatorSource:
                 procs.append(dataclasses.replace(p, allocator=stats) if stats is not None else p)
             out.append(dataclasses.replace(gpu, processes=tuple(procs)))
         self._namespaces = namespaces  # only live processes: bounded by the process table
-        return AllocatorReading(tuple(out), SourceStatus(SOURCE, True, time.perf_counter() - started),
-                                tuple(errors))
+        return Reading(dataclasses.replace(snapshot, gpus=tuple(out)), errors=tuple(errors))
 
     def _read(self, wanted: set[int], now: float, errors: list[SourceError]) -> dict[int, list[ProbeReport]]:
         reports: dict[int, list[ProbeReport]] = {}

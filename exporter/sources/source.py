@@ -29,7 +29,7 @@ class Reading:
 
 
 class Source(Protocol):
-    name: str  # the `source` label: nvml, host, kubelet, vllm, logs
+    name: str  # the `source` label: nvml, host, allocator, kubelet, vllm, logs
 
     def collect(self, snapshot: Snapshot) -> Reading:
         """Fill this source's part of `snapshot`; never raise on outside faults."""

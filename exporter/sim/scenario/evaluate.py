@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from .specs import FaultSpec, GpuSpec, HostSpec, ProcessSpec, StaleSpec, VllmSpec
-from .state import GpuState, HostState, MigState, ProcessState, State, VllmState
+from .specs import AllocatorSpec, FaultSpec, GpuSpec, HostSpec, ProcessSpec, StaleSpec, VllmSpec
+from .state import AllocatorState, GpuState, HostState, MigState, ProbeState, ProcessState, State, VllmState
 
 
 class ScenarioClock(Protocol):
@@ -103,7 +103,8 @@ class Scenario:
                 pid=p.pid, ppid=p.ppid, name=p.name, kind=p.kind, start=p.start,
                 gpu_bytes=MappingProxyType(gpu_bytes), rss_bytes=rss, cmdline=p.cmdline,
                 container=p.container, pod_uid=p.pod_uid, namespace=p.namespace, qos=p.qos,
-                ns_pid=p.ns_pid, memory_not_available=p.memory_not_available))
+                ns_pid=p.ns_pid, memory_not_available=p.memory_not_available,
+                probe=_probe_state(p.allocator, pt, gpu_bytes) if p.allocator is not None else None))
         procs.sort(key=lambda p: p.pid)
         stale: dict[str, int] = {}
         for s in self.stale_memory:
@@ -159,3 +160,20 @@ class Scenario:
             prefix_cache_queries_total=queries,
             prefix_cache_hits_total=int(queries * v.prefix_cache_hit_ratio),
             cache_config=v.cache_config)
+
+
+def _probe_state(spec: AllocatorSpec, pt: float, gpu_bytes: Mapping[str, int]) -> ProbeState | None:
+    """What the process's probe reports at process time `pt`: nothing before it first writes;
+    on each GPU, PyTorch's share of the memory the GPU shows for the process, so NVML used =
+    torch reserved + non-torch exactly."""
+    if pt < spec.start:
+        return None
+    devices = {}
+    for key, used in gpu_bytes.items():
+        reserved = used - int(min(max(spec.non_torch(pt), 0.0), used))
+        cached = int(min(max(spec.cached(pt), 0.0), reserved))
+        devices[key] = AllocatorState(
+            allocated_bytes=reserved - cached, reserved_bytes=reserved,
+            inactive_split_bytes=int(min(max(spec.inactive_split(pt), 0.0), cached)),
+            alloc_retries=int(max(spec.alloc_retries(pt), 0.0)), ooms=int(max(spec.ooms(pt), 0.0)))
+    return ProbeState(spec.interval, spec.alloc_conf, MappingProxyType(devices))

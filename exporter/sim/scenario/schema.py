@@ -8,7 +8,9 @@ Top-level keys (sizes: 80GiB / bytes; times: seconds or "30m"; unknown keys are 
     processes: [{pid, ppid?, name (comm, <= 15 chars), cmdline?, gpu? (0 | "0/1" | [0, 1]),
                  start?, stop?, memory? (curve), memory_by_gpu? {gpu: curve}, rss?, kind?,
                  container? (64 hex), pod_uid?, qos?, namespace?, ns_pid?,
-                 memory_not_available?, replicas? (copies with pids pid, pid+1, ...)}]
+                 memory_not_available?, replicas? (copies with pids pid, pid+1, ...),
+                 allocator? {non_torch (curve), cached?, inactive_split?, alloc_retries?
+                             (counter), ooms? (counter), interval?, start?, alloc_conf?}}]
     stale_memory: [{gpu, bytes, at?, until?}]
     vllm:   [{port, pid (API server), model, kv_cache_usage?, running?, waiting?,
               preemptions? (cumulative), prefix_cache_queries? (cumulative),
@@ -21,6 +23,10 @@ Top-level keys (sizes: 80GiB / bytes; times: seconds or "30m"; unknown keys are 
              each with at? (default 0) and until? (default: forever), active in [at, until)]
 
 Curves (memory, rss, host and vLLM values) are written in the curve language of `curves`.
+
+`allocator` puts the in-process probe (docs/probe.md) in a process: on each of its GPUs torch
+reserved = memory - non_torch, allocated = reserved - cached, inactive_split <= cached (each
+clamped to what is there), on process time; the simulated host writes the probe's files.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from .evaluate import Scenario
 from .specs import (
     FAULT_KINDS,
     INIT_ERRORS,
+    AllocatorSpec,
     CacheConfigSpec,
     FaultSpec,
     GpuSpec,
@@ -144,6 +151,31 @@ def _gpu_key(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> str:
     return f"{g}/{int(m.group(2))}"
 
 
+PROBE_INTERVAL = (0.5, 300.0)  # the probe's own bounds for GPUMEM_PROBE_INTERVAL
+
+
+def _parse_allocator(value: Any, path: str, seed: int) -> AllocatorSpec:
+    n = Node(value, path)
+    size = functools.partial(parse_curve, bytes_=True, seed_base=seed)
+    counter = functools.partial(parse_curve, bytes_=False, counter=True)
+    interval = n.get("interval", positive, 5.0)
+    if not PROBE_INTERVAL[0] <= interval <= PROBE_INTERVAL[1]:
+        raise ScenarioError(f"{n.sub('interval')}: must be between {PROBE_INTERVAL[0]:g} and "
+                            f"{PROBE_INTERVAL[1]:g} seconds (the probe's bounds), got {interval:g}")
+    alloc_conf = n.get("alloc_conf", string, "")
+    if len(alloc_conf) > 512:
+        raise ScenarioError(f"{n.sub('alloc_conf')}: at most 512 characters")
+    spec = AllocatorSpec(
+        non_torch=n.get("non_torch", size),
+        cached=n.get("cached", size, Curve.zero()),
+        inactive_split=n.get("inactive_split", size, Curve.zero()),
+        alloc_retries=n.get("alloc_retries", counter, Curve.zero()),
+        ooms=n.get("ooms", counter, Curve.zero()),
+        interval=interval, start=n.get("start", parse_duration, 0.0), alloc_conf=alloc_conf)
+    n.done()
+    return spec
+
+
 def _parse_processes(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> tuple[ProcessSpec, ...]:
     out: list[ProcessSpec] = []
     for i, item in enumerate(listed(value, path)):
@@ -193,11 +225,17 @@ def _parse_processes(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> tuple[
         raw_mem = n.raw("memory")
         raw_by_gpu = n.raw("memory_by_gpu")
         raw_rss = n.raw("rss", 0)
+        raw_allocator = n.raw("allocator")
         n.done()
         if keys and raw_mem is None and raw_by_gpu is None:
             raise ScenarioError(f"{n.sub('memory')}: required for a process on a GPU")
         if not keys and (raw_mem is not None or raw_by_gpu is not None):
             raise ScenarioError(f"{n.sub('memory')}: the process has no 'gpu'")
+        if not keys and raw_allocator is not None:
+            raise ScenarioError(f"{n.sub('allocator')}: the process has no 'gpu' (a probe writes only "
+                                "in a process that uses CUDA)")
+        allocator = (None if raw_allocator is None else
+                     _parse_allocator(raw_allocator, n.sub("allocator"), zlib.crc32(f"{p}/allocator".encode())))
         by_gpu_raw: dict[str, tuple[Any, str]] = {}
         if raw_by_gpu is not None:
             if not isinstance(raw_by_gpu, Mapping):
@@ -221,7 +259,7 @@ def _parse_processes(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> tuple[
                 pid=pid + r, ppid=ppid, name=name, gpus=keys, start=start, stop=stop,
                 memory=MappingProxyType(memory), rss=rss, kind=kind, cmdline=cmdline,
                 container=container, pod_uid=pod_uid, namespace=namespace, qos=qos,
-                ns_pid=ns_pid, memory_not_available=not_avail))
+                ns_pid=ns_pid, memory_not_available=not_avail, allocator=allocator))
     # A PID may be reused, but never by two processes alive at the same time.
     by_pid: dict[int, list[ProcessSpec]] = {}
     for spec in out:

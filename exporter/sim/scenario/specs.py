@@ -50,6 +50,21 @@ class HostSpec:
 
 
 @dataclass(frozen=True)
+class AllocatorSpec:
+    """The allocator probe in one process (docs/probe.md): PyTorch's numbers on each of its GPUs,
+    derived from the process's memory curve so the two always agree. Curves run on process time."""
+
+    non_torch: Curve  # outside PyTorch (context, NCCL, graphs): torch reserved = memory - this
+    cached: Curve  # reserved but unallocated: torch allocated = reserved - this
+    inactive_split: Curve  # the part of the cache in split blocks (fragmentation), <= cached
+    alloc_retries: Curve  # counter
+    ooms: Curve  # counter
+    interval: float = 5.0  # GPUMEM_PROBE_INTERVAL
+    start: float = 0.0  # process seconds: when the probe first writes (CUDA initialised)
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF as set in the process
+
+
+@dataclass(frozen=True)
 class ProcessSpec:
     pid: int
     ppid: int
@@ -67,6 +82,7 @@ class ProcessSpec:
     qos: str = "burstable"
     ns_pid: int | None = None
     memory_not_available: bool = False
+    allocator: AllocatorSpec | None = None  # None: no probe in this process
 
     def alive_at(self, t: float) -> bool:
         return self.start <= t and (self.stop is None or t < self.stop)

@@ -40,6 +40,26 @@ class GpuState:
 
 
 @dataclass(frozen=True)
+class AllocatorState:
+    """What the probe in one process reports for one GPU at one moment."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    inactive_split_bytes: int
+    alloc_retries: int
+    ooms: int
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    """The probe in one process: its settings and its numbers per GPU key."""
+
+    interval: float
+    alloc_conf: str
+    devices: Mapping[str, AllocatorState]  # GPU key ("0", "0/1") -> numbers
+
+
+@dataclass(frozen=True)
 class ProcessState:
     pid: int
     ppid: int
@@ -55,6 +75,7 @@ class ProcessState:
     qos: str = "burstable"
     ns_pid: int | None = None
     memory_not_available: bool = False
+    probe: ProbeState | None = None  # None: no probe, or it has not written yet
 
 
 @dataclass(frozen=True)
