@@ -316,15 +316,9 @@ def _allocator_values(p: ProcessSample) -> Iterator[tuple[str, float]]:
         yield "torch_allocated", float(a.allocated_bytes)
         if a.reserved_bytes is not None and a.reserved_bytes >= a.allocated_bytes:
             yield "torch_cached", float(a.reserved_bytes - a.allocated_bytes)
-    # Outside PyTorch: NVML used - reserved. NVML's figure below reserved means vLLM's
-    # sleep-mode pool (cumem, inside reserved) released its physical memory behind PyTorch's
-    # back: then used - (reserved - cumem) (docs/probe.md); below even that (the two read at
-    # different moments), no figure.
-    if a.reserved_bytes is not None and p.used_bytes is not None:
-        physical = a.reserved_bytes if p.used_bytes >= a.reserved_bytes \
-            else a.reserved_bytes - (a.cumem_bytes or 0)
-        if p.used_bytes >= physical:
-            yield "non_torch", float(p.used_bytes - physical)
+    non_torch = p.non_torch_bytes  # one rule for the vLLM sleep pool (ProcessSample)
+    if non_torch is not None:
+        yield "non_torch", float(non_torch)
     if a.inactive_split_bytes is not None:
         yield "inactive_split", float(a.inactive_split_bytes)
     if a.alloc_retries is not None:
