@@ -354,8 +354,8 @@ class GpuAnalysis:
     admission_open: bool
     time_to_full_seconds: float | None  # None: not growing
     unattributed_bytes: int | None  # used minus what live processes account for
-    # Used memory the vLLM servers did not budget for (their gpu_memory_utilization x total is
-    # taken by design): other processes, vLLM over budget, memory no live process holds.
+    # Used memory the vLLM servers did not budget for (their budget, analysis.budget, is taken
+    # by design): other processes, vLLM over budget, memory no live process holds.
     beyond_budget_bytes: int | None = None
 
 
