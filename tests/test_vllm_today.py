@@ -161,7 +161,7 @@ def test_a_cycle_that_gives_memory_back_raises_nothing():
 
 
 def test_a_cycle_that_keeps_memory_is_a_sleep_leak_with_the_numbers():
-    analyzer, results = replay(cycle(70 * GiB, 1 * GiB, 72 * GiB))
+    analyzer, _ = replay(cycle(70 * GiB, 1 * GiB, 72 * GiB))
     (f,) = [f for f in analyzer.all_findings if f.kind == "sleep_leak"]
     ev = dict(f.evidence)
     assert ev["signal"] == "not_given_back" and f.endpoint == EP and f.gpu == "0"
