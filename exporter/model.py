@@ -177,6 +177,7 @@ class MemoryProfile:
     consumed_bytes: int | None = None  # weights + non-torch, measured with cudaMemGetInfo
     cuda_graph_estimate_bytes: int | None = None  # the profiler's estimate before capture
     kv_cache_max_concurrency: float | None = None  # requests of max_model_len that fit
+    max_model_len: int | None = None  # tokens per request the KV cache was sized for
     kv_cache_memory_flag_bytes: int | None = None  # --kv-cache-memory as the worker applied it
     # Sleep mode (gpu_worker.py): the last "Sleep mode freed X GiB memory, Y GiB ... still in use".
     sleep_freed_bytes: int | None = None
@@ -372,8 +373,8 @@ class GpuAnalysis:
     admission_open: bool
     time_to_full_seconds: float | None  # None: not growing
     unattributed_bytes: int | None  # used minus what live processes account for
-    # Used memory the vLLM servers did not budget for (their gpu_memory_utilization x total is
-    # taken by design): other processes, vLLM over budget, memory no live process holds.
+    # Used memory the vLLM servers did not budget for (their budget, analysis.budget, is taken
+    # by design): other processes, vLLM over budget, memory no live process holds.
     beyond_budget_bytes: int | None = None
 
 
@@ -384,8 +385,30 @@ class Budget:
     endpoint: str
     gpu: str
     uuid: str
-    budget_bytes: int | None  # None: utilisation or the GPU's total unknown
+    budget_bytes: int | None  # None: the figures it is computed from are unknown
     used_bytes: int | None  # None: NVML gave no per-process figure for any of its processes
+    # How budget_bytes was computed: "gpu_memory_utilization" (x total) or "kv_cache_memory"
+    # (--kv-cache-memory plus the start-up profile's non-KV memory); "" when unknown. Says how,
+    # not what: two budgets of the same bytes are equal whatever the basis.
+    basis: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """One vLLM engine's KV cache: capacity (per GPU) and what is in use (analysis.kv_cache)."""
+
+    endpoint: str
+    model: str
+    engine: str
+    capacity_tokens: int | None = None  # tokens the cache holds
+    capacity_bytes: int | None = None  # the KV cache's memory on each of its GPUs
+    usage_ratio: float | None = None
+    used_tokens: int | None = None  # usage ratio x capacity tokens
+    used_bytes: int | None = None  # usage ratio x capacity bytes, per GPU
+    max_model_len: int | None = None
+    # Requests of max_model_len tokens that fit at once: vLLM's own figure where it gives one,
+    # else capacity tokens / max_model_len.
+    max_concurrency: float | None = None
 
 
 # What changed at a tick that deserves a recording of the moments before it (the flight
@@ -404,6 +427,7 @@ class Analysis:
     process_trends: tuple[ProcessTrend, ...] = ()
     gpus: tuple[GpuAnalysis, ...] = ()
     budgets: tuple[Budget, ...] = ()  # per (vLLM server, GPU)
+    kv_caches: tuple[KvCache, ...] = ()  # per (vLLM server, model, engine)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, each at most once
     oom_events: tuple[OomEvent, ...] = ()  # this tick's log messages, classified
 

@@ -24,7 +24,8 @@ def test_v0_6_4_profiling_results_line():
         activation_peak_bytes=gib(3.12) - gib(2.6419),
         cuda_graph_bytes=None,  # 0.6.4 logged the capture time only
         total_gpu_bytes=gib(7.92), gpu_memory_utilization=0.90, num_gpu_blocks=1207,
-        kv_cache_max_concurrency=9.43,  # "Maximum concurrency for 32768 tokens per request: 9.43x"
+        kv_cache_max_concurrency=9.43,  # "Maximum concurrency for 2048 tokens per request: 9.43x"
+        max_model_len=2048,
     )
 
 
@@ -35,6 +36,7 @@ def test_v0_7_split_summary_lines():
         non_torch_bytes=gib(0.01), cuda_graph_bytes=gib(0.19), total_gpu_bytes=gib(14.56),
         gpu_memory_utilization=0.50, num_gpu_blocks=5517,
         kv_cache_max_concurrency=2.69,  # "Maximum concurrency for 32768 tokens per request: 2.69x"
+        max_model_len=32768,
     )
 
 

@@ -25,11 +25,13 @@ from .contention import ContentionConfig, detect_contention
 from .fragmentation import FragmentationConfig, detect_fragmentation
 from .gpu_verdicts import GpuVerdicts
 from .history import History
+from .kv_cache import KvSaturationConfig, detect_kv_saturation, kv_caches
 from .leak import LeakConfig
 from .leak_detector import LeakDetector
 from .oom import classify
 from .oom_findings import detect_ooms
 from .pressure import PressureConfig, detect_pressure
+from .sleep import SleepConfig, detect_sleep_leaks
 from .stale import StaleConfig, detect_stale
 from .transitions import transitions
 
@@ -60,6 +62,8 @@ class AnalysisConfig:
     stale: StaleConfig = field(default_factory=StaleConfig)
     contention: ContentionConfig = field(default_factory=ContentionConfig)
     fragmentation: FragmentationConfig = field(default_factory=FragmentationConfig)
+    sleep: SleepConfig = field(default_factory=SleepConfig)  # looks back as far as the history holds
+    kv_saturation: KvSaturationConfig = field(default_factory=KvSaturationConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.admission_open_below <= self.admission_close_above <= 1:
@@ -76,6 +80,7 @@ class AnalysisConfig:
             "fragmentation.inactive_split_sustain_seconds":
                 self.fragmentation.inactive_split_sustain_seconds,
             "oom_hold_seconds": self.oom_hold_seconds,
+            "2 x kv_saturation.window_seconds": 2 * self.kv_saturation.window_seconds,
         }
         for name, seconds in needed.items():
             if seconds > self.history_raw_seconds:
@@ -133,6 +138,7 @@ class Analyzer:
         snapshot = replace(snapshot, log_events=events)
         now, cfg, history = snapshot.timestamp, self.config, self.history
         budgets = memory_budgets(snapshot)
+        kv = kv_caches(snapshot)
         history.update(snapshot, budgets)
         gpus = self._gpus.update(snapshot, budgets, history, cfg.admission_close_above,
                                  cfg.admission_open_below, cfg.pressure.budget_slack_ratio,
@@ -146,6 +152,8 @@ class Analyzer:
             ("stale_memory", lambda: detect_stale(history, snapshot, cfg.stale)),
             ("pressure", lambda: detect_pressure(snapshot.gpus, list(gpus), now, cfg.pressure, raised)),
             ("oom", lambda: detect_ooms(history, snapshot, cfg.oom_hold_seconds)),
+            ("sleep_leak", lambda: detect_sleep_leaks(history, snapshot, cfg.sleep)),
+            ("kv_saturation", lambda: detect_kv_saturation(history, snapshot, cfg.kv_saturation, kv)),
         ]
         findings = list(leak.findings) if leak is not None else []
         failed = set() if leak is not None else {"leak"}
@@ -159,7 +167,7 @@ class Analyzer:
         active = self._track(findings, failed, now)
         changed = transitions(self._previous, snapshot, before, active)
         self._previous = snapshot
-        return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets,
+        return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets, kv_caches=kv,
                         process_trends=leak.trends if leak is not None else (),
                         transitions=changed, oom_events=events)
 

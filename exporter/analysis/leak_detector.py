@@ -20,6 +20,7 @@ from .attribution import NO_PROBE, Attribution, attribute, component_advice, des
 from .budget import tensor_parallel_endpoints
 from .history import History, Identity
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
+from .sleep import quiet_endpoints
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class LeakDetector:
         host_total = snapshot.host.total_bytes if snapshot.host else None
         tensor_parallel = tensor_parallel_endpoints(budgets)
         rss: dict[Identity, tuple[LeakAssessment, bool]] = {}  # identity -> (assessment, latched)
+        # vLLM sleep mode: memory falls on sleep and comes back on wake by design (analysis.sleep
+        # judges the cycle), so a sleeping or just-woken server's memory is not judged here.
+        asleep = quiet_endpoints(history, snapshot, config.settle_seconds)
         trends, findings = [], []
         for gpu in snapshot.gpus:
             for p in gpu.processes:
@@ -49,7 +53,7 @@ class LeakDetector:
                                    gpu.total_bytes, now, config)
                 # assess() can pass and fail on consecutive minutes (between staircase steps,
                 # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
-                leaking = self._latch.update(key, mem.suspected, now)
+                leaking = self._latch.update(key, mem.suspected and p.endpoint not in asleep, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
                     a = self._assess(("rss", p.identity), history.process_rss(p.identity),
                                      host_total, now, config)

@@ -3,8 +3,10 @@
 (The time-to-full forecast itself is leak.time_to_full over the GPU's used series;
 gpu_verdicts puts it in GpuAnalysis and this detector quotes it.)
 
-vLLM pre-allocates `gpu_memory_utilization x total` (0.9 by default) at start-up and stays
-inside it, so used/total sits near 90 % on a perfectly healthy server. Pressure therefore needs
+vLLM pre-allocates its whole budget at start-up and stays inside it (analysis.budget:
+`gpu_memory_utilization x total` as configured, or the `--kv-cache-memory` bytes plus its non-KV
+memory; no default fraction is ever assumed: the default changed across releases), so used/total
+sits near the configured fraction on a perfectly healthy server. Pressure therefore needs
 both: utilisation above the threshold *and* more than a small slack of memory beyond the vLLM
 budgets (other processes, vLLM over its budget, stale memory). On a GPU with no vLLM server all
 used memory is beyond budget, so plain utilisation decides. The shipped alert rules

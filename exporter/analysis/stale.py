@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import Finding, GpuSample, ProcessSample, Snapshot
+from .sleep import quiet_endpoints
 
 if TYPE_CHECKING:
     from .history import History, Identity
@@ -55,13 +56,18 @@ def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig) -> l
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
     exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
+    # vLLM sleep mode frees and maps memory behind PyTorch's back, and NVML reads the device's
+    # and each process's figures at different moments: unowned memory on a GPU whose server
+    # sleeps, or slept or woke within `seconds`, is not judged until it has settled.
+    asleep = quiet_endpoints(history, snapshot, config.seconds)
     findings = []
     for gpu in snapshot.gpus:
         unowned = unattributed_bytes(gpu)
         if unowned is None:
             continue
+        sleeping = any(p.role == "vllm" and p.endpoint in asleep for p in gpu.processes)
         finding = (_exited_server(gpu, unowned, exited.get(gpu.uuid, ()), now, config)
-                   or _persistent(gpu, unowned, past, now, config))
+                   or (None if sleeping else _persistent(gpu, unowned, past, now, config)))
         if finding is not None:
             findings.append(finding)
     return findings

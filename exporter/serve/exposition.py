@@ -194,7 +194,8 @@ class StateCollector(Collector):
                                                            "Prefix cache hits (tokens).", labels=eng),
         }
         budget = _gauge("gpumem_vllm_memory_budget_bytes",
-                        "What the server may use on the GPU: gpu_memory_utilization x total.", ["endpoint", *GPU])
+                        "What the server planned to use on the GPU: gpu_memory_utilization x total, or "
+                        "--kv-cache-memory plus its non-KV memory.", ["endpoint", *GPU])
         budget_used = _gauge("gpumem_vllm_memory_used_bytes", "What the server's processes use on the GPU.",
                              ["endpoint", *GPU])
         for b in state.analysis.budgets if state.analysis is not None else ():
@@ -229,7 +230,39 @@ class StateCollector(Collector):
                                      labels=["endpoint", "kind"])
         for (endpoint, kind), n in sorted(state.vllm_errors_total.items()):
             errors.add_metric([endpoint, kind], n)
-        yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile, errors)
+        sleep = _gauge("gpumem_vllm_engine_sleep_state",
+                       "Sleep mode: 0 awake, 1 asleep at level 1 (weights offloaded), 2 at level 2 "
+                       "(weights discarded).", ["endpoint", "engine"])
+        levels = {"awake": 0, "weights_offloaded": 1, "asleep": 1, "discard_all": 2}
+        for v in state.snapshot.vllm if state.snapshot is not None else ():
+            engine_levels: dict[str, int] = {}
+            for e in v.engines:  # one model per server; the deepest sleep if an engine repeats
+                if e.sleep_state in levels:
+                    engine_levels[e.engine] = max(levels[e.sleep_state], engine_levels.get(e.engine, 0))
+            for engine, level in sorted(engine_levels.items()):
+                sleep.add_metric([v.endpoint, engine], level)
+        yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile,
+                    sleep, *self._kv_caches(state.analysis), errors)
+
+    def _kv_caches(self, analysis: Analysis | None) -> Iterator[Metric]:
+        eng = ["endpoint", "model", "engine"]
+        tokens = _gauge("gpumem_vllm_kv_cache_capacity_tokens", "Tokens the KV cache holds.", eng)
+        capacity = _gauge("gpumem_vllm_kv_cache_capacity_bytes",
+                          "The KV cache's memory on each of the engine's GPUs.", eng)
+        used_tokens = _gauge("gpumem_vllm_kv_cache_used_tokens", "KV cache in use, in tokens.", eng)
+        used = _gauge("gpumem_vllm_kv_cache_used_bytes",
+                      "KV cache in use on each of the engine's GPUs: usage ratio x capacity bytes.", eng)
+        max_len = _gauge("gpumem_vllm_max_model_len_tokens", "Tokens per request the server accepts.", eng)
+        fits = _gauge("gpumem_vllm_kv_cache_max_concurrency",
+                      "Requests of max_model_len tokens the KV cache holds at once.", eng)
+        for k in analysis.kv_caches if analysis is not None else ():
+            labels = [k.endpoint, k.model, k.engine]
+            for fam, value in ((tokens, k.capacity_tokens), (capacity, k.capacity_bytes),
+                               (used_tokens, k.used_tokens), (used, k.used_bytes),
+                               (max_len, k.max_model_len), (fits, k.max_concurrency)):
+                if value is not None:
+                    fam.add_metric(labels, value)
+        yield from (tokens, capacity, used_tokens, used, max_len, fits)
 
     def _oom_events(self, state: State) -> Iterator[Metric]:
         ooms = CounterMetricFamily("gpumem_oom_events", "Out-of-memory events found in the watched logs.",

@@ -109,7 +109,8 @@ _UTILIZATION = (re.compile(r"gpu_memory_utilization \((\d+(?:\.\d+)?)\)"),
 # 0.6.4's peak_torch_memory includes the weights; the activation peak is the difference.
 _PEAK_TORCH = re.compile(r"\bpeak_torch_memory=" + _SIZE)
 _KV_TOKENS = re.compile(r"\b(?:GPU|[A-Z]{2,5})(?: \+ host)? KV cache size: ([\d,]+) tokens")
-_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: (\d+(?:\.\d+)?)x")
+_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (\d+(?:\.\d+)?)x")
+_MAX_MODEL_LEN = re.compile(r"\bmax_seq_len=(\d+)")
 _GPU_BLOCKS = re.compile(r"# (?:GPU|CUDA) blocks: (\d+)", re.IGNORECASE)
 _SLEEP = re.compile(r"Sleep mode freed " + _SIZE + r" memory, " + _SIZE + r" memory is still in use")
 # Without the estimate in the budget (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0) the summary's
@@ -141,6 +142,8 @@ class ProfileParser:
             return
         if _START.search(line):
             self._reset()
+            if match := _MAX_MODEL_LEN.search(line):  # the engine's config, on its start line
+                _keep(self._found, "max_model_len", 1, int(match.group(1)))
             return
         found = self._found
         for field, pattern, priority in _SIZE_RULES:
@@ -156,7 +159,8 @@ class ProfileParser:
         if match := _KV_TOKENS.search(line):
             _keep(found, "kv_cache_tokens", 1, int(match.group(1).replace(",", "")))
         if match := _CONCURRENCY.search(line):
-            _keep(found, "kv_cache_max_concurrency", 1, float(match.group(1)))
+            _keep(found, "kv_cache_max_concurrency", 1, float(match.group(2)))
+            _keep(found, "max_model_len", 2, int(match.group(1).replace(",", "")))
         if match := _GPU_BLOCKS.search(line):
             _keep(found, "num_gpu_blocks", 1, int(match.group(1)))
         if match := _SLEEP.search(line):  # the latest sleep is the one that matters

@@ -1,0 +1,251 @@
+"""vLLM sleep mode (--enable-sleep-mode): memory that falls on sleep and rises on wake is by
+design; a sleep/wake cycle that does not give the memory back is a finding of its own.
+
+vLLM's sleep (vllm/v1/worker/gpu_worker.py, Worker.sleep) releases the CuMemAllocator pool:
+level 1 offloads the weights to host memory and discards the KV cache, level 2 discards both;
+`vllm:engine_sleep_state` says which (awake / weights_offloaded / discard_all). Wake maps it all
+again. The leak and stale-memory detectors leave a server alone while it sleeps and for a
+settling time after each change of its sleep state (quiet_endpoints); this module judges the
+cycle instead (`sleep_leak`, one finding per server and GPU), on three signals:
+
+- after wake (once settled) the server holds more than before it slept, by a margin: memory
+  the cycle did not give back (a known leak source: buffers allocated outside the pool);
+- asleep at level 1 or 2, it freed much less than its KV cache (+ weights) should give back;
+- from its log: the memory "still in use" after sleep ("Sleep mode freed X GiB memory, Y GiB
+  memory is still in use") rose by the margin from one sleep to the next (device-wide, so a
+  co-tenant's growth counts too: the evidence says so).
+
+Cycles are found in the raw history (up to lookback_seconds, as far as the history holds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import Finding, GpuSample, Snapshot, VllmSample
+from .history import History
+
+GIB = 1 << 30
+MIB = 1 << 20
+SLEEPING_STATES = ("weights_offloaded", "discard_all")  # the levels that release memory
+
+
+@dataclass(frozen=True)
+class SleepConfig:
+    min_growth_bytes: int = 512 * MIB  # "did not give back": more than this ...
+    min_growth_ratio: float = 0.01  # ... and this share of the GPU
+    settle_seconds: float = 60.0  # after a sleep or wake, before the level is judged
+    min_freed_share: float = 0.5  # asleep: freed at least this share of what it should
+    lookback_seconds: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.min_growth_bytes < 0 or not 0 <= self.min_growth_ratio <= 1 \
+                or not 0 <= self.min_freed_share <= 1:
+            raise ValueError("sleep: min_growth_bytes >= 0, ratios within 0-1")
+        if self.settle_seconds < 0 or self.lookback_seconds <= self.settle_seconds:
+            raise ValueError("sleep: settle_seconds >= 0 and lookback_seconds > settle_seconds")
+
+
+def sleep_state(server: VllmSample) -> str:
+    """The server's state: a sleeping engine's state if any sleeps, "awake" if all report awake,
+    "" when not reported (down, or a vLLM without sleep metrics)."""
+    if not server.up:
+        return ""
+    states = [e.sleep_state for e in server.engines if e.sleep_state]
+    asleep = [s for s in states if s != "awake"]
+    return asleep[0] if asleep else ("awake" if states else "")
+
+
+def _states(snap: Snapshot) -> dict[str, str]:
+    return {v.endpoint: sleep_state(v) for v in snap.vllm}
+
+
+def quiet_endpoints(history: History, snapshot: Snapshot, seconds: float) -> frozenset[str]:
+    """Servers asleep now, or whose sleep state changed within `seconds`: their memory falls
+    and rises by design, so the leak and stale detectors do not judge it then."""
+    now = snapshot.timestamp
+    current = _states(snapshot)
+    quiet = {endpoint for endpoint, state in current.items() if state not in ("", "awake")}
+    for snap in history.recent(now - seconds):
+        if snap.timestamp >= now:
+            continue
+        for endpoint, state in _states(snap).items():
+            if state and state != current.get(endpoint, state):
+                quiet.add(endpoint)
+            if state not in ("", "awake"):
+                quiet.add(endpoint)
+    return frozenset(quiet)
+
+
+def _used(gpu: GpuSample | None, endpoint: str) -> int | None:
+    """The server's processes' memory on this GPU; None if NVML gave no figure for one."""
+    if gpu is None:
+        return None
+    amounts = [p.used_bytes for p in gpu.processes if p.role == "vllm" and p.endpoint == endpoint]
+    if not amounts or any(a is None for a in amounts):
+        return None
+    return sum(a for a in amounts if a is not None)
+
+
+def detect_sleep_leaks(history: History, snapshot: Snapshot, config: SleepConfig) -> list[Finding]:
+    now = snapshot.timestamp
+    frames = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
+    frames.append(snapshot)
+    findings = []
+    for server in snapshot.vllm:
+        if not server.up:
+            continue
+        endpoint = server.endpoint
+        states = [(s.timestamp, _states(s).get(endpoint, "")) for s in frames]
+        for gpu in snapshot.gpus:
+            if _used(gpu, endpoint) is None:
+                continue
+            series = [(t, state, _used(next((g for g in s.gpus if g.uuid == gpu.uuid), None), endpoint))
+                      for (t, state), s in zip(states, frames, strict=True)]
+            evidence = _cycle(series, gpu, server, now, config)
+            if evidence:
+                findings.append(_finding(gpu, server, evidence, now))
+        logged = _log_signal(frames, server, snapshot, config)
+        if logged and not any(f.endpoint == endpoint for f in findings):
+            findings.append(_finding(None, server, logged, now))
+    return findings
+
+
+Evidence = list[tuple[str, float | int | str]]
+
+
+def _margin(gpu: GpuSample | None, config: SleepConfig) -> int:
+    total = gpu.total_bytes if gpu is not None and gpu.total_bytes else 0
+    return max(config.min_growth_bytes, int(config.min_growth_ratio * total))
+
+
+def _cycle(series: list[tuple[float, str, int | None]], gpu: GpuSample, server: VllmSample,
+           now: float, config: SleepConfig) -> Evidence:
+    """The last sleep/wake cycle in `series` (time, state, used): evidence if it kept memory."""
+    asleep = [state not in ("", "awake") for _, state, _ in series]
+    # the last sleep: the first sleeping sample after the last awake one before it
+    last = max((i for i, a in enumerate(asleep) if a), default=None)
+    if last is None:
+        return []
+    start = last
+    while start > 0 and asleep[start - 1]:
+        start -= 1
+    before_at = next((i for i in range(start - 1, -1, -1)
+                      if series[i][1] == "awake" and series[i][2] is not None), None)
+    before = series[before_at][2] if before_at is not None else None
+    if before is None:
+        return []
+    margin = _margin(gpu, config)
+    t_sleep, state = series[start][0], series[last][1]
+    asleep_used = [u for _, s, u in series[start:last + 1] if u is not None]
+    if last == len(series) - 1:  # asleep now: did it free what it should?
+        if state not in SLEEPING_STATES or now - t_sleep < config.settle_seconds or not asleep_used:
+            return []
+        held = min(asleep_used)
+        freed = before - held
+        expected = _expected_freed(server)
+        if expected is not None:
+            short = freed < config.min_freed_share * expected
+            want = f"{expected / GIB:.1f} GiB expected: its KV cache and weights"
+        else:
+            short = freed < config.min_freed_share * before
+            want = f"under {config.min_freed_share:.0%} of the {before / GIB:.1f} GiB it held"
+        if not short or before - held < 0:
+            return []
+        ev: Evidence = [("signal", "freed_too_little"), ("sleep_state", state),
+                        ("before_sleep_bytes", before), ("asleep_bytes", held),
+                        ("freed_bytes", freed), ("asleep_since", t_sleep), ("summary_detail", want)]
+        if expected is not None:
+            ev.append(("expected_freed_bytes", expected))
+        return ev
+    # woke after the last sleep: back to where it was?
+    woke = last + 1
+    t_wake = series[woke][0]
+    if now - t_wake < config.settle_seconds:
+        return []
+    after = [u for t, s, u in series[woke:] if t >= t_wake + config.settle_seconds and s == "awake"
+             and u is not None]
+    if not after:
+        return []
+    floor = min(after)  # the settled floor: a passing activation peak is not kept memory
+    growth = floor - before
+    if growth <= margin:
+        return []
+    return [("signal", "not_given_back"), ("sleep_state", state), ("before_sleep_bytes", before),
+            ("asleep_bytes", min(asleep_used) if asleep_used else 0), ("after_wake_bytes", floor),
+            ("kept_bytes", growth), ("margin_bytes", margin), ("slept_at", t_sleep), ("woke_at", t_wake)]
+
+
+def _expected_freed(server: VllmSample) -> int | None:
+    """What a sleep at level 1 or 2 gives back on a GPU: the KV cache and the weights (offloaded
+    at level 1, discarded at level 2); None where the KV cache size is unknown."""
+    c, p = server.cache_config, server.startup
+    kv = c.kv_cache_memory_bytes if c is not None and c.kv_cache_memory_bytes else None
+    if kv is None and p is not None and p.kv_cache_bytes and p.kv_cache_bytes > 0:
+        kv = p.kv_cache_bytes
+    if kv is None:
+        return None
+    weights = p.weights_bytes if p is not None and p.weights_bytes else 0
+    return kv + weights
+
+
+def _log_signal(frames: list[Snapshot], server: VllmSample, snapshot: Snapshot,
+                config: SleepConfig) -> Evidence:
+    """The log's "still in use" after the latest sleep against the one before it."""
+    p = server.startup
+    if p is None or p.sleeps < 2 or p.sleep_still_in_use_bytes is None:
+        return []
+    previous = None
+    for snap in reversed(frames[:-1]):  # the latest earlier figure from the previous sleep
+        old = next((v.startup for v in snap.vllm if v.endpoint == server.endpoint), None)
+        if old is not None and old.sleeps == p.sleeps - 1 and old.sleep_still_in_use_bytes is not None:
+            previous = old
+            break
+    if previous is None or previous.sleep_still_in_use_bytes is None:
+        return []
+    gpus = [g for g in snapshot.gpus if _used(g, server.endpoint) is not None]
+    margin = _margin(gpus[0] if gpus else None, config)
+    growth = p.sleep_still_in_use_bytes - previous.sleep_still_in_use_bytes
+    if growth <= margin:
+        return []
+    return [("signal", "log_still_in_use_grew"),
+            ("still_in_use_previous_sleep_bytes", previous.sleep_still_in_use_bytes),
+            ("still_in_use_last_sleep_bytes", p.sleep_still_in_use_bytes),
+            ("kept_bytes", growth), ("margin_bytes", margin),
+            ("freed_previous_sleep_bytes", previous.sleep_freed_bytes or 0),
+            ("freed_last_sleep_bytes", p.sleep_freed_bytes or 0), ("sleeps", p.sleeps),
+            ("scope", "device (vLLM logs cudaMemGetInfo: other processes count too)")]
+
+
+def _finding(gpu: GpuSample | None, server: VllmSample, evidence: Evidence, now: float) -> Finding:
+    e = dict(evidence)
+    where = f"GPU {gpu.index}" if gpu is not None else "its GPU"
+    signal = e["signal"]
+    if signal == "freed_too_little":
+        summary = (f"{server.endpoint}: asleep ({e['sleep_state']}) on {where} it freed only "
+                   f"{int(e['freed_bytes']) / GIB:.1f} GiB and still holds {int(e['asleep_bytes']) / GIB:.1f} GiB"
+                   f" ({e['summary_detail']})")
+    elif signal == "not_given_back":
+        summary = (f"{server.endpoint}: a sleep/wake cycle did not give memory back on {where}: "
+                   f"{int(e['before_sleep_bytes']) / GIB:.1f} GiB before sleep, "
+                   f"{int(e['after_wake_bytes']) / GIB:.1f} GiB after wake "
+                   f"(+{int(e['kept_bytes']) / GIB:.2f} GiB)")
+    else:
+        summary = (f"{server.endpoint}: memory still in use after sleep rose from "
+                   f"{int(e['still_in_use_previous_sleep_bytes']) / GIB:.2f} to "
+                   f"{int(e['still_in_use_last_sleep_bytes']) / GIB:.2f} GiB between two sleeps (its log)")
+    evidence = [(k, v) for k, v in evidence if k != "summary_detail"]
+    return Finding(
+        kind="sleep_leak", severity="warning", first_detected_at=now,
+        gpu=gpu.index if gpu is not None else None, uuid=gpu.uuid if gpu is not None else "",
+        endpoint=server.endpoint, summary=summary, evidence=tuple(evidence), advice=_ADVICE)
+
+
+_ADVICE = (
+    "Memory allocated outside vLLM's sleep pool (CuMemAllocator) is not released by sleep: "
+    "custom ops, NCCL buffers (set NCCL_CUMEM_ENABLE=0 or check the NCCL version), "
+    "torch.compile / CUDA graph pools and tensors a caller created between sleep and wake.",
+    "Check the server's log for each cycle ('Sleep mode freed X GiB memory, Y GiB memory is "
+    "still in use'): Y should stay the same from one sleep to the next.",
+    "Upgrade vLLM and PyTorch: several sleep-mode leaks were fixed; until then restart the "
+    "server before the GPU fills (gpumem_vllm_memory_used_bytes over the cycles).",
+)
