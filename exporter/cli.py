@@ -77,7 +77,7 @@ def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
     r = config.recorder
     try:
         return FlightRecorder(r.directory, r.window_seconds, r.max_files, r.max_total_bytes,
-                              r.debounce_seconds, now=clock.now)
+                              r.debounce_seconds, now=clock.now, tail_seconds=r.tail_seconds)
     except ValueError as exc:
         raise click.ClickException(f"invalid configuration: recorder: {exc}") from exc
 
