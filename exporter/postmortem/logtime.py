@@ -53,7 +53,8 @@ def line_time(text: str, reference: float) -> float | None:
     m = _ISO.search(head)
     if m:
         try:
-            when = datetime(*(int(g) for g in m.groups()[:6]), tzinfo=timezone.utc)
+            year, month, day, hh, mm, ss = (int(g) for g in m.groups()[:6])
+            when = datetime(year, month, day, hh, mm, ss, tzinfo=timezone.utc)
         except ValueError:
             return None
         offset = m.group(8)

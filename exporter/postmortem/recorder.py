@@ -22,8 +22,9 @@ as it stands. In the file, the GPU-level rows of each triggering tick carry the 
 Writing happens on one background thread so sampling never waits for the disk: observe() only
 collects references to immutable snapshots. There is at most one write in progress and one
 pending; a recording finished while one is pending merges into it (its file then names both
-triggers). Each trigger kind records at most once per `debounce_seconds` of clock time. Old recordings are deleted, oldest
-first, to stay within `max_files` and `max_total_bytes` (the file just written is kept).
+triggers). Each trigger kind records at most once per `debounce_seconds` of clock time. Old
+recordings are deleted, oldest first, to stay within `max_files` and `max_total_bytes` (the
+file just written is kept).
 
 The directory should belong to the exporter's user and be writable by nobody else (mode 0700,
 or 0750 for a group that reads the traces); the recorder creates it 0700 when it is missing.
