@@ -317,3 +317,43 @@ def test_a_flapping_trigger_cannot_postpone_the_file_forever(tmp_path):
         rec.close()
     # Each trigger extends the tail, up to max(tail, window) after the first one: 1600.
     assert still[1590.0] and not still[1600.0]
+
+
+def _series(name, labels, values):
+    return {"metric": {"__name__": name, **labels}, "values": [[t, str(v)] for t, v in values]}
+
+
+def test_a_prometheus_range_carries_the_vllm_series_the_findings_need(tmp_path):
+    """Budget inputs, KV usage and preemptions come back from a range query, and a serving
+    process is tied to its server through the server's per-GPU memory series."""
+    from exporter.analysis.budget import memory_budgets
+
+    ts = [1000, 1015]
+    gpu = {"gpu": "0", "uuid": "GPU-a"}
+    proc = {**gpu, "pid": "7", "process": "VLLM::EngineCor", "role": "vllm"}
+    ep = {"endpoint": "llama"}
+    eng = {**ep, "model": "m", "engine": "0"}
+    result = [
+        _series("gpumem_process_memory_used_bytes", proc, [(t, 60 * GiB) for t in ts]),
+        _series("gpumem_gpu_memory_total_bytes", gpu, [(t, 80 * GiB) for t in ts]),
+        _series("gpumem_gpu_memory_used_bytes", gpu, [(t, 61 * GiB) for t in ts]),
+        _series("gpumem_vllm_up", ep, [(t, 1) for t in ts]),
+        _series("gpumem_vllm_kv_cache_usage_ratio", eng, [(1000, 0.5), (1015, 0.97)]),
+        _series("gpumem_vllm_requests_waiting", eng, [(t, 40) for t in ts]),
+        _series("gpumem_vllm_preemptions_total", eng, [(1000, 2), (1015, 9)]),
+        _series("gpumem_vllm_cache_config_info",
+                {**ep, "block_size": "16", "cache_dtype": "auto", "gpu_memory_utilization": "0.9",
+                 "num_gpu_blocks": "1000"}, [(t, 1) for t in ts]),
+        _series("gpumem_vllm_memory_used_bytes", {**ep, **gpu}, [(t, 60 * GiB) for t in ts]),
+    ]
+    path = tmp_path / "range.json"
+    path.write_text(json.dumps({"status": "success", "data": {"resultType": "matrix", "result": result}}))
+    snaps = read_trace(str(path))
+    [server] = snaps[1].vllm
+    assert server.up and server.cache_config.gpu_memory_utilization == 0.9
+    assert server.cache_config.num_gpu_blocks == 1000
+    [engine] = server.engines
+    assert (engine.kv_cache_usage_ratio, engine.requests_waiting, engine.preemptions_total) == (0.97, 40, 9)
+    assert snaps[1].gpus[0].processes[0].endpoint == "llama"
+    [budget] = memory_budgets(snaps[1])
+    assert budget.endpoint == "llama" and budget.budget_bytes == int(0.9 * 80 * GiB)

@@ -20,8 +20,10 @@ Two input formats:
   so traces of older and newer versions load.
 - Prometheus `/api/v1/query_range` JSON of the exporter's own metrics
   (`gpumem_process_memory_used_bytes`, `gpumem_gpu_memory_total_bytes`,
-  `gpumem_gpu_memory_used_bytes`, `gpumem_process_host_rss_bytes`): one response, or a list
-  of responses, per file.
+  `gpumem_gpu_memory_used_bytes`, `gpumem_process_host_rss_bytes`, and for the vLLM findings
+  the VLLM_PROMETHEUS_METRICS: up, KV usage, running/waiting, preemptions, cache config,
+  sleep state, and each server's memory per GPU, which tells whose processes are whose): one
+  response, or a list of responses, per file.
 
 Both become `TraceRow`s first; rows are then grouped by timestamp into Snapshots, so several
 files (say, one per GPU, or process and GPU series exported separately) merge into one replay.
@@ -42,11 +44,13 @@ from typing import Any, TypedDict, TypeVar
 from ..boundedio import read_head
 from ..model import (
     AllocatorStats,
+    CacheConfig,
     GpuSample,
     HostMemory,
     OomMessage,
     ProcessSample,
     Snapshot,
+    VllmEngineStats,
     VllmSample,
 )
 from .cells import decode_list, decode_one, encode
@@ -73,6 +77,19 @@ PROMETHEUS_METRICS = {
     "gpumem_process_host_rss_bytes": "process_rss",
     "gpumem_gpu_memory_total_bytes": "gpu_total",
     "gpumem_gpu_memory_used_bytes": "gpu_used",
+}
+
+# The vLLM series the detectors need (budget, preemption-based fragmentation, sleep), as
+# the exporter names them; what each becomes (see _VllmPoints).
+VLLM_PROMETHEUS_METRICS = {
+    "gpumem_vllm_up": "up",
+    "gpumem_vllm_kv_cache_usage_ratio": "kv_cache_usage_ratio",
+    "gpumem_vllm_requests_running": "requests_running",
+    "gpumem_vllm_requests_waiting": "requests_waiting",
+    "gpumem_vllm_preemptions_total": "preemptions_total",
+    "gpumem_vllm_cache_config_info": "cache_config",
+    "gpumem_vllm_engine_sleep_state": "sleep_state",
+    "gpumem_vllm_memory_used_bytes": "server_gpu",  # {endpoint, gpu}: the server's processes
 }
 
 
@@ -380,11 +397,18 @@ def prometheus_rows(responses: Iterable[tuple[str, object, str | None]],
     Shared by saved JSON files and live queries (exporter.postmortem.promquery)."""
     rows: list[TraceRow] = []
     rss_rows: list[TraceRow] = []
+    vllm = _VllmPoints()
     known = 0
     for where, response, default_name in responses:
         for s_index, metric, values in _matrix(response, where):
             if default_name:
                 metric.setdefault("__name__", default_name)
+            vllm_kind = VLLM_PROMETHEUS_METRICS.get(metric.get("__name__", ""))
+            if vllm_kind is not None:
+                s_where = f"{where}: result {s_index} ({metric['__name__']})"
+                for ts, value in _points(values, s_where):
+                    vllm.add(vllm_kind, metric, ts, value)
+                continue
             kind = PROMETHEUS_METRICS.get(metric.get("__name__", ""))
             if kind is None:
                 continue  # a series we do not use, like an unknown CSV column
@@ -397,7 +421,89 @@ def prometheus_rows(responses: Iterable[tuple[str, object, str | None]],
                                      "(a larger step or a shorter range)")
                 row = _series_row(kind, metric, ts, value, origin)
                 (rss_rows if kind == "process_rss" else rows).append(row)
-    return _attach_rss(rows, rss_rows), known
+    return vllm.attach(_attach_rss(rows, rss_rows)), known
+
+
+class _VllmPoints:
+    """The vLLM series of a range query, gathered per timestamp and endpoint, then given to
+    the rows: each timestamp's servers ride on its first row (as the CSV's `vllm` cell does),
+    and a serving process (role vllm) gets the endpoint whose memory series names its GPU
+    when exactly one does (the process series carries no endpoint label)."""
+
+    def __init__(self) -> None:
+        # ts -> endpoint -> {"up": bool, "engines": {(model, engine): {field: value}},
+        #                    "cache": CacheConfig}
+        self.servers: dict[float, dict[str, dict[str, Any]]] = {}
+        self.on_gpu: dict[tuple[float, str], set[str]] = {}
+
+    def add(self, kind: str, metric: dict[str, str], ts: float, value: float) -> None:
+        endpoint = metric.get("endpoint", "")
+        if not endpoint:
+            return
+        if kind == "server_gpu":
+            if metric.get("gpu"):
+                self.on_gpu.setdefault((ts, metric["gpu"]), set()).add(endpoint)
+            return
+        server = self.servers.setdefault(ts, {}).setdefault(
+            endpoint, {"up": None, "engines": {}, "cache": None})
+        if kind == "up":
+            server["up"] = value >= 1
+        elif kind == "cache_config":
+            server["cache"] = _cache_config(metric)
+        elif kind == "sleep_state":  # an info-style series: the state is a label, value 1
+            state = metric.get("sleep_state") or metric.get("state") or ""
+            if value >= 1 and state:
+                self._engine(server, metric)["sleep_state"] = state
+        elif math.isfinite(value) and value >= 0 and not (kind == "kv_cache_usage_ratio" and value > 1):
+            self._engine(server, metric)[kind] = value
+
+    @staticmethod
+    def _engine(server: dict[str, Any], metric: dict[str, str]) -> dict[str, Any]:
+        engines: dict[tuple[str, str], dict[str, Any]] = server["engines"]
+        return engines.setdefault((metric.get("model", ""), metric.get("engine", "")), {})
+
+    def attach(self, rows: list[TraceRow]) -> list[TraceRow]:
+        if not self.servers and not self.on_gpu:
+            return rows
+        given: set[float] = set()
+        out = []
+        for r in rows:
+            if r.pid is not None and r.role == "vllm" and not r.endpoint:
+                names = self.on_gpu.get((r.timestamp, r.gpu), set())
+                if len(names) == 1:
+                    r = replace(r, endpoint=next(iter(names)))
+            if r.timestamp not in given and r.timestamp in self.servers:
+                given.add(r.timestamp)
+                r = replace(r, vllm=self._samples(self.servers[r.timestamp]))
+            out.append(r)
+        return out
+
+    @staticmethod
+    def _samples(servers: dict[str, dict[str, Any]]) -> tuple[VllmSample, ...]:
+        return tuple(
+            VllmSample(endpoint=endpoint, up=s["up"] if s["up"] is not None else bool(s["engines"]),
+                       cache_config=s["cache"],
+                       engines=tuple(VllmEngineStats(model=model, engine=engine, **fields_)
+                                     for (model, engine), fields_ in sorted(s["engines"].items())))
+            for endpoint, s in sorted(servers.items()))
+
+
+def _cache_config(labels: dict[str, str]) -> CacheConfig:
+    """vllm:cache_config_info's labels as the exporter re-exports them (unknown ones ignored)."""
+    def number(name: str, kind: Callable[[str], _T]) -> _T | None:
+        try:
+            return kind(labels[name]) if labels.get(name) else None
+        except ValueError:
+            return None
+
+    util = number("gpu_memory_utilization", float)
+    return CacheConfig(
+        gpu_memory_utilization=util if util is not None and 0 < util <= 1 else None,
+        num_gpu_blocks=number("num_gpu_blocks", int), block_size=number("block_size", int),
+        cache_dtype=labels.get("cache_dtype", ""),
+        kv_cache_memory_bytes=number("kv_cache_memory_bytes", int),
+        kv_cache_size_tokens=number("kv_cache_size_tokens", int),
+        kv_cache_max_concurrency=number("kv_cache_max_concurrency", float))
 
 
 def _matrix(response: object, where: str) -> Iterator[tuple[int, dict[str, str], list[Any]]]:
