@@ -77,7 +77,7 @@ def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
     r = config.recorder
     try:
         return FlightRecorder(r.directory, r.window_seconds, r.max_files, r.max_total_bytes,
-                              r.debounce_seconds, now=clock.now)
+                              r.debounce_seconds, now=clock.now, tail_seconds=r.tail_seconds)
     except ValueError as exc:
         raise click.ClickException(f"invalid configuration: recorder: {exc}") from exc
 
@@ -292,13 +292,14 @@ def explain(logfiles: tuple[str, ...], fmt: str) -> None:
 @click.option("--report", "report_path", type=click.Path(dir_okay=False),
               help="Also write a self-contained HTML incident report (plots need the `report` extra).")
 @click.option("--log", "log_files", multiple=True, type=click.Path(),
-              help="Server logs whose out-of-memory events go into the report; repeatable.")
+              help="Server logs whose out-of-memory events are listed (with their class and time) "
+              "and go into the report; repeatable.")
 def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start: str | None, end: str,
             step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...]) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
-    from .postmortem.analyze import analyze_snapshots
-    from .postmortem.explain import ExplainError, read_events
-    from .postmortem.trace import TraceError, read_traces
+    from .postmortem.analyze import analyze_snapshots, read_log_events
+    from .postmortem.explain import ExplainError
+    from .postmortem.trace import TraceError, load_traces
 
     if bool(traces) == bool(prometheus_url):
         raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
@@ -313,10 +314,13 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None
             snapshots = fetch(prometheus_url, t0, t1, step=step, selector=selector)
+            triggers: list[tuple[float, str]] = []
         else:
-            snapshots = read_traces(list(traces))
-        events = [e for path in log_files for e in read_events(path)[0]]
-        click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events), nl=False)
+            trace = load_traces(list(traces))
+            snapshots, triggers = trace.snapshots, trace.triggers
+        events = read_log_events(log_files, snapshots[-1].timestamp if snapshots else None)
+        click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events,
+                                     triggers=triggers), nl=False)
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
         _fail(str(exc))
     except OSError as exc:

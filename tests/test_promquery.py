@@ -21,7 +21,12 @@ from exporter.postmortem.trace import TraceError, read_trace
 REPO = Path(__file__).resolve().parents[1]
 SCRAPE = 0.5  # seconds between Prometheus scrapes (and the query step)
 METRICS = ("gpumem_process_memory_used_bytes", "gpumem_process_host_rss_bytes",
-           "gpumem_gpu_memory_total_bytes", "gpumem_gpu_memory_used_bytes")
+           "gpumem_gpu_memory_total_bytes", "gpumem_gpu_memory_used_bytes",
+           # the vLLM series the live findings read (budget, preemptions, sleep)
+           "gpumem_vllm_up", "gpumem_vllm_kv_cache_usage_ratio", "gpumem_vllm_requests_running",
+           "gpumem_vllm_requests_waiting", "gpumem_vllm_preemptions_total",
+           "gpumem_vllm_cache_config_info", "gpumem_vllm_engine_sleep_state",
+           "gpumem_vllm_memory_used_bytes")
 H100_TOTAL = 81559 << 20  # the leak scenario's GPU
 
 

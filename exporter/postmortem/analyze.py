@@ -3,18 +3,24 @@
 `replay` feeds snapshots one by one to a fresh Analyzer, exactly as the daemon does, so each
 finding's first_detected_at is the snapshot time at which the live daemon would have raised
 it (causal: nothing later in the trace is looked at). `analyze` reads trace files and prints
-the result as text or as the JSON of DESIGN.md (`{"findings": [...]}`).
+the result as text or as the JSON of DESIGN.md (`{"findings": [...]}`), with the flight
+recorder's triggers where the trace marks them and the out-of-memory events of the trace and
+of the `--log` files (each with its class and time).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
 from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
+from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
-from .trace import read_traces
+from ..units import format_bytes
+from .trace import load_traces
 
 
 def replay_episodes(snapshots: Iterable[Snapshot], config: AnalysisConfig | None = None
@@ -36,23 +42,74 @@ def analyze(paths: list[str], fmt: str = "text", config: AnalysisConfig | None =
     """Read trace files (CSV or Prometheus range-query JSON), replay them, render the result.
 
     Raises trace.TraceError for unreadable input and ValueError for an unknown format."""
-    return analyze_snapshots(read_traces(paths), fmt, config)
+    trace = load_traces(paths)
+    return analyze_snapshots(trace.snapshots, fmt, config, triggers=trace.triggers)
+
+
+def read_log_events(paths: Iterable[str], reference: float | None = None) -> list[OomEvent]:
+    """The classified OOM events of log files (`explain`'s), each with the time of its log
+    line where the line (or the log line a traceback follows) states one; see logtime.py.
+    `reference`: a time near the incident, for log formats without a year. Raises
+    explain.ExplainError."""
+    from ..boundedio import open_regular
+    from ..sources.logs import iter_file_lines
+    from .explain import MAX_FILE_BYTES, read_events
+    from .logtime import times_of_lines
+
+    out: list[OomEvent] = []
+    for path in paths:
+        events = read_events(path)[0]
+        missing = [e.line for e in events if e.timestamp is None]
+        if missing:
+            try:
+                ref = reference if reference is not None else os.stat(path).st_mtime
+                with open_regular(path) as fh:
+                    times = times_of_lines(iter_file_lines(fh, MAX_FILE_BYTES), missing, ref)
+            except OSError:
+                times = {}  # read_events could read it a moment ago; the times are a bonus
+            events = [replace(e, timestamp=times.get(e.line)) if e.timestamp is None else e
+                      for e in events]
+        out.extend(events)
+    return out
+
+
+def trace_oom_events(snapshots: Iterable[Snapshot]) -> list[OomEvent]:
+    """The OOM messages the trace recorded (the live daemon read them from its logs), each
+    stamped with its tick and classified as the live analysis classified it."""
+    out = []
+    for snap in snapshots:
+        for m in snap.log_events:
+            event = m if isinstance(m, OomEvent) else classify(m)
+            out.append(replace(event, timestamp=snap.timestamp) if event.timestamp is None else event)
+    return out
+
+
+def _merge_events(recorded: list[OomEvent], logged: list[OomEvent]) -> list[OomEvent]:
+    """Both lists in time order (untimed last), an event in both (same file and line) once:
+    the log's, which carries the whole message."""
+    seen = {(e.source, e.line, e.kind) for e in logged}
+    events = logged + [e for e in recorded if (e.source, e.line, e.kind) not in seen]
+    return sorted(events, key=lambda e: (e.timestamp is None, e.timestamp or 0.0))
 
 
 def analyze_snapshots(snapshots: list[Snapshot], fmt: str = "text", config: AnalysisConfig | None = None,
-                      report_path: str | None = None, oom_events: Iterable[OomEvent] = ()) -> str:
+                      report_path: str | None = None, oom_events: Iterable[OomEvent] = (),
+                      triggers: Sequence[tuple[float, str]] = ()) -> str:
     """Replay `snapshots` and render the findings as `fmt`; with `report_path`, also write the
-    HTML incident report there (OSError when it cannot be written)."""
+    HTML incident report there (OSError when it cannot be written). oom_events: from `--log`
+    files (read_log_events); the trace's own are added. triggers: the flight recorder's
+    (tick time, trigger) marks (trace.load_traces)."""
     if fmt not in ("text", "json"):
         raise ValueError(f"unknown format {fmt!r} (text or json)")
     episodes, analyzer = replay_episodes(snapshots, config)
+    events = _merge_events(trace_oom_events(snapshots), list(oom_events))
     if report_path:
         from .report import write_report
 
-        write_report(snapshots, episodes, list(oom_events), report_path)
+        write_report(snapshots, episodes, events, report_path, triggers=triggers)
     if fmt == "json":
-        return render_json(snapshots, episodes, analyzer) + "\n"
-    return render_text(snapshots, episodes, analyzer)
+        return render_json(snapshots, episodes, analyzer, events, triggers) + "\n"
+    return render_text(snapshots, episodes, analyzer, events, triggers)
 
 
 def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, Any]:
@@ -67,14 +124,19 @@ def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, A
 
 
 def render_json(snapshots: list[Snapshot], episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer) -> str:
+                analyzer: Analyzer, events: Sequence[OomEvent] = (),
+                triggers: Sequence[tuple[float, str]] = ()) -> str:
+    from .explain import event_to_dict
+
     findings = []
     for finding, cleared_at in episodes:
         item = finding.to_json()
         item["cleared_at"] = cleared_at
         findings.append(item)
-    return json.dumps({"findings": findings, "trace": _trace_summary(snapshots, analyzer)},
-                      indent=2)
+    summary = _trace_summary(snapshots, analyzer)
+    summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in triggers]
+    return json.dumps({"findings": findings, "oom_events": [event_to_dict(e) for e in events],
+                       "trace": summary}, indent=2)
 
 
 def _when(ts: float) -> str:
@@ -87,19 +149,42 @@ def _span(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _event_lines(events: Sequence[OomEvent], start: float | None) -> list[str]:
+    if not events:
+        return []
+    lines = ["", f"{len(events)} out-of-memory event(s):"]
+    for e in events:
+        when = "time unknown" if e.timestamp is None else _when(e.timestamp) + (
+            f" (+{_span(e.timestamp - start)})" if start is not None and e.timestamp >= start else "")
+        numbers = ", ".join(f"{name} {format_bytes(v)}" for name, v in (
+            ("requested", e.requested_bytes), ("free", e.free_bytes), ("total", e.total_bytes))
+            if v is not None)
+        where = f"{e.source}:{e.line}" if e.source else f"line {e.line}"
+        lines.append(sanitize(f"  {where}: {e.kind}, class {e.klass}, {when}"
+                              + (f"; {numbers}" if numbers else "")
+                              + (f"; GPU {e.gpu}" if e.gpu else "")))
+        if e.verdict:
+            lines.append("    " + sanitize(e.verdict))
+    return lines
+
+
 def render_text(snapshots: list[Snapshot], episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer) -> str:
+                analyzer: Analyzer, events: Sequence[OomEvent] = (),
+                triggers: Sequence[tuple[float, str]] = ()) -> str:
     if not snapshots:
-        return "The trace holds no samples.\n"
+        return "\n".join(["The trace holds no samples.", *_event_lines(events, None)]) + "\n"
     start, end = snapshots[0].timestamp, snapshots[-1].timestamp
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
     lines = [f"Replayed {len(snapshots)} samples of {len(gpus)} GPU(s) from {_when(start)} to "
              f"{_when(end)} ({_span(end - start)})."]
+    for t, name in triggers:
+        lines.append(sanitize(f"Flight recorder trigger: {name} at {_when(t)} (+{_span(t - start)}; "
+                              f"{_span(end - t)} recorded after it)."))
     if analyzer.dropped_findings:
         lines.append(f"({analyzer.dropped_findings} early findings were dropped: too many to keep.)")
     if not episodes:
         lines.append("No findings.")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _event_lines(events, start)) + "\n"
     lines.append(f"{len(episodes)} finding(s):")
     for f, cleared_at in episodes:
         where = ", ".join(x for x in (
@@ -117,4 +202,4 @@ def render_text(snapshots: list[Snapshot], episodes: list[tuple[Finding, float |
             lines.append("  evidence: " + sanitize(", ".join(f"{k}={v}" for k, v in f.evidence)))
         for advice in f.advice:
             lines.append("  - " + sanitize(advice))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _event_lines(events, start)) + "\n"

@@ -1,7 +1,11 @@
 """`analyze --prometheus URL`: fetch the exporter's own series from a Prometheus server.
 
-The four series a trace needs (process memory, GPU total and used, host RSS) come from
-`/api/v1/query_range`, one query per metric name so every result carries `__name__`. A long
+The series a replay needs come from `/api/v1/query_range`, one query per metric name so every
+result carries `__name__`: the memory series (process memory, GPU total and used, host RSS)
+and the vLLM series the live findings read (trace.VLLM_PROMETHEUS_METRICS: up, KV usage,
+running/waiting, preemptions, cache config with the budget inputs, sleep state, and each
+server's memory per GPU, which ties serving processes to their server for the budget).
+A series the server does not have (an older exporter, no vLLM) is an empty result, no error. A long
 range is cut into chunks of at most `max_points` steps, because Prometheus refuses a query
 returning more than 11,000 points per series. Each response is bounded in size and time.
 The JSON is turned into rows by the same functions that read a saved range-query file
@@ -23,7 +27,15 @@ import requests
 
 from ..model import Snapshot
 from ..sources.httpclient import HttpFailure, describe, get, printable, public_url
-from .trace import MAX_ROWS, PROMETHEUS_METRICS, TraceError, TraceRow, prometheus_rows, snapshots_from_rows
+from .trace import (
+    MAX_ROWS,
+    PROMETHEUS_METRICS,
+    VLLM_PROMETHEUS_METRICS,
+    TraceError,
+    TraceRow,
+    prometheus_rows,
+    snapshots_from_rows,
+)
 
 PROMETHEUS_MAX_POINTS = 11_000  # Prometheus's limit per series per range query
 DEFAULT_STEP_SECONDS = 15.0  # Prometheus's default scrape interval
@@ -110,7 +122,7 @@ def fetch(url: str, start: float, end: float, step: float | None = None,
     session = session or requests.Session()
     try:
         responses: dict[str, list[dict[str, Any]]] = {}
-        for metric in PROMETHEUS_METRICS:
+        for metric in (*PROMETHEUS_METRICS, *VLLM_PROMETHEUS_METRICS):
             query = f"{metric}{{{selector}}}" if selector else metric
             for a, b in chunks(start, end, step, max_points):
                 responses.setdefault(metric, []).append(

@@ -7,14 +7,24 @@ analysis/transitions.py); each transition is a trigger:
   critical   a finding became critical
   vllm_exit  a serving process left a GPU that stayed up
 
-A recording is the raw snapshots of the last `window_seconds` (`window(since)`: the analysis
-history's raw tier) written as a trace CSV (`trace.write_csv`, readable by `analyze`), named
-`gpumem-<UTC time of the tick>-<trigger>.csv`. Writing happens on one background thread so
-sampling never waits for the disk: observe() only collects references to immutable
-snapshots. There is at most one write in progress and one pending; a trigger that arrives
-while one is pending merges into it (its file then names both triggers). Each trigger kind
-records at most once per `debounce_seconds` of clock time. Old recordings are deleted, oldest
-first, to stay within `max_files` and `max_total_bytes` (the file just written is kept).
+A recording is the raw snapshots of the last `window_seconds` before the trigger
+(`window(since)`: the analysis history's raw tier) and of the `tail_seconds` after it, written
+as a trace CSV (`trace.write_csv`, readable by `analyze`), named
+`gpumem-<UTC time of the trigger's tick>-<trigger>.csv`. The tail is the aftermath the live
+detectors need to conclude: the memory a dead server leaves behind (stale memory), a restart
+that gets less, the OOM that follows a leak. A trigger that arrives during the tail joins the
+recording (the file names both) and extends the tail to `tail_seconds` after it, but never
+past `max(tail_seconds, window_seconds)` after the first trigger, so a flapping trigger
+cannot postpone the file forever. On close (shutdown) a recording still in its tail is written
+as it stands. In the file, the GPU-level rows of each triggering tick carry the trigger in the
+`trigger` column, so the file states its triggers and their times (`analyze` prints them).
+
+Writing happens on one background thread so sampling never waits for the disk: observe() only
+collects references to immutable snapshots. There is at most one write in progress and one
+pending; a recording finished while one is pending merges into it (its file then names both
+triggers). Each trigger kind records at most once per `debounce_seconds` of clock time. Old
+recordings are deleted, oldest first, to stay within `max_files` and `max_total_bytes` (the
+file just written is kept).
 
 The directory should belong to the exporter's user and be writable by nobody else (mode 0700,
 or 0750 for a group that reads the traces); the recorder creates it 0700 when it is missing.
@@ -35,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
 
@@ -58,11 +68,34 @@ _ERRNO_KINDS = {
 }
 
 
+# A recording in its tail holds references to at most this many snapshots; past it, it is
+# written at once (a tail of days at a short interval must not grow memory without bound).
+MAX_RECORDING_SAMPLES = 100_000
+
+
 @dataclass
 class _Job:
     triggers: list[str]
-    at: float  # clock time of the tick that triggered
+    at: float  # clock time of the first tick that triggered
     snapshots: list[Snapshot]
+    marks: dict[float, list[str]] = field(default_factory=dict)  # tick time -> its triggers
+    until: float = 0.0  # the tail ends at the first tick at or after this time
+
+    def mark(self, at: float, fired: list[str]) -> None:
+        self.triggers += [t for t in fired if t not in self.triggers]
+        have = self.marks.setdefault(at, [])
+        have += [t for t in fired if t not in have]
+
+    def merge(self, newer: _Job) -> None:
+        """Fold a later recording into this one (a write still queued): both files' samples
+        and triggers in one file, named after the later one (the `trigger` column keeps
+        each tick's time)."""
+        self.at = newer.at
+        for at, fired in newer.marks.items():
+            self.mark(at, fired)
+        by_time = {s.timestamp: s for s in self.snapshots}
+        by_time.update((s.timestamp, s) for s in newer.snapshots)
+        self.snapshots = [by_time[t] for t in sorted(by_time)]
 
 
 def error_kind(exc: BaseException) -> str:
@@ -76,9 +109,15 @@ class FlightRecorder:
     def __init__(self, directory: str, window_seconds: float = 3600.0, max_files: int = 20,
                  max_total_bytes: int = 512 << 20, debounce_seconds: float = 300.0,
                  now: Callable[[], float] = time.time,
-                 writer: Callable[[Iterable[Snapshot], str], None] = write_csv):
-        if window_seconds <= 0 or debounce_seconds < 0:
-            raise ValueError("recorder: window_seconds must be positive, debounce_seconds >= 0")
+                 writer: Callable[[Iterable[Snapshot], str], None] | None = None,
+                 tail_seconds: float = 0.0):
+        """tail_seconds: how long to keep recording after a trigger (the configuration's
+        `recorder.tail_seconds`, default 300; 0 here writes at the trigger). writer: None
+        writes with trace.write_csv, marking the triggering ticks; a replacement (tests make
+        writing slow) is called as writer(snapshots, path)."""
+        if window_seconds <= 0 or debounce_seconds < 0 or tail_seconds < 0:
+            raise ValueError("recorder: window_seconds must be positive, debounce_seconds and "
+                             "tail_seconds >= 0")
         if max_files < 1 or max_total_bytes < 1:
             raise ValueError("recorder: max_files and max_total_bytes must be at least 1")
         self.directory = str(directory)
@@ -86,8 +125,9 @@ class FlightRecorder:
         self.max_files = int(max_files)
         self.max_total_bytes = int(max_total_bytes)
         self.debounce_seconds = float(debounce_seconds)
+        self.tail_seconds = float(tail_seconds)
         self.now = now  # stamps last_write_timestamp (pass the daemon clock's now)
-        self.writer = writer  # trace.write_csv; replaceable so tests can make writing slow
+        self.writer = writer  # None: trace.write_csv; replaceable so tests can make writing slow
 
         # Trigger state, touched only by the sampling thread (observe).
         self._last_timestamp: float | None = None
@@ -97,6 +137,7 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: _Job | None = None
+        self._recording: _Job | None = None  # triggered, collecting its tail
         self._busy = False
         self._closed = False
         self._writes = 0
@@ -132,24 +173,40 @@ class FlightRecorder:
             return  # the same State again (a failed tick republishes the old one)
         self._last_timestamp = now
         fired = [t for t in analysis.transitions if self._admit(t, now)]
-        if not fired:
-            return
-        snapshots = list(window(now - self.window_seconds))
         with self._lock:
-            if self._closed:
-                return
+            job = self._recording
+        if job is not None:  # in the tail: take the ticks since the last one taken
+            last = job.snapshots[-1].timestamp if job.snapshots else job.at
+            job.snapshots = job.snapshots + [s for s in window(last) if s.timestamp > last]
+        elif fired:
+            job = _Job([], now, list(window(now - self.window_seconds)), until=now + self.tail_seconds)
+        else:
+            return
+        if fired:
+            job.mark(now, fired)
+            job.until = max(job.until, min(now + self.tail_seconds,
+                                           job.at + max(self.tail_seconds, self.window_seconds)))
+        done = now >= job.until or len(job.snapshots) >= MAX_RECORDING_SAMPLES
+        with self._lock:
             for t in fired:
                 self._triggers[t] += 1
-            if self._pending is not None:
-                # A write is queued but not started: one file with both triggers and the
-                # newer (longer) window instead of two nearly identical files.
-                self._pending.triggers += [t for t in fired if t not in self._pending.triggers]
-                self._pending.at = now
-                self._pending.snapshots = snapshots
-                self._coalesced += len(fired)
-            else:
-                self._pending = _Job(fired, now, snapshots)
-            self._wake.notify_all()  # the worker and any flush() share this condition
+            if self._closed:
+                self._recording = None
+                return
+            self._recording = None if done else job
+            if done:
+                self._queue(job)
+
+    def _queue(self, job: _Job) -> None:
+        """Hand a finished recording to the worker (under _lock)."""
+        if self._pending is not None:
+            # A write is queued but not started: one file with both triggers and the
+            # samples of both instead of two nearly identical files.
+            self._pending.merge(job)
+            self._coalesced += len(job.triggers)
+        else:
+            self._pending = job
+        self._wake.notify_all()  # the worker and any flush() share this condition
 
     def _admit(self, trigger: str, now: float) -> bool:
         """Debounce: at most one recording per trigger kind per debounce_seconds."""
@@ -182,7 +239,10 @@ class FlightRecorder:
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             path = self._path_for(job)
-            self.writer(job.snapshots, path)
+            if self.writer is None:
+                write_csv(job.snapshots, path, triggers=job.marks)
+            else:
+                self.writer(job.snapshots, path)
         except Exception as exc:
             kind = error_kind(exc)
             log.warning("flight recorder could not write to %s (%s): %s", self.directory, kind,
@@ -194,8 +254,9 @@ class FlightRecorder:
             self._writes += 1
             self._last_write = self.now()
             self._last_file = path
-        log.warning("flight recorder wrote %s (%d samples, trigger %s)", path,
-                    len(job.snapshots), "+".join(job.triggers))
+        log.warning("flight recorder wrote %s (%d samples, trigger %s at %s)", path,
+                    len(job.snapshots), "+".join(job.triggers),
+                    datetime.fromtimestamp(job.at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
         self._rotate(keep=os.path.basename(path))
 
     def _path_for(self, job: _Job) -> str:
@@ -252,8 +313,15 @@ class FlightRecorder:
                 coalesced_total=self._coalesced, rotated_total=self._rotated,
                 last_write_timestamp=self._last_write, last_file=self._last_file)
 
+    @property
+    def recording(self) -> bool:
+        """A trigger fired and its tail is still being collected."""
+        with self._lock:
+            return self._recording is not None
+
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until nothing is pending or being written; False on timeout."""
+        """Wait until nothing is pending or being written; False on timeout. A recording
+        still in its tail is not waited for (close() writes it)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending is not None or self._busy:
@@ -264,9 +332,12 @@ class FlightRecorder:
             return True
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish a pending write (a recording of the last moments is worth the wait), then
-        stop the worker."""
+        """Write what is pending, a recording still in its tail included (a recording of the
+        last moments is worth the wait), then stop the worker."""
         with self._lock:
+            if self._recording is not None and not self._closed:
+                self._queue(self._recording)
+                self._recording = None
             self._closed = True
             self._wake.notify_all()
         self._thread.join(timeout)

@@ -385,7 +385,8 @@ def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) ->
 
 
 def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
-                  oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem") -> str:
+                  oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem",
+                  triggers: Sequence[tuple[float, str]] = ()) -> str:
     """The report as one HTML string (see write_report)."""
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
     episodes = sorted(findings_with_clearing,
@@ -404,6 +405,10 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
                     f"{len(events)} out-of-memory event(s).</p>")
     else:
         body.append("<p>The trace holds no samples.</p>")
+    for t, name in triggers:
+        body.append(f"<p class=\"trigger\">Flight recorder trigger: <b>{_e(name)}</b> at "
+                    f"{_e(_when(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
+                    "after it).</p>")
     if mpl is None:
         body.append('<p class="note">Plots are left out: matplotlib is not installed '
                     "(<code>pip install 'gpu-memory-exporter[report]'</code>).</p>")
@@ -463,12 +468,14 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
 
 
 def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
-                 oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem") -> None:
+                 oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem",
+                 triggers: Sequence[tuple[float, str]] = ()) -> None:
     """Write the report to `path` as one self-contained HTML file (temporary file + rename).
 
     findings_with_clearing: (Finding, cleared_at or None) pairs, as Analyzer.episodes() or
-    analyze.replay_episodes() give them. oom_events: OomEvents (from `explain` of the logs)."""
-    text = render_report(snapshots, findings_with_clearing, oom_events, title)
+    analyze.replay_episodes() give them. oom_events: OomEvents (from `explain` of the logs,
+    and the trace's own). triggers: the flight recorder's (tick time, trigger) marks."""
+    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as handle:

@@ -4,10 +4,26 @@ Two input formats:
 - the trace CSV of DESIGN.md: header `timestamp,gpu,pid,process,used_bytes` plus optional
   columns (`total_bytes`, `host_rss_bytes`, `role`, `uuid`, `start_time`, ...). A row with an
   empty `pid` is a GPU-level row giving the GPU's own used/total; unknown columns are ignored.
+  What the detectors read beyond memory rides in optional columns too, so a trace replays
+  everything the live daemon saw (a reader that ignores them still gets the memory):
+    gpu_error    on a GPU-level row: why the GPU was down (NVML's error token); empty = up
+    vllm         on the first GPU-level row of a tick: a JSON list of the tick's vLLM servers
+                 (endpoint, up, engines with KV usage / running / waiting / preemptions /
+                 sleep state, cache_config with gpu_memory_utilization / kv_cache_memory_bytes /
+                 blocks, pids, start-up memory profile): model.VllmSample's fields by name
+    oom_events   on the same row: a JSON list of the tick's out-of-memory messages
+                 (model.OomMessage's fields by name)
+    allocator    on a process row: the allocator probe's numbers (model.AllocatorStats) as JSON
+    trigger      on the GPU-level rows of a tick that triggered the flight recorder: the
+                 trigger(s), `+`-joined (oom, critical, vllm_exit)
+  JSON fields are read by name: unknown names are ignored and missing ones take their defaults,
+  so traces of older and newer versions load.
 - Prometheus `/api/v1/query_range` JSON of the exporter's own metrics
   (`gpumem_process_memory_used_bytes`, `gpumem_gpu_memory_total_bytes`,
-  `gpumem_gpu_memory_used_bytes`, `gpumem_process_host_rss_bytes`): one response, or a list
-  of responses, per file.
+  `gpumem_gpu_memory_used_bytes`, `gpumem_process_host_rss_bytes`, and for the vLLM findings
+  the VLLM_PROMETHEUS_METRICS: up, KV usage, running/waiting, preemptions, cache config,
+  sleep state, and each server's memory per GPU, which tells whose processes are whose): one
+  response, or a list of responses, per file.
 
 Both become `TraceRow`s first; rows are then grouped by timestamp into Snapshots, so several
 files (say, one per GPU, or process and GPU series exported separately) merge into one replay.
@@ -21,12 +37,23 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict, TypeVar
 
 from ..boundedio import read_head
-from ..model import GpuSample, HostMemory, ProcessSample, Snapshot
+from ..model import (
+    AllocatorStats,
+    CacheConfig,
+    GpuSample,
+    HostMemory,
+    OomMessage,
+    ProcessSample,
+    Snapshot,
+    VllmEngineStats,
+    VllmSample,
+)
+from .cells import decode_list, decode_one, encode
 
 # Bounds on outside input: a trace is read whole into memory, so cap what we accept.
 MAX_CSV_BYTES = 1 << 30
@@ -39,7 +66,9 @@ CSV_COLUMNS = REQUIRED_COLUMNS + (
     "total_bytes", "host_rss_bytes", "role", "uuid", "start_time", "unified",
     "container", "pod", "namespace", "endpoint",
     "host_total_bytes", "host_available_bytes", "host_psi_some_avg10", "host_oom_kills",
+    "gpu_error", "trigger", "vllm", "oom_events", "allocator",
 )
+MAX_JSON_CELL_BYTES = 1 << 20  # one vllm / oom_events / allocator cell
 
 _T = TypeVar("_T")
 
@@ -48,6 +77,19 @@ PROMETHEUS_METRICS = {
     "gpumem_process_host_rss_bytes": "process_rss",
     "gpumem_gpu_memory_total_bytes": "gpu_total",
     "gpumem_gpu_memory_used_bytes": "gpu_used",
+}
+
+# The vLLM series the detectors need (budget, preemption-based fragmentation, sleep), as
+# the exporter names them; what each becomes (see _VllmPoints).
+VLLM_PROMETHEUS_METRICS = {
+    "gpumem_vllm_up": "up",
+    "gpumem_vllm_kv_cache_usage_ratio": "kv_cache_usage_ratio",
+    "gpumem_vllm_requests_running": "requests_running",
+    "gpumem_vllm_requests_waiting": "requests_waiting",
+    "gpumem_vllm_preemptions_total": "preemptions_total",
+    "gpumem_vllm_cache_config_info": "cache_config",
+    "gpumem_vllm_engine_sleep_state": "sleep_state",
+    "gpumem_vllm_memory_used_bytes": "server_gpu",  # {endpoint, gpu}: the server's processes
 }
 
 
@@ -76,6 +118,11 @@ class TraceRow:
     namespace: str = ""
     endpoint: str = ""
     host: HostMemory | None = None
+    gpu_error: str = ""
+    trigger: str = ""
+    vllm: tuple[VllmSample, ...] | None = None  # None: the row does not say
+    oom_events: tuple[OomMessage, ...] = ()
+    allocator: AllocatorStats | None = None
 
 
 # ---------------------------------------------------------------- value parsing
@@ -174,9 +221,28 @@ def _csv_row(path: str, line: int, cells: dict[str, str]) -> TraceRow:
             unified=_opt(cells.get("unified"), _parse_bool, "unified"),
             container=cells.get("container") or "", pod=cells.get("pod") or "",
             namespace=cells.get("namespace") or "", endpoint=cells.get("endpoint") or "",
-            host=host)
+            host=host, gpu_error=(cells.get("gpu_error") or "").strip(),
+            trigger=(cells.get("trigger") or "").strip(),
+            vllm=_json_cell(cells, "vllm", lambda v: tuple(decode_list(VllmSample, v, "vllm"))),
+            oom_events=_json_cell(cells, "oom_events",
+                                  lambda v: tuple(decode_list(OomMessage, v, "oom_events"))) or (),
+            allocator=_json_cell(cells, "allocator",
+                                 lambda v: decode_one(AllocatorStats, v, "allocator")))
     except ValueError as exc:
         raise TraceError(f"{origin}: {exc}") from None
+
+
+def _json_cell(cells: dict[str, str], name: str, decode: Callable[[object], _T]) -> _T | None:
+    text = (cells.get(name) or "").strip()
+    if not text:
+        return None
+    if len(text) > MAX_JSON_CELL_BYTES:
+        raise ValueError(f"{name} is over the {MAX_JSON_CELL_BYTES} byte limit for a cell")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc.msg}") from None
+    return decode(value)
 
 
 def read_csv_rows(path: str, max_bytes: int = MAX_CSV_BYTES,
@@ -213,8 +279,11 @@ def read_csv_rows(path: str, max_bytes: int = MAX_CSV_BYTES,
             raise TraceError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
 
 
-def write_csv(snapshots: Iterable[Snapshot], path: str) -> None:
+def write_csv(snapshots: Iterable[Snapshot], path: str,
+              triggers: Mapping[float, Sequence[str]] | None = None) -> None:
     """Write snapshots as a trace CSV that `read_trace` reads back to the same snapshots.
+    `triggers`: snapshot timestamp -> the flight-recorder triggers of that tick (the
+    `trigger` column).
 
     Each GPU gets a GPU-level row (empty pid) carrying its used/total and the host's memory,
     then one row per process. Written to a temporary file and renamed, so a reader (or a
@@ -222,6 +291,7 @@ def write_csv(snapshots: Iterable[Snapshot], path: str) -> None:
     new (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600): a link planted in the directory is never
     written through.
     """
+    triggers = triggers or {}
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f"{name}.tmp.{os.getpid()}.", dir=directory or ".")
     try:
@@ -232,8 +302,16 @@ def write_csv(snapshots: Iterable[Snapshot], path: str) -> None:
             for snap in snapshots:
                 ts = repr(float(snap.timestamp))
                 host = snap.host
-                for g in snap.gpus:
-                    writer.writerow(_gpu_cells(ts, g, host))
+                trigger = "+".join(triggers.get(snap.timestamp, ()))
+                for i, g in enumerate(snap.gpus):
+                    row = _gpu_cells(ts, g, host, trigger)
+                    if i == 0:  # the tick's own data, once
+                        if snap.vllm:
+                            row[_COL["vllm"]] = encode(list(snap.vllm))
+                        if snap.log_events:
+                            row[_COL["oom_events"]] = encode(
+                                [_as_message(e) for e in snap.log_events])
+                    writer.writerow(row)
                     for p in g.processes:
                         writer.writerow(_process_cells(ts, g, p))
         os.replace(tmp, path)
@@ -254,10 +332,21 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _gpu_cells(ts: str, g: GpuSample, host: HostMemory | None) -> list[str]:
+_COL = {c: i for i, c in enumerate(CSV_COLUMNS)}
+
+
+def _as_message(event: OomMessage) -> OomMessage:
+    """The message as parsed (an OomEvent's verdict is the analysis's, redone on replay)."""
+    if type(event) is OomMessage:
+        return event
+    return OomMessage(**{f.name: getattr(event, f.name) for f in fields(OomMessage)})
+
+
+def _gpu_cells(ts: str, g: GpuSample, host: HostMemory | None, trigger: str = "") -> list[str]:
     row = dict.fromkeys(CSV_COLUMNS, "")
     row.update(timestamp=ts, gpu=_text(g.index), used_bytes=_text(g.used_bytes),
-               total_bytes=_text(g.total_bytes), uuid=_text(g.uuid), unified=_text(g.unified))
+               total_bytes=_text(g.total_bytes), uuid=_text(g.uuid), unified=_text(g.unified),
+               gpu_error=_text(g.error or ("" if g.up else "down")), trigger=trigger)
     if host is not None:
         row.update(host_total_bytes=_text(host.total_bytes),
                    host_available_bytes=_text(host.available_bytes),
@@ -273,7 +362,8 @@ def _process_cells(ts: str, g: GpuSample, p: ProcessSample) -> list[str]:
                host_rss_bytes=_text(p.host_rss_bytes), role=_text(p.role), uuid=_text(g.uuid),
                start_time=_text(p.start_time), unified=_text(g.unified),
                container=_text(p.container), pod=_text(p.pod), namespace=_text(p.namespace),
-               endpoint=_text(p.endpoint))
+               endpoint=_text(p.endpoint),
+               allocator=encode(p.allocator) if p.allocator is not None else "")
     return [row[c] for c in CSV_COLUMNS]
 
 
@@ -307,11 +397,18 @@ def prometheus_rows(responses: Iterable[tuple[str, object, str | None]],
     Shared by saved JSON files and live queries (exporter.postmortem.promquery)."""
     rows: list[TraceRow] = []
     rss_rows: list[TraceRow] = []
+    vllm = _VllmPoints()
     known = 0
     for where, response, default_name in responses:
         for s_index, metric, values in _matrix(response, where):
             if default_name:
                 metric.setdefault("__name__", default_name)
+            vllm_kind = VLLM_PROMETHEUS_METRICS.get(metric.get("__name__", ""))
+            if vllm_kind is not None:
+                s_where = f"{where}: result {s_index} ({metric['__name__']})"
+                for ts, value in _points(values, s_where):
+                    vllm.add(vllm_kind, metric, ts, value)
+                continue
             kind = PROMETHEUS_METRICS.get(metric.get("__name__", ""))
             if kind is None:
                 continue  # a series we do not use, like an unknown CSV column
@@ -324,7 +421,89 @@ def prometheus_rows(responses: Iterable[tuple[str, object, str | None]],
                                      "(a larger step or a shorter range)")
                 row = _series_row(kind, metric, ts, value, origin)
                 (rss_rows if kind == "process_rss" else rows).append(row)
-    return _attach_rss(rows, rss_rows), known
+    return vllm.attach(_attach_rss(rows, rss_rows)), known
+
+
+class _VllmPoints:
+    """The vLLM series of a range query, gathered per timestamp and endpoint, then given to
+    the rows: each timestamp's servers ride on its first row (as the CSV's `vllm` cell does),
+    and a serving process (role vllm) gets the endpoint whose memory series names its GPU
+    when exactly one does (the process series carries no endpoint label)."""
+
+    def __init__(self) -> None:
+        # ts -> endpoint -> {"up": bool, "engines": {(model, engine): {field: value}},
+        #                    "cache": CacheConfig}
+        self.servers: dict[float, dict[str, dict[str, Any]]] = {}
+        self.on_gpu: dict[tuple[float, str], set[str]] = {}
+
+    def add(self, kind: str, metric: dict[str, str], ts: float, value: float) -> None:
+        endpoint = metric.get("endpoint", "")
+        if not endpoint:
+            return
+        if kind == "server_gpu":
+            if metric.get("gpu"):
+                self.on_gpu.setdefault((ts, metric["gpu"]), set()).add(endpoint)
+            return
+        server = self.servers.setdefault(ts, {}).setdefault(
+            endpoint, {"up": None, "engines": {}, "cache": None})
+        if kind == "up":
+            server["up"] = value >= 1
+        elif kind == "cache_config":
+            server["cache"] = _cache_config(metric)
+        elif kind == "sleep_state":  # an info-style series: the state is a label, value 1
+            state = metric.get("sleep_state") or metric.get("state") or ""
+            if value >= 1 and state:
+                self._engine(server, metric)["sleep_state"] = state
+        elif math.isfinite(value) and value >= 0 and not (kind == "kv_cache_usage_ratio" and value > 1):
+            self._engine(server, metric)[kind] = value
+
+    @staticmethod
+    def _engine(server: dict[str, Any], metric: dict[str, str]) -> dict[str, Any]:
+        engines: dict[tuple[str, str], dict[str, Any]] = server["engines"]
+        return engines.setdefault((metric.get("model", ""), metric.get("engine", "")), {})
+
+    def attach(self, rows: list[TraceRow]) -> list[TraceRow]:
+        if not self.servers and not self.on_gpu:
+            return rows
+        given: set[float] = set()
+        out = []
+        for r in rows:
+            if r.pid is not None and r.role == "vllm" and not r.endpoint:
+                names = self.on_gpu.get((r.timestamp, r.gpu), set())
+                if len(names) == 1:
+                    r = replace(r, endpoint=next(iter(names)))
+            if r.timestamp not in given and r.timestamp in self.servers:
+                given.add(r.timestamp)
+                r = replace(r, vllm=self._samples(self.servers[r.timestamp]))
+            out.append(r)
+        return out
+
+    @staticmethod
+    def _samples(servers: dict[str, dict[str, Any]]) -> tuple[VllmSample, ...]:
+        return tuple(
+            VllmSample(endpoint=endpoint, up=s["up"] if s["up"] is not None else bool(s["engines"]),
+                       cache_config=s["cache"],
+                       engines=tuple(VllmEngineStats(model=model, engine=engine, **fields_)
+                                     for (model, engine), fields_ in sorted(s["engines"].items())))
+            for endpoint, s in sorted(servers.items()))
+
+
+def _cache_config(labels: dict[str, str]) -> CacheConfig:
+    """vllm:cache_config_info's labels as the exporter re-exports them (unknown ones ignored)."""
+    def number(name: str, kind: Callable[[str], _T]) -> _T | None:
+        try:
+            return kind(labels[name]) if labels.get(name) else None
+        except ValueError:
+            return None
+
+    util = number("gpu_memory_utilization", float)
+    return CacheConfig(
+        gpu_memory_utilization=util if util is not None and 0 < util <= 1 else None,
+        num_gpu_blocks=number("num_gpu_blocks", int), block_size=number("block_size", int),
+        cache_dtype=labels.get("cache_dtype", ""),
+        kv_cache_memory_bytes=number("kv_cache_memory_bytes", int),
+        kv_cache_size_tokens=number("kv_cache_size_tokens", int),
+        kv_cache_max_concurrency=number("kv_cache_max_concurrency", float))
 
 
 def _matrix(response: object, where: str) -> Iterator[tuple[int, dict[str, str], list[Any]]]:
@@ -418,12 +597,16 @@ def read_trace(path: str) -> list[Snapshot]:
 
 def read_traces(paths: Iterable[str]) -> list[Snapshot]:
     """Several trace files merged into one time-ordered list (rows at the same time join)."""
+    return snapshots_from_rows(_read_all(paths))
+
+
+def _read_all(paths: Iterable[str]) -> list[TraceRow]:
     rows: list[TraceRow] = []
     for path in paths:
         rows.extend(read_rows(path))
         if len(rows) > MAX_ROWS:
             raise TraceError(f"{path}: the traces hold more than {MAX_ROWS} rows together")
-    return snapshots_from_rows(rows)
+    return rows
 
 
 _GPU_FIELDS = ("uuid", "total_bytes", "unified")
@@ -439,18 +622,34 @@ class _GpuEntry(TypedDict):
 
 def snapshots_from_rows(rows: Iterable[TraceRow]) -> list[Snapshot]:
     """Group rows by timestamp into Snapshots. Conflicting duplicates are a TraceError."""
+    return _group(rows)[0]
+
+
+def _group(rows: Iterable[TraceRow]) -> tuple[list[Snapshot], list[tuple[float, str]]]:
     # timestamp -> gpu -> {"gpu": merged GPU fields, "procs": {(pid, start): row}}
     grouped: dict[float, dict[str, _GpuEntry]] = {}
     hosts: dict[float, HostMemory] = {}
+    vllm: dict[float, tuple[VllmSample, ...]] = {}
+    events: dict[float, list[OomMessage]] = {}
+    triggers: dict[float, list[str]] = {}
     for row in rows:
         gpus = grouped.setdefault(row.timestamp, {})
         entry = gpus.setdefault(row.gpu, {"gpu": {}, "origins": {}, "procs": {}})
         if row.host is not None:
             hosts.setdefault(row.timestamp, row.host)
+        if row.vllm is not None:
+            vllm.setdefault(row.timestamp, row.vllm)
+        if row.oom_events:
+            events.setdefault(row.timestamp, []).extend(row.oom_events)
+        for t in row.trigger.split("+") if row.trigger else ():
+            have = triggers.setdefault(row.timestamp, [])
+            if t not in have:
+                have.append(t)
         for name in _GPU_FIELDS:
             _merge_field(entry, name, getattr(row, name), row.origin)
         if row.pid is None:
             _merge_field(entry, "used_bytes", row.used_bytes, row.origin)
+            _merge_field(entry, "gpu_error", row.gpu_error, row.origin)
             continue
         key = (row.pid, row.start_time)
         if key in entry["procs"]:
@@ -458,10 +657,26 @@ def snapshots_from_rows(rows: Iterable[TraceRow]) -> list[Snapshot]:
             raise TraceError(f"{row.origin}: pid {row.pid} on gpu {row.gpu} at {row.timestamp!r} "
                              f"already given at {first}")
         entry["procs"][key] = row
-    return [Snapshot(timestamp=ts, host=hosts.get(ts),
-                     gpus=tuple(_gpu_sample(index, grouped[ts][index])
-                                for index in sorted(grouped[ts], key=_gpu_order)))
-            for ts in sorted(grouped)]
+    snapshots = [Snapshot(timestamp=ts, host=hosts.get(ts), vllm=vllm.get(ts, ()),
+                          log_events=tuple(events.get(ts, ())),
+                          gpus=tuple(_gpu_sample(index, grouped[ts][index])
+                                     for index in sorted(grouped[ts], key=_gpu_order)))
+                 for ts in sorted(grouped)]
+    return snapshots, [(ts, "+".join(triggers[ts])) for ts in sorted(triggers)]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Trace files read for replay: the snapshots, and the flight recorder's triggers
+    ((tick time, `+`-joined triggers), oldest first) where the files mark them."""
+
+    snapshots: list[Snapshot]
+    triggers: list[tuple[float, str]]
+
+
+def load_traces(paths: Iterable[str]) -> Trace:
+    """Like read_traces, with the triggers the files record."""
+    return Trace(*_group(_read_all(paths)))
 
 
 def _merge_field(entry: _GpuEntry, name: str, value: object, origin: str) -> None:
@@ -489,9 +704,11 @@ def _gpu_sample(index: str, entry: _GpuEntry) -> GpuSample:
         ProcessSample(pid=pid, used_bytes=r.used_bytes, name=r.process,
                       host_rss_bytes=r.host_rss_bytes, start_time=r.start_time,
                       container=r.container, pod=r.pod, namespace=r.namespace,
-                      role=r.role or "other", endpoint=r.endpoint)
+                      role=r.role or "other", endpoint=r.endpoint, allocator=r.allocator)
         for (pid, _), r in sorted(entry["procs"].items(), key=lambda kv: (kv[0][0], kv[0][1] or 0.0)))
+    error = info.get("gpu_error") or ""
     return GpuSample(index=index, uuid=info.get("uuid") or f"trace-gpu-{index}",
+                     up=not error, error="" if error == "down" else error,
                      total_bytes=total, used_bytes=used, free_bytes=free,
                      unified=bool(info.get("unified", False)),
                      mig="/" in index, processes=procs)
@@ -499,8 +716,10 @@ def _gpu_sample(index: str, entry: _GpuEntry) -> GpuSample:
 
 __all__ = [
     "CSV_COLUMNS",
+    "Trace",
     "TraceError",
     "TraceRow",
+    "load_traces",
     "read_csv_rows",
     "read_prometheus_rows",
     "read_rows",
