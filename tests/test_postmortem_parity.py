@@ -345,6 +345,8 @@ def test_a_prometheus_range_carries_the_vllm_series_the_findings_need(tmp_path):
                 {**ep, "block_size": "16", "cache_dtype": "auto", "gpu_memory_utilization": "0.9",
                  "num_gpu_blocks": "1000"}, [(t, 1) for t in ts]),
         _series("gpumem_vllm_memory_used_bytes", {**ep, **gpu}, [(t, 60 * GiB) for t in ts]),
+        # The exporter's level per {endpoint, engine}, with no model label: 0 awake, 1 level 1.
+        _series("gpumem_vllm_engine_sleep_state", {**ep, "engine": "0"}, [(1000, 0), (1015, 1)]),
     ]
     path = tmp_path / "range.json"
     path.write_text(json.dumps({"status": "success", "data": {"resultType": "matrix", "result": result}}))
@@ -354,6 +356,8 @@ def test_a_prometheus_range_carries_the_vllm_series_the_findings_need(tmp_path):
     assert server.cache_config.num_gpu_blocks == 1000
     [engine] = server.engines
     assert (engine.kv_cache_usage_ratio, engine.requests_waiting, engine.preemptions_total) == (0.97, 40, 9)
+    assert engine.model == "m" and engine.sleep_state == "weights_offloaded"
+    assert [e.sleep_state for e in snaps[0].vllm[0].engines] == ["awake"]
     assert snaps[1].gpus[0].processes[0].endpoint == "llama"
     [budget] = memory_budgets(snaps[1])
     assert budget.endpoint == "llama" and budget.budget_bytes == int(0.9 * 80 * GiB)

@@ -445,15 +445,14 @@ class _VllmPoints:
                 self.on_gpu.setdefault((ts, metric["gpu"]), set()).add(endpoint)
             return
         server = self.servers.setdefault(ts, {}).setdefault(
-            endpoint, {"up": None, "engines": {}, "cache": None})
+            endpoint, {"up": None, "engines": {}, "cache": None, "sleep": {}})
         if kind == "up":
             server["up"] = value >= 1
         elif kind == "cache_config":
             server["cache"] = _cache_config(metric)
-        elif kind == "sleep_state":  # an info-style series: the state is a label, value 1
-            state = metric.get("sleep_state") or metric.get("state") or ""
-            if value >= 1 and state:
-                self._engine(server, metric)["sleep_state"] = state
+        elif kind == "sleep_state":  # the exporter's level per {endpoint, engine}; no model label
+            if value in _SLEEP_LEVELS:
+                server["sleep"][metric.get("engine", "")] = _SLEEP_LEVELS[value]
         elif math.isfinite(value) and value >= 0 and not (kind == "kv_cache_usage_ratio" and value > 1):
             self._engine(server, metric)[kind] = value
 
@@ -480,12 +479,23 @@ class _VllmPoints:
 
     @staticmethod
     def _samples(servers: dict[str, dict[str, Any]]) -> tuple[VllmSample, ...]:
-        return tuple(
-            VllmSample(endpoint=endpoint, up=s["up"] if s["up"] is not None else bool(s["engines"]),
-                       cache_config=s["cache"],
-                       engines=tuple(VllmEngineStats(model=model, engine=engine, **fields_)
-                                     for (model, engine), fields_ in sorted(s["engines"].items())))
-            for endpoint, s in sorted(servers.items()))
+        out = []
+        for endpoint, s in sorted(servers.items()):
+            engines: dict[tuple[str, str], dict[str, Any]] = s["engines"]
+            for engine, state in s["sleep"].items():  # onto each model of that engine
+                for fields_ in [f for (_, e), f in engines.items() if e == engine] or [
+                        engines.setdefault(("", engine), {})]:
+                    fields_["sleep_state"] = state
+            out.append(VllmSample(
+                endpoint=endpoint, up=s["up"] if s["up"] is not None else bool(engines),
+                cache_config=s["cache"],
+                engines=tuple(VllmEngineStats(model=model, engine=engine, **fields_)
+                              for (model, engine), fields_ in sorted(engines.items()))))
+        return tuple(out)
+
+
+# gpumem_vllm_engine_sleep_state's levels (serve/exposition.py) in vLLM's words (VllmEngineStats).
+_SLEEP_LEVELS = {0.0: "awake", 1.0: "weights_offloaded", 2.0: "discard_all"}
 
 
 def _cache_config(labels: dict[str, str]) -> CacheConfig:
