@@ -26,7 +26,7 @@ RUNBOOK_BASE = "https://github.com/gpu-memory-exporter/gpu-memory-exporter/blob/
 COMPOSE = REPO / "deploy" / "compose"
 SEVERITIES = {"page", "ticket"}
 
-# The exporter's metric names (the contract in docs/metrics.md and the design brief). Rules and
+# The exporter's metric names (the contract in docs/metrics.md). Rules and
 # dashboards may use only these, their own recording rules, and Prometheus' `up` and `ALERTS`.
 PLANNED_METRICS = frozenset([
     "gpumem_gpu_info", "gpumem_gpu_up", "gpumem_gpu_memory_total_bytes", "gpumem_gpu_memory_used_bytes",

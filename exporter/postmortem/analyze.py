@@ -3,7 +3,7 @@
 `replay` feeds snapshots one by one to a fresh Analyzer, exactly as the daemon does, so each
 finding's first_detected_at is the snapshot time at which the live daemon would have raised
 it (causal: nothing later in the trace is looked at). `analyze` reads trace files and prints
-the result as text or as the JSON of DESIGN.md (`{"findings": [...]}`), with the flight
+the result as text or as JSON (`{"findings": [...]}`, described in README.md), with the flight
 recorder's triggers where the trace marks them and the out-of-memory events of the trace and
 of the `--log` files (each with its class and time).
 """

@@ -1,7 +1,7 @@
 """`explain LOGFILE...`: find every out-of-memory event in server logs and explain it.
 
 The parser (sources/oom_messages) finds the messages, the analysis (analysis/oom) classifies
-them. The JSON form is the DESIGN.md contract: {"events": [{"file", "line", "kind", "class",
+them. The JSON form (a public interface, described in README.md): {"events": [{"file", "line", "kind", "class",
 "requested_bytes", "total_bytes", "free_bytes", "reserved_unallocated_bytes",
 "other_processes": [{"pid", "bytes"}], "advice": [...], "verdict", "shortfall_bytes",
 "causes": [{"cause", "bytes"}], ...}], "files": [...]}.

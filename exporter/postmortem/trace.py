@@ -1,7 +1,7 @@
 """Recorded traces: read them into Snapshots for offline replay, and write them back.
 
 Two input formats:
-- the trace CSV of DESIGN.md: header `timestamp,gpu,pid,process,used_bytes` plus optional
+- the trace CSV (a public interface: a change is a CHANGELOG entry): header `timestamp,gpu,pid,process,used_bytes` plus optional
   columns (`total_bytes`, `host_rss_bytes`, `role`, `uuid`, `start_time`, ...). A row with an
   empty `pid` is a GPU-level row giving the GPU's own used/total; unknown columns are ignored.
   What the detectors read beyond memory rides in optional columns too, so a trace replays
