@@ -4,51 +4,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-from test_alerts import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules, tool
+from helpers.dashboards import (
+    BUILTINS,
+    DASHBOARD_FILES,
+    GRAFANA,
+    VARIABLE,
+    all_panels,
+    load,
+    queries,
+    substitute,
+    variable_queries,
+)
+from helpers.dashboards import label_values_selector as _label_values_selector
+from helpers.rules import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
+from helpers.tools import REPO, free_port, tool
 
-REPO = Path(__file__).resolve().parents[1]
-GRAFANA = REPO / "grafana"
-DASHBOARD_FILES = sorted((GRAFANA / "dashboards").glob("*.json"))
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
-
-# Grafana's own variables, and what stands in for them when promtool checks an expression.
-BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
-VARIABLE = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))")
-
-
-def load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def all_panels(dashboard: dict) -> list[dict]:
-    panels = []
-    for p in dashboard.get("panels", []):
-        panels.append(p)
-        panels.extend(p.get("panels", []))  # panels inside collapsed rows
-    return panels
-
-
-def queries(dashboard: dict) -> list[tuple[str, str]]:
-    """(where, expr) for every panel target and every annotation query."""
-    found = [(f"panel {p['title']!r}", t["expr"]) for p in all_panels(dashboard) for t in p.get("targets", [])]
-    found += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
-    return found
-
-
-def variable_queries(dashboard: dict) -> list[str]:
-    return [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-
-
-def substitute(expr: str) -> str:
-    """Grafana variables replaced the way a dashboard with "All" selected sends them."""
-    return VARIABLE.sub(lambda m: BUILTINS.get(m.group(1) or m.group(2), ".*"), expr)
 
 
 def known_metrics() -> frozenset[str]:
@@ -98,12 +74,6 @@ def test_every_query_uses_known_metrics(path):
     unknown = {where: sorted(metric_names(substitute(_label_values_selector(e))) - known_metrics())
                for where, e in exprs}
     assert {w: u for w, u in unknown.items() if u} == {}
-
-
-def _label_values_selector(query: str) -> str:
-    """label_values(selector, label) -> selector; a plain expression stays as it is."""
-    m = re.fullmatch(r"\s*label_values\((.*),\s*\w+\)\s*", query)
-    return m.group(1) if m else query
 
 
 def test_every_query_is_valid_promql(tmp_path):
@@ -256,8 +226,6 @@ def prometheus(tmp_path_factory):
     import urllib.parse
     import urllib.request
 
-    from test_alerts import _free_port
-
     scrapes = itertools.count(1)
 
     class Metrics(http.server.BaseHTTPRequestHandler):
@@ -283,7 +251,7 @@ def prometheus(tmp_path_factory):
         "scrape_configs": [{"job_name": "gpu-memory-exporter", "static_configs": [
             {"targets": [f"127.0.0.1:{exporter.server_address[1]}"]}]}],
     }))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -297,7 +265,7 @@ def prometheus(tmp_path_factory):
             return json.loads(e.read(100_000))
 
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # bounds a hang only: a loaded machine starts Prometheus slowly
         # Two scrapes and an evaluation after them: rate() and the rules have data.
         while True:
             try:
@@ -306,7 +274,7 @@ def prometheus(tmp_path_factory):
                          " and on () count(endpoint_model:gpumem_vllm_prefix_cache_hit:ratio_rate5m) > 0"
                          " and on () count(endpoint_model:gpumem_vllm_preemptions:rate5m) > 0")["data"]["result"]:
                     break
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or a starting server's non-JSON answer
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"prometheus did not become ready: {proc.stderr.read().decode()[-2000:]}"

@@ -26,11 +26,12 @@ import re
 import pytest
 import yaml
 
-from e2e_stack import Stack, fast_rules, get_json, wait_until
 from exporter.sim.scenario import SCENARIO_DIR
 from exporter.sim.scenario import load as load_scenario
-from test_alerts import RULES, alert_rules
-from test_dashboards import DASHBOARD_FILES, _label_values_selector, load, queries, substitute, variable_queries
+from helpers.dashboards import DASHBOARD_FILES, load, queries, substitute, variable_queries
+from helpers.dashboards import label_values_selector as _label_values_selector
+from helpers.e2e_stack import Stack, fast_rules, get_json, wait_until
+from helpers.rules import RULES, alert_rules
 
 FAST_FOR = "2s"
 

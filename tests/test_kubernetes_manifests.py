@@ -17,7 +17,7 @@ import yaml
 
 from exporter import __version__
 from exporter.config import build as build_config
-from test_alerts import tool
+from helpers.tools import tool
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"

@@ -19,7 +19,6 @@ import bcrypt
 import pytest
 import requests
 
-from conftest import make_state
 from exporter.analysis.engine import Analyzer
 from exporter.config import build as build_config
 from exporter.daemon import Daemon
@@ -29,6 +28,7 @@ from exporter.serve.exposition import build_registry
 from exporter.serve.server import HttpServer
 from exporter.serve.web import make_app
 from exporter.serve.webconfig import load_web_config
+from helpers.state import make_state
 
 PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()

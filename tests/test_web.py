@@ -7,13 +7,13 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_state
 from exporter.config import ConfigError
 from exporter.serve.auth import BasicAuth
 from exporter.serve.exposition import build_registry
 from exporter.serve.server import HttpServer
 from exporter.serve.web import make_app
 from exporter.serve.webconfig import load_web_config
+from helpers.state import make_state
 
 
 @pytest.fixture
