@@ -36,6 +36,7 @@ class Kubelet:
         self.body: bytes = json.dumps(pod_list(pod_item(UID_A, "llama-0"))).encode()
         self.status = 200
         self.delay_per_chunk = 0.0
+        self.clock = None  # a ServerClock: the delay per chunk passes on it instead of in real time
         self.redirect_body_mib = 0  # > 0: answer with a 302 that streams this many MiB
         self.sent: list[int] = []
         self.requests: list[dict] = []
@@ -54,7 +55,10 @@ class Kubelet:
                     for i in range(0, len(owner.body), 16):
                         self.wfile.write(owner.body[i:i + 16])
                         self.wfile.flush()
-                        time.sleep(owner.delay_per_chunk)
+                        if owner.clock is not None:
+                            owner.clock.pass_time(owner.delay_per_chunk)
+                        else:
+                            time.sleep(owner.delay_per_chunk)
                 else:
                     self.wfile.write(owner.body)
 
