@@ -49,12 +49,14 @@ def unit_test_cases() -> list[dict]:
 
 
 # -- the real tools ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_promtool_check_rules_accepts_the_rules():
     result = run(tool("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(alert_rules()) + len(recording_rules())} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_unit_tests_pass():
     assert UNIT_TESTS, "no promtool unit tests in alerts/tests"
     result = run(tool("promtool"), "test", "rules", *map(str, UNIT_TESTS))
@@ -62,6 +64,7 @@ def test_promtool_unit_tests_pass():
     assert "FAILED" not in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_catches_a_wrong_expectation(tmp_path):
     """The harness must be able to fail: a GPU at 50 % does not page (although all of it lies beyond
     any vLLM budget), so expecting it does fails."""
@@ -88,12 +91,14 @@ def test_promtool_catches_a_wrong_expectation(tmp_path):
     assert "GpuMemoryHigh" in result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_amtool_accepts_the_alertmanager_example():
     result = run(tool("amtool"), "check-config", str(ALERTMANAGER_CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("severity, receiver", [("page", "pager"), ("ticket", "ticket")])
+@pytest.mark.integration
 def test_alertmanager_routes_by_severity(severity, receiver):
     result = run(tool("amtool"), "config", "routes", "test", f"--config.file={ALERTMANAGER_CONFIG}",
                  f"severity={severity}", "instance=gpu-host-1:9842", "alertname=GpuMemoryHigh")
@@ -146,6 +151,7 @@ def alertmanager(tmp_path):
         proc.wait(timeout=10)
 
 
+@pytest.mark.integration
 def test_alertmanager_inhibits_what_the_example_promises(alertmanager):
     def alert(name, **labels):
         return {"labels": {"alertname": name, "job": "gpu-memory-exporter", **labels}}
@@ -246,6 +252,7 @@ def test_metric_names_finds_selectors_only():
 
 
 # -- the compose stack wires these files -------------------------------------------------------
+@pytest.mark.integration
 def test_compose_prometheus_config_is_valid_and_loads_the_rules():
     result = run(tool("promtool"), "check", "config", str(COMPOSE / "prometheus.yml"))
     assert result.returncode == 0, result.stdout + result.stderr

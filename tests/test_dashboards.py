@@ -76,6 +76,7 @@ def test_every_query_uses_known_metrics(path):
     assert {w: u for w, u in unknown.items() if u} == {}
 
 
+@pytest.mark.integration
 def test_every_query_is_valid_promql(tmp_path):
     """promtool parses each expression (variables substituted) as a recording rule."""
     rules = []
@@ -92,6 +93,7 @@ def test_every_query_is_valid_promql(tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_rejects_a_broken_expression(tmp_path):
     """The check above can fail: an unbalanced expression is an error."""
     rule_file = tmp_path / "broken.rules.yml"
@@ -288,6 +290,8 @@ def prometheus(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+@pytest.mark.integration
+@pytest.mark.slow
 def test_every_query_returns_data_from_a_live_prometheus(prometheus, path):
     dashboard = load(path)
     exprs = queries(dashboard) + [("variable", _label_values_selector(q)) for q in variable_queries(dashboard)]
@@ -301,6 +305,8 @@ def test_every_query_returns_data_from_a_live_prometheus(prometheus, path):
     assert failures == {}
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
     """On the vLLM GPU the stacked parts (profile, beyond it, other, unattributed, free) make up the total."""
     stack = next(p for p in all_panels(load(GRAFANA / "dashboards" / "memory-budget.json")) if p.get("repeat") == "gpu")
@@ -313,6 +319,8 @@ def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
 
 
 # -- fleet views: by node and by Kubernetes namespace/pod, still right on a single host -------------
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fleet_dashboard_sums_pods_and_keeps_processes_outside_kubernetes(prometheus):
     """The vLLM process is in pod inference/llama-0, the other one in no pod: "All" (.*) shows
     both, the pod's row carries its memory and its leak flag is 0 (the leaking process is the
@@ -329,6 +337,8 @@ def test_fleet_dashboard_sums_pods_and_keeps_processes_outside_kubernetes(promet
     assert [r["metric"]["pod"] for r in prometheus(one_pod)["data"]["result"]] == ["llama-0"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fleet_by_node_counts_gpus_per_host(prometheus):
     node_table = next(p for p in all_panels(load(GRAFANA / "dashboards" / "fleet.json")) if p["title"] == "By node")
     result = prometheus(substitute(node_table["targets"][0]["expr"]))["data"]["result"]

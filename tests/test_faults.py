@@ -420,6 +420,7 @@ def test_log_rotated_truncated_deleted_unreadable(tmp_path):
 # /proc entries vanishing mid-read
 
 
+@pytest.mark.integration
 def test_local_host_process_that_exits_or_is_a_zombie():
     host = LocalHost()
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -450,6 +451,7 @@ def _state_of(pid: int) -> str:
         return ""
 
 
+@pytest.mark.integration
 def test_local_host_races_with_processes_exiting():
     """Real races: look processes up while they exit; never an exception, never a wrong pid."""
     host = LocalHost()

@@ -214,12 +214,14 @@ def tls_kubelet(tls_cert):
     k.close()
 
 
+@pytest.mark.integration
 def test_https_verified_against_the_given_ca(tls_kubelet, tls_cert, clock, token_file):
     pods = client(tls_kubelet.url, clock, token_file=token_file, ca_file=tls_cert[0])
     assert pods.lookup(UID_A).name == "llama-0"
     assert tls_kubelet.requests[0]["authorization"] == f"Bearer {TOKEN}"
 
 
+@pytest.mark.integration
 def test_https_with_an_untrusted_certificate_is_refused_before_the_token_is_sent(tls_kubelet, clock, token_file):
     pods = client(tls_kubelet.url, clock, token_file=token_file)  # system CAs do not know this cert
     assert pods.lookup(UID_A) is None
@@ -227,6 +229,7 @@ def test_https_with_an_untrusted_certificate_is_refused_before_the_token_is_sent
     assert tls_kubelet.requests == []
 
 
+@pytest.mark.integration
 def test_https_insecure_skip_verify(tls_kubelet, clock):
     pods = client(tls_kubelet.url, clock, insecure_skip_verify=True)
     assert pods.lookup(UID_A).name == "llama-0"

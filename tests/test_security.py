@@ -205,6 +205,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 def test_probes_get_their_own_listener_without_auth(tmp_path):
     """`run --health-listen`: with basic auth on, /healthz and /admission also answer on a
     plain listener of their own (Kubernetes probes send no credentials), and nothing else does."""
@@ -265,6 +266,7 @@ def pki(tmp_path_factory):
     return d
 
 
+@pytest.mark.integration
 def test_require_and_verify_client_cert(serve, pki, tmp_path, capfd):
     web_yml = tmp_path / "web.yml"
     web_yml.write_text(f"tls_server_config:\n  cert_file: {pki / 'server.pem'}\n  key_file: {pki / 'server.key'}\n"
@@ -288,6 +290,7 @@ def test_require_and_verify_client_cert(serve, pki, tmp_path, capfd):
     assert "Traceback" not in capfd.readouterr().err  # refused handshakes are routine, not crashes
 
 
+@pytest.mark.integration
 def test_tls_client_that_never_says_hello_does_not_block_others(serve, pki, tmp_path):
     web_yml = tmp_path / "web.yml"
     web_yml.write_text(f"tls_server_config:\n  cert_file: {pki / 'server.pem'}\n  key_file: {pki / 'server.key'}\n")

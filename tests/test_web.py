@@ -121,6 +121,7 @@ def test_malformed_auth_headers_are_refused(header):
     assert BasicAuth({"prom": HASH}).check(header) is False
 
 
+@pytest.mark.integration
 def test_tls_and_auth_from_web_config(serve, tls_cert, tmp_path):
     cert, key = tls_cert
     path = tmp_path / "web.yml"
