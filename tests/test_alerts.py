@@ -6,92 +6,35 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-ALERTS_DIR = REPO / "alerts"
-RULES = ALERTS_DIR / "gpu-memory-exporter.rules.yml"
+from helpers.rules import (
+    ALERTMANAGER_CONFIG,
+    ALERTS_DIR,
+    PLANNED_METRICS,
+    PROMETHEUS_METRICS,
+    RULES,
+    alert_rules,
+    load_groups,
+    metric_names,
+    recording_rules,
+)
+from helpers.tools import REPO, tool
+from helpers.tools import free_port as _free_port
+
 UNIT_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
-ALERTMANAGER_CONFIG = ALERTS_DIR / "alertmanager.example.yml"
 RUNBOOKS = REPO / "docs" / "runbooks"
 RUNBOOK_BASE = "https://github.com/gpu-memory-exporter/gpu-memory-exporter/blob/main/docs/runbooks/"
 COMPOSE = REPO / "deploy" / "compose"
 SEVERITIES = {"page", "ticket"}
 
-# The exporter's metric names (the contract in docs/metrics.md). Rules and
-# dashboards may use only these, their own recording rules, and Prometheus' `up` and `ALERTS`.
-PLANNED_METRICS = frozenset([
-    "gpumem_gpu_info", "gpumem_gpu_up", "gpumem_gpu_memory_total_bytes", "gpumem_gpu_memory_used_bytes",
-    "gpumem_gpu_memory_free_bytes", "gpumem_gpu_memory_reserved_bytes", "gpumem_gpu_memory_utilization_ratio",
-    "gpumem_gpu_memory_unattributed_bytes", "gpumem_gpu_memory_beyond_budget_bytes",
-    "gpumem_gpu_time_to_full_seconds", "gpumem_process_memory_used_bytes", "gpumem_process_host_rss_bytes",
-    "gpumem_process_memory_growth_bytes_per_second", "gpumem_leak_suspected", "gpumem_finding_active",
-    "gpumem_admission_open", "gpumem_host_memory_total_bytes", "gpumem_host_memory_available_bytes",
-    "gpumem_host_memory_pressure_some_ratio", "gpumem_host_oom_kills_total", "gpumem_oom_events_total",
-    "gpumem_vllm_up", "gpumem_vllm_scrape_duration_seconds", "gpumem_vllm_scrape_errors_total",
-    "gpumem_vllm_kv_cache_usage_ratio", "gpumem_vllm_requests_running", "gpumem_vllm_requests_waiting",
-    "gpumem_vllm_preemptions_total", "gpumem_vllm_prefix_cache_queries_total",
-    "gpumem_vllm_prefix_cache_hits_total", "gpumem_vllm_cache_config_info", "gpumem_vllm_memory_budget_bytes",
-    "gpumem_vllm_memory_used_bytes", "gpumem_vllm_memory_profile_bytes", "gpumem_exporter_source_up",
-    "gpumem_exporter_sample_duration_seconds", "gpumem_exporter_last_sample_timestamp_seconds",
-    "gpumem_exporter_sample_age_seconds", "gpumem_exporter_errors_total", "gpumem_exporter_build_info",
-    # From the allocator probe inside the serving processes (docs/probe.md); absent without it.
-    "gpumem_process_torch_allocated_bytes", "gpumem_process_torch_reserved_bytes", "gpumem_process_non_torch_bytes",
-    "gpumem_process_alloc_retries_total", "gpumem_process_torch_inactive_split_bytes",
-    "gpumem_process_torch_ooms_total",
-])
-PROMETHEUS_METRICS = frozenset({"up", "ALERTS"})
-
-_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-                    "unless", "offset", "bool", "inf", "nan", "atan2"}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names a PromQL expression selects (not functions, keywords, labels or durations)."""
-    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals: label values, regexes
-    s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
-    s = re.sub(r"\[[^\]]*\]", " ", s)  # range and subquery durations
-    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)  # label lists
-    names = set()
-    for m in re.finditer(r"(?<![A-Za-z0-9_:.])[A-Za-z_:][A-Za-z0-9_:]*", s):
-        if s[m.end():].lstrip().startswith("("):
-            continue  # a function or an aggregation
-        if m.group().lower() not in _PROMQL_KEYWORDS:
-            names.add(m.group())
-    return names
-
-
-def tool(*names: str) -> str:
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail(f"{' or '.join(names)} not found on PATH; install it "
-                "(Debian/Ubuntu: apt-get install prometheus prometheus-alertmanager)")
-
-
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def load_groups() -> list[dict]:
-    return yaml.safe_load(RULES.read_text())["groups"]
-
-
-def alert_rules() -> list[dict]:
-    return [r for g in load_groups() for r in g["rules"] if "alert" in r]
-
-
-def recording_rules() -> list[dict]:
-    return [r for g in load_groups() for r in g["rules"] if "record" in r]
 
 
 ALERT_NAMES = [r["alert"] for r in alert_rules()]
@@ -106,12 +49,14 @@ def unit_test_cases() -> list[dict]:
 
 
 # -- the real tools ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_promtool_check_rules_accepts_the_rules():
     result = run(tool("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(alert_rules()) + len(recording_rules())} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_unit_tests_pass():
     assert UNIT_TESTS, "no promtool unit tests in alerts/tests"
     result = run(tool("promtool"), "test", "rules", *map(str, UNIT_TESTS))
@@ -119,6 +64,7 @@ def test_promtool_unit_tests_pass():
     assert "FAILED" not in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_catches_a_wrong_expectation(tmp_path):
     """The harness must be able to fail: a GPU at 50 % does not page (although all of it lies beyond
     any vLLM budget), so expecting it does fails."""
@@ -145,12 +91,14 @@ def test_promtool_catches_a_wrong_expectation(tmp_path):
     assert "GpuMemoryHigh" in result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_amtool_accepts_the_alertmanager_example():
     result = run(tool("amtool"), "check-config", str(ALERTMANAGER_CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("severity, receiver", [("page", "pager"), ("ticket", "ticket")])
+@pytest.mark.integration
 def test_alertmanager_routes_by_severity(severity, receiver):
     result = run(tool("amtool"), "config", "routes", "test", f"--config.file={ALERTMANAGER_CONFIG}",
                  f"severity={severity}", "instance=gpu-host-1:9842", "alertname=GpuMemoryHigh")
@@ -165,12 +113,6 @@ def test_alertmanager_groups_by_host():
 
 
 # -- a real Alertmanager applies the inhibitions ------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url: str, body: bytes | None = None) -> bytes:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=5) as response:
@@ -209,6 +151,7 @@ def alertmanager(tmp_path):
         proc.wait(timeout=10)
 
 
+@pytest.mark.integration
 def test_alertmanager_inhibits_what_the_example_promises(alertmanager):
     def alert(name, **labels):
         return {"labels": {"alertname": name, "job": "gpu-memory-exporter", **labels}}
@@ -309,6 +252,7 @@ def test_metric_names_finds_selectors_only():
 
 
 # -- the compose stack wires these files -------------------------------------------------------
+@pytest.mark.integration
 def test_compose_prometheus_config_is_valid_and_loads_the_rules():
     result = run(tool("promtool"), "check", "config", str(COMPOSE / "prometheus.yml"))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,7 +14,7 @@ from exporter.analysis.engine import AnalysisConfig, Analyzer
 from exporter.analysis.fragmentation import FragmentationConfig, counter_rise
 from exporter.analysis.history import ALLOCATOR_SERIES, History
 from exporter.model import AllocatorStats, HostMemory
-from test_detectors import T0, GiB, MiB, gpu, snap, timeline, vllm_proc, vllm_server
+from helpers.timeline import T0, GiB, MiB, gpu, snap, timeline, vllm_proc, vllm_server
 
 COMPONENTS = ("torch_allocated", "torch_cached", "non_torch")
 RATE_KEYS = tuple(f"{c}_growth_bytes_per_second" for c in COMPONENTS)

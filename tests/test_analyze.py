@@ -10,7 +10,7 @@ import pytest
 from exporter.analysis.engine import Analyzer
 from exporter.postmortem.analyze import analyze, replay
 from exporter.postmortem.trace import TraceError, read_trace, write_csv
-from test_detectors import T0, GiB, MiB, gpu, leaking_server, proc, snap, timeline, vllm_proc
+from helpers.timeline import T0, GiB, MiB, gpu, leaking_server, proc, snap, timeline, vllm_proc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 LEAK_CSV = str(FIXTURES / "vllm_leak.csv")

@@ -63,12 +63,14 @@ class Daemon:
         return self.proc.returncode, out
 
 
+@pytest.mark.integration
 def test_scenarios_lists_the_builtin_ones():
     out = cli("scenarios").stdout
     for name in ("steady", "leak", "contention", "unified-memory", "stale-memory", "pressure", "gpu-lost"):
         assert any(line.split()[0] == name and len(line.split()) > 2 for line in out.splitlines()), name
 
 
+@pytest.mark.integration
 def test_snapshot_of_the_leak_scenario_matches_it():
     out = cli("snapshot", "--simulate", "leak", "--at", "3600").stdout
     got = series(out)
@@ -81,11 +83,13 @@ def test_snapshot_of_the_leak_scenario_matches_it():
     assert procs == expected and procs
 
 
+@pytest.mark.integration
 def test_snapshot_json():
     out = json.loads(cli("snapshot", "--simulate", "steady", "--at", "600", "--format", "json").stdout)
     assert out["snapshot"]["gpus"] and out["snapshot"]["gpus"][0]["processes"]
 
 
+@pytest.mark.integration
 def test_check_config(tmp_path):
     good = tmp_path / "good.yml"
     good.write_text("interval_seconds: 2\n")
@@ -96,11 +100,13 @@ def test_check_config(tmp_path):
     assert proc.returncode != 0 and "interval_secs: unknown key (did you mean 'interval_seconds'?)" in proc.stderr
 
 
+@pytest.mark.integration
 def test_unknown_scenario_is_a_clear_error():
     proc = cli("snapshot", "--simulate", "no-such-scenario", check=False)
     assert proc.returncode != 0 and "no-such-scenario" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
     d = Daemon("--interval", "0.2")
     try:
@@ -116,6 +122,7 @@ def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
     assert out.count("NVML unavailable") == 1  # said once, not at every retry
 
 
+@pytest.mark.integration
 def test_snapshot_without_a_gpu_suggests_the_simulator():
     proc = cli("snapshot", check=False)
     if "NVML unavailable" not in proc.stderr:
@@ -125,6 +132,7 @@ def test_snapshot_without_a_gpu_suggests_the_simulator():
     assert "retrying" not in proc.stderr  # one sample: there is no retry to announce
 
 
+@pytest.mark.integration
 def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
     d = Daemon("--simulate", "steady", "--interval", "0.2", "--speed", "600")
     try:
@@ -140,6 +148,7 @@ def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
     assert "SIMULATED host, scenario 'steady'" in out and "simulated NVML initialised" in out
 
 
+@pytest.mark.integration
 def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
     cfg = tmp_path / "c.yml"
     cfg.write_text("interval_seconds: 0.2\n")
@@ -164,6 +173,8 @@ def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
     assert "configuration reloaded" in out
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_sighup_reloads_admission_thresholds(tmp_path):
     cfg = tmp_path / "c.yml"
     cfg.write_text("interval_seconds: 0.2\n")
@@ -181,6 +192,7 @@ def test_sighup_reloads_admission_thresholds(tmp_path):
         d.stop()
 
 
+@pytest.mark.integration
 def test_env_vars_configure_run():
     d = Daemon("--simulate", "steady", env={"GPUMEM_RUN_INTERVAL": "0.2"})
     try:
@@ -190,6 +202,7 @@ def test_env_vars_configure_run():
     assert "every 0.2 s" in out
 
 
+@pytest.mark.integration
 def test_simulated_vllm_processes_are_tied_to_their_server():
     got = series(cli("snapshot", "--simulate", "contention", "--at", "3000").stdout)
     roles = {dict(lb)["process"]: dict(lb)["role"] for n, lb in got if n == "gpumem_process_memory_used_bytes"}
@@ -201,6 +214,7 @@ def test_simulated_vllm_processes_are_tied_to_their_server():
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
+@pytest.mark.integration
 def test_analyze_a_trace_with_a_report_and_log_events(tmp_path):
     trace = os.path.join(FIXTURES, "traces", "vllm_leak.csv")
     log = os.path.join(FIXTURES, "logs", "torch_fragmentation.log")
@@ -212,6 +226,7 @@ def test_analyze_a_trace_with_a_report_and_log_events(tmp_path):
     assert leaks[0]["process"] in html and "reserved" in html.lower()  # the OOM event's numbers
 
 
+@pytest.mark.integration
 def test_analyze_input_errors_exit_2(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("timestamp,gpu,pid,process,used_bytes\nnot-a-number,0,1,p,5\n")
@@ -222,6 +237,7 @@ def test_analyze_input_errors_exit_2(tmp_path):
     assert proc.returncode == 2 and "no such file" in proc.stderr
 
 
+@pytest.mark.integration
 def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
     cfg = tmp_path / "c.yml"
     cfg.write_text(f"recorder: {{directory: {tmp_path / 'traces'}, debounce_seconds: 0}}\n")

@@ -157,6 +157,7 @@ def run_would_start(path, host) -> bool:
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=CONFIGS)
+@pytest.mark.integration
 def test_check_config_accepts_exactly_what_run_starts_with(doc, files, host):
     path = write_config(Path(files["@dir"]).parent / "c.yml", doc, files)
     result = CliRunner().invoke(cli.main, ["check-config", path])
@@ -186,6 +187,7 @@ COMPLETE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("leaf", list(_leaves(COMPLETE)), ids=lambda p: ".".join(map(str, p)))
+@pytest.mark.integration
 def test_no_bad_value_of_any_key_gets_past_check_config_into_a_crash(leaf, files, host):
     path = Path(files["@dir"]).parent / "c.yml"
     assert run_would_start(write_config(path, COMPLETE, files), host)
@@ -273,6 +275,7 @@ def daemon(tmp_path_factory):
     ("web_config_file: /nonexistent/web.yml\n", "web_config_file: invalid web config file"),
     ("interval_seconds: [broken\n", "not valid YAML"),
 ])
+@pytest.mark.integration
 def test_a_bad_reload_keeps_the_running_configuration(daemon, text, why):
     daemon.config_path.write_text(text)
     outcome = daemon.reload()
@@ -280,6 +283,7 @@ def test_a_bad_reload_keeps_the_running_configuration(daemon, text, why):
     assert requests.get(daemon.url + "/healthz", timeout=5).status_code == 200
 
 
+@pytest.mark.integration
 def test_a_good_reload_applies_and_names_restart_only_changes(daemon):
     daemon.config_path.write_text("interval_seconds: 0.3\nhistory: {raw_seconds: 1800}\n")
     assert "configuration reloaded" in daemon.reload()
@@ -291,6 +295,7 @@ def test_a_good_reload_applies_and_names_restart_only_changes(daemon):
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=CONFIGS)
+@pytest.mark.integration
 def test_random_reloads_never_kill_the_daemon_and_agree_with_the_validation(doc, daemon, files):
     path = write_config(daemon.config_path, doc, files)
     try:

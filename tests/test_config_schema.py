@@ -98,6 +98,7 @@ def test_what_run_would_crash_on_is_rejected_with_a_clear_message(tmp_path, data
     "vllm:\n  endpoints: ['http://[::1/metrics']\n",
     "interval_seconds: " + "9" * 400 + "\n",
 ])
+@pytest.mark.integration
 def test_run_refuses_the_same_files_without_a_traceback(tmp_path, text):
     path = write(tmp_path, text)
     proc = subprocess.run([sys.executable, "-m", "exporter", "run", "--config", str(path), "--simulate", "steady",
@@ -106,6 +107,7 @@ def test_run_refuses_the_same_files_without_a_traceback(tmp_path, text):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_files_the_configuration_names_are_checked(tmp_path, tls_cert):
     cert, key = tls_cert
     token, empty = tmp_path / "token", tmp_path / "empty"

@@ -1,5 +1,5 @@
 """The sampling loop over a simulated host: publishing, fault counting, isolation, timing."""
-import time
+import threading
 
 import pytest
 
@@ -59,20 +59,48 @@ def test_error_counters_are_bounded():
     assert len(counter) == MAX_COUNTER_SERIES + 1 and counter[("overflow", "overflow")] == 50
 
 
+class GatedClock:
+    """The simulation's own (fixed) clock, advanced by the run loop's waits: each wait is one
+    interval of clock time, taken at once, until `ticks` waits have passed; the next wait holds
+    until stop() (so how fast the machine runs decides nothing, and a loop that ignored stop
+    would hang there instead of ending)."""
+
+    def __init__(self, clock, ticks):
+        self.clock, self.ticks, self.waits = clock, ticks, 0
+        self.speed = clock.speed
+        self.gate = threading.Event()
+
+    def now(self):
+        return self.clock.now()
+
+    def wait(self, seconds, stop):
+        if self.waits >= self.ticks:
+            self.gate.set()
+            return stop.wait()
+        self.waits += 1
+        self.clock.advance(seconds)
+        return stop.is_set()
+
+
 def test_run_loop_keeps_time_on_the_clock_and_stops_promptly():
     config = build_config()
-    rt = build_runtime(config, simulate="steady", speed=200.0)
-    daemon = Daemon(rt.sampler, rt.clock, 5.0, analyzer=make_analyzer(config))
+    accelerated = build_runtime(config, simulate="steady", speed=200.0)
+    accelerated.close()
+    rt = build_runtime(config, simulate="steady", at=0)
+    clock = GatedClock(rt.clock, ticks=20)  # 100 simulated seconds: 20 ticks of 5 s
+    daemon = Daemon(rt.sampler, clock, 5.0, analyzer=make_analyzer(config))
     try:
         daemon.start()
-        time.sleep(0.5)  # 100 simulated seconds: about 20 ticks of 5 s
-        started = time.monotonic()
-        daemon.stop()
-        assert time.monotonic() - started < 2
+        assert clock.gate.wait(60), "the run loop never reached its 20th tick"  # bounds a hang only
+        daemon.stop(timeout=60)
+        # Stopped while waiting out an interval, not after it: the gate's wait never ends alone.
+        assert not daemon._thread.is_alive()
     finally:
         rt.close()
     assert 8 <= daemon.state.samples_total <= 25
-    assert isinstance(rt.clock, VirtualClock)
+    assert daemon.state.samples_total == clock.waits + 1 == 21
+    assert daemon.state.last_sample_at == rt.clock.now()  # every interval on the clock, none skipped
+    assert isinstance(accelerated.clock, VirtualClock)
 
 
 def test_a_serving_process_keeps_its_role_while_its_server_shuts_down(runtime_at):

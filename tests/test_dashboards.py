@@ -4,51 +4,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-from test_alerts import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules, tool
+from helpers.dashboards import (
+    BUILTINS,
+    DASHBOARD_FILES,
+    GRAFANA,
+    VARIABLE,
+    all_panels,
+    load,
+    queries,
+    substitute,
+    variable_queries,
+)
+from helpers.dashboards import label_values_selector as _label_values_selector
+from helpers.rules import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
+from helpers.tools import REPO, free_port, tool
 
-REPO = Path(__file__).resolve().parents[1]
-GRAFANA = REPO / "grafana"
-DASHBOARD_FILES = sorted((GRAFANA / "dashboards").glob("*.json"))
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
-
-# Grafana's own variables, and what stands in for them when promtool checks an expression.
-BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
-VARIABLE = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))")
-
-
-def load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def all_panels(dashboard: dict) -> list[dict]:
-    panels = []
-    for p in dashboard.get("panels", []):
-        panels.append(p)
-        panels.extend(p.get("panels", []))  # panels inside collapsed rows
-    return panels
-
-
-def queries(dashboard: dict) -> list[tuple[str, str]]:
-    """(where, expr) for every panel target and every annotation query."""
-    found = [(f"panel {p['title']!r}", t["expr"]) for p in all_panels(dashboard) for t in p.get("targets", [])]
-    found += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
-    return found
-
-
-def variable_queries(dashboard: dict) -> list[str]:
-    return [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-
-
-def substitute(expr: str) -> str:
-    """Grafana variables replaced the way a dashboard with "All" selected sends them."""
-    return VARIABLE.sub(lambda m: BUILTINS.get(m.group(1) or m.group(2), ".*"), expr)
 
 
 def known_metrics() -> frozenset[str]:
@@ -100,12 +76,7 @@ def test_every_query_uses_known_metrics(path):
     assert {w: u for w, u in unknown.items() if u} == {}
 
 
-def _label_values_selector(query: str) -> str:
-    """label_values(selector, label) -> selector; a plain expression stays as it is."""
-    m = re.fullmatch(r"\s*label_values\((.*),\s*\w+\)\s*", query)
-    return m.group(1) if m else query
-
-
+@pytest.mark.integration
 def test_every_query_is_valid_promql(tmp_path):
     """promtool parses each expression (variables substituted) as a recording rule."""
     rules = []
@@ -122,6 +93,7 @@ def test_every_query_is_valid_promql(tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_rejects_a_broken_expression(tmp_path):
     """The check above can fail: an unbalanced expression is an error."""
     rule_file = tmp_path / "broken.rules.yml"
@@ -265,8 +237,6 @@ def prometheus(tmp_path_factory):
     import urllib.parse
     import urllib.request
 
-    from test_alerts import _free_port
-
     scrapes = itertools.count(1)
 
     class Metrics(http.server.BaseHTTPRequestHandler):
@@ -293,7 +263,7 @@ def prometheus(tmp_path_factory):
         "scrape_configs": [{"job_name": "gpu-memory-exporter", "static_configs": [
             {"targets": [f"127.0.0.1:{exporter.server_address[1]}"]}]}],
     }))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -307,7 +277,7 @@ def prometheus(tmp_path_factory):
             return json.loads(e.read(100_000))
 
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # bounds a hang only: a loaded machine starts Prometheus slowly
         # Two scrapes and an evaluation after them: rate() and the rules have data.
         while True:
             try:
@@ -316,7 +286,7 @@ def prometheus(tmp_path_factory):
                          " and on () count(endpoint_model:gpumem_vllm_prefix_cache_hit:ratio_rate5m) > 0"
                          " and on () count(endpoint_model:gpumem_vllm_preemptions:rate5m) > 0")["data"]["result"]:
                     break
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or a starting server's non-JSON answer
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"prometheus did not become ready: {proc.stderr.read().decode()[-2000:]}"
@@ -330,6 +300,8 @@ def prometheus(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+@pytest.mark.integration
+@pytest.mark.slow
 def test_every_query_returns_data_from_a_live_prometheus(prometheus, path):
     dashboard = load(path)
     exprs = queries(dashboard) + [("variable", _label_values_selector(q)) for q in variable_queries(dashboard)]
@@ -343,6 +315,8 @@ def test_every_query_returns_data_from_a_live_prometheus(prometheus, path):
     assert failures == {}
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
     """On the vLLM GPU the stacked parts (profile, beyond it, other, unattributed, free) make up the total."""
     stack = next(p for p in all_panels(load(GRAFANA / "dashboards" / "memory-budget.json")) if p.get("repeat") == "gpu")
@@ -355,6 +329,8 @@ def test_memory_budget_stack_adds_up_to_the_gpu(prometheus):
 
 
 # -- fleet views: by node and by Kubernetes namespace/pod, still right on a single host -------------
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fleet_dashboard_sums_pods_and_keeps_processes_outside_kubernetes(prometheus):
     """The vLLM process is in pod inference/llama-0, the other one in no pod: "All" (.*) shows
     both, the pod's row carries its memory and its leak flag is 0 (the leaking process is the
@@ -371,6 +347,8 @@ def test_fleet_dashboard_sums_pods_and_keeps_processes_outside_kubernetes(promet
     assert [r["metric"]["pod"] for r in prometheus(one_pod)["data"]["result"]] == ["llama-0"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fleet_by_node_counts_gpus_per_host(prometheus):
     node_table = next(p for p in all_panels(load(GRAFANA / "dashboards" / "fleet.json")) if p["title"] == "By node")
     result = prometheus(substitute(node_table["targets"][0]["expr"]))["data"]["result"]
@@ -378,9 +356,6 @@ def test_fleet_by_node_counts_gpus_per_host(prometheus):
 
 
 # -- the allocator probe's components ------------------------------------------------------------
-PROBE_SERIES = ("gpumem_process_torch_", "gpumem_process_non_torch_bytes", "gpumem_process_alloc_retries_total")
-
-
 def _probe_panels(path: Path) -> list[dict]:
     return [p for p in all_panels(load(path))
             if any(s in t["expr"] for t in p.get("targets", []) for s in PROBE_SERIES)]

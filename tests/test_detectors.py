@@ -1,102 +1,39 @@
 """Each detector fires on its failure pattern and stays silent on the normal ones.
 
 Detectors are pure functions over a real History and a Snapshot; the snapshots are built by
-the small timeline helpers below (also used by test_engine.py and test_analyze.py).
+the timeline helpers in helpers/timeline.py (shared with test_engine.py and test_analyze.py).
 """
 from __future__ import annotations
 
 import pytest
 
-from exporter.analysis.budget import memory_budgets
 from exporter.analysis.contention import ContentionConfig, detect_contention
 from exporter.analysis.engine import Analyzer
 from exporter.analysis.fragmentation import FragmentationConfig, detect_fragmentation
-from exporter.analysis.history import History
 from exporter.analysis.pressure import PressureConfig, admission_open, detect_pressure, memory_ratio
 from exporter.analysis.stale import StaleConfig, detect_stale, unattributed_bytes
 from exporter.model import (
-    CacheConfig,
     GpuAnalysis,
     GpuSample,
     HostMemory,
     OomEvent,
-    ProcessSample,
-    Snapshot,
-    VllmEngineStats,
-    VllmSample,
 )
-
-GiB = 1 << 30
-MiB = 1 << 20
-T0 = 1_700_000_000.0
-BASE = 400 * MiB  # driver/context memory NVML counts as used but no process owns
-
-
-# ------------------------------------------------------------------ timeline helpers
-
-def proc(pid, used, name="python3", role="other", start=T0 - 3600, **kw) -> ProcessSample:
-    return ProcessSample(pid=pid, used_bytes=None if used is None else int(used), name=name,
-                         role=role, start_time=start, **kw)
-
-
-def vllm_proc(pid, used, endpoint="http://127.0.0.1:8000", **kw) -> ProcessSample:
-    return proc(pid, used, name="VLLM::EngineCor", role="vllm", endpoint=endpoint, **kw)
-
-
-def gpu(procs=(), used=None, total=80 * GiB, index="0", uuid=None, extra=BASE, **kw) -> GpuSample:
-    if used is None:
-        used = sum(p.used_bytes or 0 for p in procs) + extra
-    return GpuSample(index=index, uuid=uuid or f"GPU-{index}", total_bytes=total,
-                     used_bytes=int(used), free_bytes=total - int(used), processes=tuple(procs),
-                     **kw)
-
-
-def snap(t, gpus=(), host=None, vllm=(), events=()) -> Snapshot:
-    return Snapshot(timestamp=t, gpus=tuple(gpus), host=host, vllm=tuple(vllm),
-                    log_events=tuple(events))
-
-
-def timeline(seconds, step, make) -> list[Snapshot]:
-    """make(elapsed_seconds) -> Snapshot at T0 + elapsed, every `step` seconds."""
-    return [make(i * step) for i in range(int(seconds // step) + 1)]
-
-
-def feed(snapshots, history=None) -> History:
-    history = history or History()
-    for s in snapshots:
-        history.update(s)
-    return history
-
-
-def run_detector(detect, snapshots, config):
-    """Run a detector causally after every snapshot, as the engine does (the tick's memory
-    budgets computed once, kept with the snapshot); return its findings per tick."""
-    history = History()
-    out = []
-    for s in snapshots:
-        budgets = memory_budgets(s)
-        history.update(s, budgets)
-        extra = (budgets,) if detect is detect_fragmentation else ()
-        out.append(detect(history, s, config, *extra))
-    return out
-
-
-def replay_all(snapshots, config=None):
-    analyzer = Analyzer(config, log_findings=False)
-    results = [analyzer.update(s) for s in snapshots]
-    return analyzer, results
-
-
-def startup_used(elapsed, start_at, level, ramp=90):
-    """vLLM start-up: nothing, then weights + KV cache allocated within `ramp` seconds."""
-    if elapsed < start_at:
-        return 0
-    return level * min(1.0, (elapsed - start_at + 10) / ramp)
-
-
-def kinds(findings):
-    return sorted({f.kind for f in findings})
-
+from helpers.timeline import (
+    BASE,
+    T0,
+    GiB,
+    MiB,
+    gpu,
+    leaking_server,
+    proc,
+    replay_all,
+    run_detector,
+    snap,
+    startup_used,
+    timeline,
+    vllm_proc,
+    vllm_server,
+)
 
 # ------------------------------------------------------------------ pressure
 
@@ -175,7 +112,6 @@ def test_a_raised_pressure_finding_holds_until_use_is_clearly_lower():
 
 
 def test_pressure_hovering_at_the_threshold_is_one_episode_in_the_engine():
-    from exporter.analysis.engine import Analyzer
     analyzer = Analyzer(log_findings=False)
     for i in range(40):  # 84.5 % and 85.5 % in turn, nothing of it budgeted by vLLM
         used = int((0.845 if i % 2 else 0.855) * 80 * GiB)
@@ -379,13 +315,6 @@ def test_fragmentation_when_oom_happens_with_free_memory_on_nvml():
     assert "free" in f.summary
 
 
-def vllm_server(preemptions, kv, endpoint="http://127.0.0.1:8000", util=0.9, pids=(10,)):
-    return VllmSample(endpoint=endpoint, up=True, pids=pids,
-                      engines=(VllmEngineStats(model="m", engine="0", kv_cache_usage_ratio=kv,
-                                               preemptions_total=preemptions),),
-                      cache_config=CacheConfig(gpu_memory_utilization=util))
-
-
 def test_fragmentation_preemptions_rising_while_kv_usage_low():
     cfg = FragmentationConfig(window_seconds=300)
 
@@ -451,20 +380,6 @@ def test_fragmentation_silent_for_short_spike_above_budget():
 
 
 # ------------------------------------------------------------------ leak (through the engine)
-
-def leaking_server(seconds, leak_per_min, step=15, pid=10, tp=False, rss_leak_per_min=0):
-    def make(e):
-        used = startup_used(e, 0, 30 * GiB) + max(0, e - 600) / 60 * leak_per_min
-        rss = 6 * GiB + max(0, e - 600) / 60 * rss_leak_per_min
-        gpus = [gpu([vllm_proc(pid, used, start=T0, host_rss_bytes=int(rss))]),
-                ]
-        if tp:
-            gpus.append(gpu([vllm_proc(pid + 1, used, start=T0, host_rss_bytes=int(rss))],
-                            index="1"))
-        return snap(T0 + e, gpus, host=HostMemory(512 * GiB, 400 * GiB),
-                    vllm=[vllm_server(0, 0.5, util=0.9, pids=(pid, pid + 1))])
-    return timeline(seconds, step, make)
-
 
 def test_leak_of_a_vllm_process_is_found_with_advice_and_time_to_full():
     analyzer, results = replay_all(leaking_server(3600, 8 * MiB, tp=True))

@@ -26,19 +26,12 @@ import re
 import pytest
 import yaml
 
-from e2e_stack import Stack, fast_rules, get_json, wait_until
 from exporter.sim.scenario import SCENARIO_DIR
 from exporter.sim.scenario import load as load_scenario
-from test_alerts import RULES, alert_rules
-from test_dashboards import (
-    DASHBOARD_FILES,
-    PROBE_SERIES,
-    _label_values_selector,
-    load,
-    queries,
-    substitute,
-    variable_queries,
-)
+from helpers.dashboards import DASHBOARD_FILES, PROBE_SERIES, load, queries, substitute, variable_queries
+from helpers.dashboards import label_values_selector as _label_values_selector
+from helpers.e2e_stack import Stack, fast_rules, get_json, wait_until
+from helpers.rules import RULES, alert_rules
 
 FAST_FOR = "2s"
 
@@ -100,6 +93,8 @@ def test_fast_rules_change_only_the_durations(tmp_path):
     assert len(re.findall(r"^\s+for: ", fast.read_text(), re.MULTILINE)) == len(timed)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_leak_alert_reaches_alertmanager(stack, alerting):
     alertmanager, hook, am_stack = alerting
     # The leak is detected ~45 simulated minutes in: ~11 s at x240.
@@ -135,6 +130,8 @@ def test_leak_alert_reaches_alertmanager(stack, alerting):
     assert [(r["metric"]["pid"], r["metric"]["process"]) for r in marked] == [(LEAK_PID, LEAK_PROCESS)]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_pressure_pages_above_90_percent_and_resolves(stack, alerting):
     alertmanager, hook, am_stack = alerting
     # pressure.yaml: 76 % used, 94 % from 20 to 50 simulated minutes, then 74 %.
@@ -178,6 +175,8 @@ def test_pressure_pages_above_90_percent_and_resolves(stack, alerting):
                "the pager webhook to hear it resolved", alive=running)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_the_live_exporter(stack, tmp_path):
     """The contention scenario (a notebook appears at 30 min and grows: findings, time to full,
     processes of both roles), with a minute of vLLM HTTP errors at 10 min so the scrape-error

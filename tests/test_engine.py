@@ -12,7 +12,7 @@ from exporter.analysis.contention import ContentionConfig
 from exporter.analysis.engine import AnalysisConfig, Analyzer
 from exporter.analysis.stale import StaleConfig
 from exporter.model import GpuSample, HostMemory, OomEvent
-from test_detectors import BASE, T0, GiB, MiB, gpu, leaking_server, proc, snap, vllm_proc
+from helpers.timeline import BASE, T0, GiB, MiB, gpu, leaking_server, proc, snap, vllm_proc
 
 
 def utilisation_timeline(ratios, step=10):

@@ -8,9 +8,9 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from conftest import make_state
 from exporter.model import GpuSample, ProcessSample
 from exporter.serve.exposition import StateCollector
+from helpers.state import make_state
 
 GOLDEN = Path(__file__).parent / "golden" / "state.metrics"
 DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"

@@ -22,6 +22,7 @@ def child():
     proc.wait()
 
 
+@pytest.mark.integration
 def test_process_identity(child):
     info = LocalHost().process(child.pid)
     assert info.pid == child.pid
@@ -33,10 +34,12 @@ def test_process_identity(child):
     assert info.cmdline == ""  # not read unless asked
 
 
+@pytest.mark.integration
 def test_cmdline_only_when_asked(child):
     assert "time.sleep" in LocalHost().process(child.pid, with_cmdline=True).cmdline
 
 
+@pytest.mark.integration
 def test_vanished_process_is_none(child):
     pid = child.pid
     child.kill()
@@ -61,6 +64,7 @@ def test_host_memory():
         assert mem.oom_kills is not None and mem.oom_kills >= 0
 
 
+@pytest.mark.integration
 def test_enrich_fills_identity_and_keeps_vanished(child):
     gpus = (GpuSample(index="0", uuid="GPU-x", processes=(
         ProcessSample(pid=child.pid, used_bytes=100), ProcessSample(pid=2**22 + 7, used_bytes=5))),)
@@ -94,6 +98,7 @@ def _opens_during(call) -> list[str]:
         _opened = None
 
 
+@pytest.mark.integration
 def test_a_known_process_costs_two_small_reads_per_tick(child):
     host = LocalHost()
     first = _opens_during(lambda: host.process(child.pid))
@@ -102,6 +107,7 @@ def test_a_known_process_costs_two_small_reads_per_tick(child):
     assert sorted(again) == [f"/proc/{child.pid}/stat", f"/proc/{child.pid}/statm"]
 
 
+@pytest.mark.integration
 def test_rss_is_read_fresh_every_tick():
     grower = subprocess.Popen([sys.executable, "-c", "import sys\nx = []\nfor line in sys.stdin:\n"
                                "    x.append(bytearray(64 << 20)); print('ok', flush=True)"],
@@ -218,6 +224,7 @@ def _fd_dirs_listed(call) -> set[str]:
     return {p for p in _opens_during(call) if p.endswith("/fd")}
 
 
+@pytest.mark.integration
 def test_a_known_listener_is_confirmed_from_its_own_sockets_and_a_restart_is_found():
     from exporter.sources.host import LISTENER_RESCAN_SECONDS
     clock = [0.0]
@@ -246,6 +253,7 @@ def test_a_known_listener_is_confirmed_from_its_own_sockets_and_a_restart_is_fou
                 proc.wait()
 
 
+@pytest.mark.integration
 def test_a_port_nobody_listens_on_is_not_rescanned_every_tick():
     clock = [0.0]
     host = LocalHost(listener_cache_seconds=30, monotonic=lambda: clock[0])

@@ -17,7 +17,7 @@ import yaml
 
 from exporter import __version__
 from exporter.config import build as build_config
-from test_alerts import tool
+from helpers.tools import tool
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
@@ -63,6 +63,7 @@ def test_no_manifest_is_left_out_of_the_kustomization():
     assert on_disk == set(KUSTOMIZATION["resources"])
 
 
+@pytest.mark.integration
 def test_kustomize_renders_every_object_into_the_namespace(rendered):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == \
         sorted((d["kind"], d["metadata"]["name"]) for d in load_resources())
@@ -74,6 +75,7 @@ def test_kustomize_renders_every_object_into_the_namespace(rendered):
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.integration
 def test_every_builtin_object_is_valid_for_kubernetes(rendered, version):
     builtin = [d for d in rendered if d["kind"] not in CRD_KINDS]
     assert len(builtin) == 7
@@ -86,6 +88,7 @@ def test_every_builtin_object_is_valid_for_kubernetes(rendered, version):
     lambda ds: ds["spec"]["template"]["spec"]["containers"][0].update(ports=[{"containerPort": "9842"}]),
     lambda ds: ds["spec"].pop("selector"),
 ], ids=["unknown-field", "wrong-type", "missing-required"])
+@pytest.mark.integration
 def test_the_validation_can_fail(rendered, mutate):
     ds = yaml.safe_load(yaml.safe_dump(by_kind(rendered, "DaemonSet")))
     mutate(ds)
@@ -157,6 +160,7 @@ CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR, "PrometheusRule": PROMETHEUS_R
 
 
 @pytest.mark.parametrize("kind", sorted(CRD_KINDS))
+@pytest.mark.integration
 def test_prometheus_operator_objects_have_the_crd_shape(rendered, kind):
     jsonschema.validate(by_kind(rendered, kind), CRD_SCHEMAS[kind])
 
@@ -168,6 +172,7 @@ def test_prometheus_operator_objects_have_the_crd_shape(rendered, kind):
     ("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"][0].update(alert="X")),  # record and alert
     ("PrometheusRule", lambda o: o["spec"]["groups"][0].pop("name")),
 ])
+@pytest.mark.integration
 def test_the_crd_shape_check_can_fail(rendered, kind, mutate):
     obj = yaml.safe_load(yaml.safe_dump(by_kind(rendered, kind)))
     mutate(obj)
@@ -195,6 +200,7 @@ def test_prometheus_rule_carries_every_rule_of_alerts_unchanged():
     assert obj["spec"]["groups"] == rules["groups"]
 
 
+@pytest.mark.integration
 def test_generator_check_mode_detects_drift(generator, tmp_path):
     rules = yaml.safe_load((REPO / "alerts" / "gpu-memory-exporter.rules.yml").read_text())
     rules["groups"][0]["rules"][0]["expr"] = "vector(0.5)"
@@ -218,6 +224,7 @@ def container(pod) -> dict:
     return c
 
 
+@pytest.mark.integration
 def test_daemonset_shares_the_host_pid_namespace_and_reads_proc_read_only(pod, container, rendered):
     assert pod["hostPID"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -233,6 +240,7 @@ def test_daemonset_shares_the_host_pid_namespace_and_reads_proc_read_only(pod, c
     assert config["allocator"]["probe_dir"] == mounts[probes]["mountPath"]
 
 
+@pytest.mark.integration
 def test_the_configmap_is_a_valid_exporter_configuration(rendered, pod, container, tmp_path):
     data = yaml.safe_load(by_kind(rendered, "ConfigMap")["data"]["config.yaml"])
     data["allocator"]["probe_dir"] = str(tmp_path)  # the node's directory, which the DaemonSet creates
@@ -246,6 +254,7 @@ def test_the_configmap_is_a_valid_exporter_configuration(rendered, pod, containe
                                   {"name": "health", "containerPort": health_port, "protocol": "TCP"}]
 
 
+@pytest.mark.integration
 def test_gpus_come_from_the_nvidia_runtime_not_a_gpu_request(pod, container):
     assert pod["runtimeClassName"] == "nvidia"
     env = {e["name"]: e for e in container["env"]}
@@ -258,17 +267,20 @@ def test_gpus_come_from_the_nvidia_runtime_not_a_gpu_request(pod, container):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
 
 
+@pytest.mark.integration
 def test_kubelet_address_comes_from_the_downward_api(container):
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
     assert env["NODE_IP"] == "status.hostIP" and env["NODE_NAME"] == "spec.nodeName"
 
 
+@pytest.mark.integration
 def test_resources_have_requests_and_limits(container):
     res = container["resources"]
     for key in ("cpu", "memory"):
         assert key in res["requests"] and key in res["limits"]
 
 
+@pytest.mark.integration
 def test_probes_check_healthz_on_the_health_port(container):
     # The health listener needs no credentials, so the probes work with basic auth on.
     for probe in ("livenessProbe", "readinessProbe"):
@@ -278,6 +290,7 @@ def test_probes_check_healthz_on_the_health_port(container):
     assert live["initialDelaySeconds"] >= 30 and live["periodSeconds"] * live["failureThreshold"] >= 60
 
 
+@pytest.mark.integration
 def test_runs_non_root_read_only_without_capabilities(pod, container):
     assert pod["securityContext"]["runAsNonRoot"] is True
     dockerfile_uid = re.search(r"useradd .*--uid (\d+)", (REPO / "Dockerfile").read_text()).group(1)
@@ -289,11 +302,13 @@ def test_runs_non_root_read_only_without_capabilities(pod, container):
     assert "privileged" not in sc
 
 
+@pytest.mark.integration
 def test_image_tag_is_the_package_version(rendered, container):
     assert container["image"] == f"gpu-memory-exporter:{__version__}"
 
 
 # -- the objects reference each other correctly ---------------------------------------------------
+@pytest.mark.integration
 def test_rbac_grants_only_get_on_nodes_proxy(rendered):
     role = by_kind(rendered, "ClusterRole")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"]}]
@@ -305,6 +320,7 @@ def test_rbac_grants_only_get_on_nodes_proxy(rendered):
                                     "namespace": sa["metadata"]["namespace"]}]
 
 
+@pytest.mark.integration
 def test_service_and_servicemonitor_find_the_pods(rendered, pod):
     ds = by_kind(rendered, "DaemonSet")
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
@@ -320,6 +336,7 @@ def test_service_and_servicemonitor_find_the_pods(rendered, pod):
     assert 'up{job="' + service["metadata"]["name"] + '"}' in rules
 
 
+@pytest.mark.integration
 def test_servicemonitor_keeps_the_exporters_own_pod_and_endpoint_labels(rendered):
     """The operator's target labels (pod, namespace, container, endpoint) would overwrite the
     exporter's labels for the GPU process's pod and the vLLM endpoint: they are dropped, and

@@ -7,6 +7,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location("load_bench", Path(__file__).parent.parent / "bench" / "load.py")
 load_bench = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("load_bench", load_bench)  # dataclasses look their module up
@@ -15,6 +17,8 @@ _spec.loader.exec_module(load_bench)
 SCRAPERS, SECONDS, INTERVAL = 50, 10.0, 1.0
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fifty_scrapers_for_ten_seconds():
     daemon = load_bench.DaemonProcess("fleet-8x64", INTERVAL)
     try:

@@ -642,10 +642,10 @@ def test_mutated_real_messages_never_crash(rnd: random.Random, n_mutations: int)
 
 def test_hostile_long_lines_stay_fast():
     # Quadratic regex backtracking took over a minute on these; linear matching takes well
-    # under a second.
+    # under a second. Counted in this thread's CPU seconds: busy neighbours do not add to them.
     import time
     hostile = ["CUDA out of memory. Tried to allocate " + "1" * 20000,
                "ncclSystemError " * 2000, "CUDA out of memory. " + "1 " * 10000]
-    start = time.monotonic()
+    start = time.thread_time()
     _parse_strictly(hostile * 10)
-    assert time.monotonic() - start < 5.0
+    assert time.thread_time() - start < 5.0

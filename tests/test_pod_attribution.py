@@ -19,7 +19,7 @@ from exporter.sources.adapters import PodNames, pod_name
 from exporter.sources.cgroup import parse_cgroup
 from exporter.sources.host import LocalHost, enrich
 from exporter.sources.kubelet import KubeletPods
-from test_kubelet import Kubelet, pod_item, pod_list
+from helpers.kubelet import Kubelet, pod_item, pod_list
 
 CID = "3f4e" * 16
 UID = "1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901"

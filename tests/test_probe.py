@@ -165,6 +165,7 @@ def test_vllm_sleep_mode_pool_is_reported_per_device(tmp_path, cuda, modules):
     assert doc["errors"]["cumem"] == 1 and [d["cumem_bytes"] for d in doc["devices"]] == [None, None]
 
 
+@pytest.mark.slow
 def test_a_reader_never_sees_a_partial_file(tmp_path, cuda, modules):
     cuda.reset(devices=8, initialised=True)
     probe = make_probe(tmp_path, modules)
@@ -247,6 +248,7 @@ def test_a_forked_child_never_removes_its_parents_file(tmp_path, cuda, modules):
     assert len(list(tmp_path.iterdir())) == 1
 
 
+@pytest.mark.integration
 def test_files_left_by_killed_processes_of_our_namespace_are_swept(tmp_path, cuda, modules):
     cuda.reset(devices=1, initialised=True)
     own_ns = int(os.readlink("/proc/self/ns/pid")[5:-1])

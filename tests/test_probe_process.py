@@ -40,6 +40,7 @@ def run(script: str, directory: Path, *path: Path, extra_env: dict | None = None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_loaded_twice_one_thread_writes_and_the_file_goes_at_exit(tmp_path):
     out = run("""
 import json, os, threading
@@ -56,6 +57,7 @@ print(json.dumps({"threads": threads, "files": wait_for_own_file(os.environ["GPU
     assert list(tmp_path.iterdir()) == []  # removed at exit
 
 
+@pytest.mark.integration
 def test_a_process_that_never_initialises_cuda_writes_nothing_and_never_imports_torch(tmp_path):
     # vLLM's API server loads the plugins too, and never uses CUDA.
     script = """
@@ -79,6 +81,7 @@ print(json.dumps({{"polls": probe.polls, "torch": torch is not None,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_a_forked_worker_gets_its_own_probe_and_its_file_goes_when_it_exits(tmp_path):
     # vLLM forks its engine and workers from a process that loaded the plugins; the child
     # inherits vLLM's "plugins loaded" flag, so nothing calls register() in it again.
@@ -172,6 +175,7 @@ def installed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("allow", [None, "gpumem_probe", "another_plugin,gpumem_probe"])
+@pytest.mark.integration
 def test_vllm_discovers_and_loads_the_installed_plugin(installed, tmp_path, allow):
     out = run(VLLM_LOADER, tmp_path, installed, STANDIN_TORCH,
               extra_env={} if allow is None else {"VLLM_PLUGINS": allow})
@@ -182,6 +186,7 @@ def test_vllm_discovers_and_loads_the_installed_plugin(installed, tmp_path, allo
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_vllm_plugins_allow_list_without_the_probe_keeps_it_out(installed, tmp_path):
     out = run(VLLM_LOADER, tmp_path, installed, STANDIN_TORCH, extra_env={"VLLM_PLUGINS": "another_plugin"})
     assert out["found"] == [["gpumem_probe", "gpumem_probe:register", "gpu-memory-probe"]]

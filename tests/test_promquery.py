@@ -116,6 +116,8 @@ def prom(tmp_path_factory):
                 proc.kill()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fetch_gives_the_simulated_run(prom):
     snaps = fetch(prom["url"], prom["start"], prom["end"], step=SCRAPE, selector=prom["selector"])
     assert len(snaps) >= 8  # ten scrapes, one grid point per step after the first
@@ -130,6 +132,8 @@ def test_fetch_gives_the_simulated_run(prom):
         assert 0 < proc.used_bytes <= gpu.used_bytes <= gpu.total_bytes
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_fetch_converts_like_a_saved_range_query_file(prom, tmp_path):
     """The live path and `analyze saved.json` give the same snapshots (same row functions)."""
     start, end = prom["start"], prom["end"]
@@ -145,6 +149,8 @@ def test_fetch_converts_like_a_saved_range_query_file(prom, tmp_path):
         read_trace(str(path))
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_long_ranges_are_fetched_in_chunks(prom):
     start, end = prom["start"], prom["end"]
     whole, chunked = CountingSession(), CountingSession()
@@ -156,6 +162,8 @@ def test_long_ranges_are_fetched_in_chunks(prom):
     assert chunked.calls == len(METRICS) * len(chunks(start, end, SCRAPE, 3)) > 4 * len(METRICS)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_query_over_the_server_limit_reports_the_server_message(prom):
     # 20 s at 1 ms steps is 20,000 points a series: Prometheus refuses it unless it is chunked.
     with pytest.raises(PromQueryError) as err:
@@ -165,11 +173,15 @@ def test_a_query_over_the_server_limit_reports_the_server_message(prom):
     assert "HTTP 400" in text and "11,000 points" in text and prom["url"] in text
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_several_exporters_need_a_selector(prom):
     with pytest.raises(PromQueryError, match=r"several exporters.*instance="):
         fetch(prom["url"], prom["start"], prom["end"], step=SCRAPE)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_errors_never_show_credentials(prom):
     parts = prom["url"].split("//")
     url = f"{parts[0]}//alice:s3cret@{parts[1]}"
@@ -182,12 +194,16 @@ def test_errors_never_show_credentials(prom):
     assert "cannot query Prometheus" in str(err.value) and "s3cret" not in str(err.value)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_an_oversized_response_is_refused(prom):
     with pytest.raises(PromQueryError, match="byte limit"):
         fetch(prom["url"], prom["start"], prom["end"], step=SCRAPE, selector=prom["selector"],
               max_response_bytes=200)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_range_without_data_says_so(prom):
     with pytest.raises(PromQueryError, match="no gpumem_process_memory_used_bytes samples"):
         fetch(prom["url"], prom["start"] - 7200, prom["start"] - 3600, step=60)

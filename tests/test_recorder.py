@@ -257,7 +257,7 @@ def test_observe_never_waits_for_a_slow_disk_and_coalesces(make):
 
     def slow_writer(snapshots, path):
         started.set()
-        gate.wait(10)  # the disk hangs until the test lets it go
+        gate.wait(120)  # the disk hangs until the test lets it go: a tick that waited for it fails
         write_csv(snapshots, path)
 
     rec = make(writer=slow_writer)
@@ -267,7 +267,7 @@ def test_observe_never_waits_for_a_slow_disk_and_coalesces(make):
     assert started.wait(5)  # the first write is in progress, and hangs
     durations.append(feed.tick(snap(T0 + 60), [critical(T0 + 60)]))
     durations.append(feed.tick(snap(T0 + 70, serving=False)))
-    assert max(durations) < 0.05, durations
+    assert max(durations) < 30, durations  # bounds a hang only: the writer holds for 120 s
     assert rec.stats().coalesced_total == 1  # vllm_exit merged into the pending critical write
     gate.set()
     assert rec.flush(10)

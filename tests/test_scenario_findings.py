@@ -37,6 +37,7 @@ def play(name, step=10.0):
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.slow
 def test_scenario_raises_exactly_its_findings(name):
     analyzer, _ = play(name)
     assert {f.kind for f in analyzer.all_findings} == EXPECTED[name]

@@ -23,11 +23,13 @@ def result():
     return soak.run(HOURS / 24, INTERVAL, PROCESSES, GPUS, scrape_every=6, rss_every=60, report=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_every_tick_sampled_without_errors(result):
     assert result["ticks"] == HOURS * 3600 / INTERVAL
     assert result["errors_total"] == {}  # churn is normal operation, not a fault
 
 
+@pytest.mark.slow
 def test_exported_series_bounded_by_processes_alive(result):
     # Per live process: GPU memory, host RSS, growth, leak_suspected (+ the odd finding); the
     # rest (GPUs, host, the exporter itself) is a constant.
@@ -37,6 +39,7 @@ def test_exported_series_bounded_by_processes_alive(result):
     assert max(series[len(series) // 2:]) <= 1.25 * max(series[len(series) // 6:len(series) // 2])  # flat
 
 
+@pytest.mark.slow
 def test_history_forgets_dead_processes(result):
     # History keeps a process's GPU memory and RSS series for dead_grace (900 s), swept every
     # 60 s bucket: bounded by the processes alive within that span, whatever the run's length.
@@ -46,6 +49,7 @@ def test_history_forgets_dead_processes(result):
     assert result["max_history_series"] < PROCESSES / 5  # far from "one per process ever seen"
 
 
+@pytest.mark.slow
 def test_resident_memory_flat_after_warm_up(result):
     after_warm_up = [rss for t, rss in result["rss_samples"] if t >= 3600]
     assert len(after_warm_up) >= 5

@@ -1,4 +1,9 @@
-"""Scraping through a real HTTP server on 127.0.0.1: every failure mode, bounded in time."""
+"""Scraping through a real HTTP server on 127.0.0.1: every failure mode, bounded in time.
+
+Time is the server's: slow routes move a ServerClock (the scraper's injected clock) instead of
+sleeping, and a route that hangs holds for far longer than any deadline here (until the test
+ends), so a scrape that waited for it could only fail, never pass slowly. How long a source holds
+its caller is read off the waits it asks for (the `source_waits` fixture), not a wall clock."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +18,11 @@ import pytest
 import requests
 
 from exporter.sources.vllm import MAX_REDIRECTS, VllmEndpoint, VllmSource, public_url, scrape
+from helpers.clocks import ServerClock
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm" / "current_v1_engines.prom").read_bytes()
 TOKEN = "s3cret-t0ken-for-tests"
+LATE_TIMEOUT = 60.0  # clock seconds; the server sends its headers 0.2 s before the deadline
 HUGE = 400 << 20  # what a hostile redirect offers: far more than any limit
 # 256 MiB of zeros in about 256 KiB of gzip: a decompression bomb on a redirect.
 GZIP_BOMB = zlib.compressobj(1, zlib.DEFLATED, 31).compress(bytes(256 << 20)) + b""
@@ -127,7 +134,7 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, b"<html><body><h1>Welcome</h1></body></html>", "text/html")
 
     def route_slow(self):
-        self.server.release.wait(5)  # answers only when the test tears down
+        self.server.release.wait(60)  # answers only when the test tears down
         self.reply(200, FIXTURE)
 
     def route_truncated(self):
@@ -167,19 +174,22 @@ class Handler(BaseHTTPRequestHandler):
         for i in range(len(FIXTURE)):
             self.wfile.write(FIXTURE[i:i + 1])
             self.wfile.flush()
-            if self.server.release.wait(0.2):
+            self.server.clock.pass_time(0.2)
+            if self.server.release.is_set():
                 return
 
     def route_late_then_silent(self):
-        # headers near the deadline, then nothing: one blocking read must not outlive it
-        if self.server.release.wait(0.4):
-            return
+        # headers near the deadline, then nothing: one blocking read must not outlive it. The
+        # silence outlasts the request's own per-read timeout, then the server hangs up: a read
+        # not cut to what is left of the deadline ends "truncated", never "timeout".
+        self.server.clock.advance(LATE_TIMEOUT - 0.2)
         self.send_response(200)
         self.send_header("Content-Length", str(len(FIXTURE)))
         self.end_headers()
         self.wfile.write(FIXTURE[:100])
         self.wfile.flush()
-        self.server.release.wait(5)
+        self.server.release.wait(LATE_TIMEOUT + 10)
+        self.close_connection = True
 
     def route_drip_headers(self):
         # the status line itself arrives one byte at a time: below the HTTP client's reach
@@ -198,6 +208,7 @@ def server():
     httpd.release = threading.Event()
     httpd.seen = []
     httpd.sent = []
+    httpd.clock = ServerClock()
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield httpd
@@ -218,11 +229,12 @@ def closed_port() -> int:
     return port
 
 
-def timed_scrape(endpoint):
+def timed_scrape(endpoint, clock=time.monotonic):
+    """The sample and how long it took on the scraper's clock (pass the server's to time it)."""
     with requests.Session() as session:
-        started = time.monotonic()
-        sample = scrape(endpoint, session)
-        return sample, time.monotonic() - started
+        started = clock()
+        sample = scrape(endpoint, session, clock=clock)
+        return sample, clock() - started
 
 
 def test_success_normalises_the_page(server):
@@ -247,13 +259,13 @@ def test_chunked_body_is_read_whole(server):
 
 def test_refused():
     endpoint = VllmEndpoint(f"http://127.0.0.1:{closed_port()}/metrics", bearer_token=TOKEN)
-    sample, elapsed = timed_scrape(endpoint)
+    sample, elapsed = timed_scrape(endpoint, ServerClock())
     assert (sample.up, sample.error_kind) == (False, "refused")
     assert TOKEN not in sample.error and elapsed < 2
 
 
 def test_timeout_when_server_does_not_answer(server):
-    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/slow"), timeout_seconds=0.3))
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/slow"), timeout_seconds=0.3), server.clock)
     assert sample.error_kind == "timeout"
     assert elapsed < 0.3 + 0.5
 
@@ -285,15 +297,16 @@ def test_streamed_size_over_limit(server):
 
 
 def test_slow_drip_is_cut_at_the_deadline(server):
-    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/drip"), timeout_seconds=1.0))
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/drip"), timeout_seconds=1.0), server.clock)
     assert sample.error_kind == "timeout"
     assert elapsed < 1.0 + 0.4
 
 
 def test_silent_body_after_late_headers_is_cut_at_the_deadline(server):
-    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/late_then_silent"), timeout_seconds=0.6))
+    sample, elapsed = timed_scrape(VllmEndpoint(url(server, "/late_then_silent"), timeout_seconds=LATE_TIMEOUT),
+                                   server.clock)
     assert sample.error_kind == "timeout"
-    assert elapsed < 0.6 + 0.25
+    assert elapsed < LATE_TIMEOUT + 0.25
 
 
 def test_bearer_token_is_sent_and_never_shown(server):
@@ -339,11 +352,13 @@ def test_bad_endpoint_config_is_a_clear_error(kwargs, message):
 
 def test_source_does_not_let_a_slow_endpoint_delay_the_others(server):
     source = VllmSource([VllmEndpoint(url(server, "/slow"), name="slow", timeout_seconds=0.5),
-                         VllmEndpoint(url(server, "/metrics"), name="fast")])
+                         VllmEndpoint(url(server, "/metrics"), name="fast")], clock=server.clock)
     try:
-        started = time.monotonic()
+        started, wall = server.clock(), time.monotonic()
         slow, fast = source.sample()
-        elapsed = time.monotonic() - started
+        elapsed = server.clock() - started
+        # bounds a hang only: /slow holds its answer 60 s, so a source that waited for it fails
+        assert time.monotonic() - wall < 30
     finally:
         source.close()
     assert (slow.endpoint, slow.error_kind) == ("slow", "timeout")
@@ -351,12 +366,12 @@ def test_source_does_not_let_a_slow_endpoint_delay_the_others(server):
     assert elapsed < 0.5 + 0.5
 
 
-def test_source_bounds_the_caller_even_when_headers_drip(server):
-    source = VllmSource([VllmEndpoint(url(server, "/drip_headers"), name="drip", timeout_seconds=0.3)])
+def test_source_bounds_the_caller_even_when_headers_drip(server, source_waits):
+    source = VllmSource([VllmEndpoint(url(server, "/drip_headers"), name="drip", timeout_seconds=0.3)],
+                        clock=server.clock)
     try:
-        started = time.monotonic()
         (first,) = source.sample()
-        first_elapsed = time.monotonic() - started
+        first_elapsed = sum(source_waits)
         (second,) = source.sample()  # the first request is still being dripped
     finally:
         source.close()

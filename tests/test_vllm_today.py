@@ -19,7 +19,7 @@ from exporter.model import State, VllmEngineStats, VllmSample
 from exporter.serve.exposition import StateCollector
 from exporter.sources.vllm_log import read_profile
 from exporter.sources.vllm_normalise import normalise
-from test_detectors import T0, GiB, gpu, snap, vllm_proc
+from helpers.timeline import T0, GiB, gpu, snap, vllm_proc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 EP = "http://127.0.0.1:8000"
@@ -210,7 +210,7 @@ def test_stale_memory_is_not_raised_while_a_server_sleeps():
 
 
 def test_a_sleeping_server_is_not_judged_by_the_leak_detector():
-    from test_detectors import leaking_server
+    from helpers.timeline import leaking_server
     leaking = leaking_server(3600, 8 * 1024 * 1024)
     analyzer, _ = replay(leaking)
     assert "leak" in {f.kind for f in analyzer.all_findings}  # awake: a leak

@@ -7,13 +7,13 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_state
 from exporter.config import ConfigError
 from exporter.serve.auth import BasicAuth
 from exporter.serve.exposition import build_registry
 from exporter.serve.server import HttpServer
 from exporter.serve.web import make_app
 from exporter.serve.webconfig import load_web_config
+from helpers.state import make_state
 
 
 @pytest.fixture
@@ -121,6 +121,7 @@ def test_malformed_auth_headers_are_refused(header):
     assert BasicAuth({"prom": HASH}).check(header) is False
 
 
+@pytest.mark.integration
 def test_tls_and_auth_from_web_config(serve, tls_cert, tmp_path):
     cert, key = tls_cert
     path = tmp_path / "web.yml"

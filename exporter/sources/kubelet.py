@@ -194,7 +194,7 @@ class KubeletPods:
         request = self._session.prepare_request(requests.Request("GET", self.url, headers=headers))
         try:  # the kubelet never redirects /pods; one that does is not followed
             answer = get(self._session, request, timeout=self.timeout_seconds,
-                         max_bytes=self.max_response_bytes)
+                         max_bytes=self.max_response_bytes, clock=self.now)
         except HttpFailure as exc:
             raise KubeletError(exc.kind, exc.message) from None
         if answer.status != 200:

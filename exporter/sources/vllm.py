@@ -122,8 +122,9 @@ class VllmSource:
 
     def __init__(self, endpoints: Iterable[VllmEndpoint], host: HostView | None = None,
                  max_workers: int | None = None, session_factory: Callable[[], requests.Session] | None = None,
-                 pid_resolver: PidResolver | None = None):
+                 pid_resolver: PidResolver | None = None, clock: Callable[[], float] = time.monotonic):
         self.endpoints = tuple(endpoints)
+        self.clock = clock  # monotonic seconds: each scrape's deadline and duration
         self.host = host
         self._resolve_pids = pid_resolver or ServerPids()
         # One session per endpoint: requests sessions are not thread-safe, and the in-flight
@@ -142,7 +143,7 @@ class VllmSource:
     def sample(self, candidates: Sequence[int] = ()) -> tuple[VllmSample, ...]:
         """Scrape every endpoint; `candidates` (the GPU processes' PIDs) feed the
         container_id / process_pattern look-ups. Returns one sample per endpoint, in order."""
-        started = time.monotonic()
+        started = self.clock()
         results: dict[int, VllmSample] = {}
         waiting: dict[concurrent.futures.Future[VllmSample], int] = {}
         with self._lock:
@@ -151,9 +152,9 @@ class VllmSource:
                 if previous is not None and not previous.done():
                     # An earlier scrape is still stuck: do not pile up threads on it.
                     results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: previous scrape "
-                                         "still running", started)
+                                         "still running", started, self.clock)
                     continue
-                future = self._pool.submit(scrape, endpoint, self._sessions[i], self._request(i))
+                future = self._pool.submit(scrape, endpoint, self._sessions[i], self._request(i), self.clock)
                 self._inflight[i] = future
                 waiting[future] = i
         if waiting:
@@ -165,7 +166,7 @@ class VllmSource:
                 results[i] = future.result()  # scrape never raises
             else:
                 results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: no complete response "
-                                     f"within {endpoint.timeout_seconds:g}s", started)
+                                     f"within {endpoint.timeout_seconds:g}s", started, self.clock)
         for sample in results.values():
             self._warn_rejected(sample)
         return tuple(self._with_pids(self.endpoints[i], results[i], candidates)

@@ -21,7 +21,9 @@ from pathlib import Path
 import requests
 import yaml
 
-from test_alerts import ALERTMANAGER_CONFIG, REPO, _free_port, tool
+from helpers.rules import ALERTMANAGER_CONFIG
+from helpers.tools import REPO, tool
+from helpers.tools import free_port as _free_port
 
 # Bounds on what we read from the services (outside input, even on loopback).
 MAX_RESPONSE_BYTES = 5_000_000

@@ -1,0 +1,26 @@
+"""The repository root, external tools (promtool, amtool, alertmanager, prometheus) looked up on
+PATH, and free loopback ports."""
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tool(*names: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail(f"{' or '.join(names)} not found on PATH; install it "
+                "(Debian/Ubuntu: apt-get install prometheus prometheus-alertmanager)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
