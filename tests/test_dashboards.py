@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +14,7 @@ from helpers.dashboards import (
     BUILTINS,
     DASHBOARD_FILES,
     GRAFANA,
+    PROBE_SERIES,
     VARIABLE,
     all_panels,
     load,
