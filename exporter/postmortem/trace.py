@@ -3,7 +3,8 @@
 Two input formats:
 - the trace CSV (a public interface: a change is a CHANGELOG entry): header
   `timestamp,gpu,pid,process,used_bytes` plus optional columns (`total_bytes`, `host_rss_bytes`,
-  `role`, `uuid`, `start_time`, ...). A row with an empty `pid` is a GPU-level row giving the GPU's own used/total; unknown columns are ignored.
+  `role`, `uuid`, `start_time`, ...). A row with an empty `pid` is a GPU-level row giving the
+  GPU's own used/total; unknown columns are ignored.
   What the detectors read beyond memory rides in optional columns too, so a trace replays
   everything the live daemon saw (a reader that ignores them still gets the memory):
     gpu_error    on a GPU-level row: why the GPU was down (NVML's error token); empty = up
