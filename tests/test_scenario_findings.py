@@ -53,3 +53,28 @@ def test_leak_scenario_names_the_process_and_its_rate():
     rate_mib_min = dict(leak.evidence)["slope_bytes_per_second"] * 60 / 2**20
     assert 3.0 < rate_mib_min < 5.0  # the scenario leaks 4 MiB/min
     assert leak.first_detected_at - start < 5400  # 4 MiB/min: about an hour (bench/leak_quality.py)
+
+
+@pytest.mark.slow
+def test_fragmentation_scenario_is_seen_from_the_allocator_retries_before_any_oom():
+    """The probe's retries start at 20 min: the finding names the process and comes from them,
+    live, while no out-of-memory error has happened."""
+    analyzer, start = play("fragmentation")
+    from_probe = [f for f in analyzer.all_findings
+                  if f.kind == "fragmentation" and f.pid is not None
+                  and dict(f.evidence).get("alloc_retries_in_window", 0) > 0]
+    assert from_probe, [(f.kind, f.pid, dict(f.evidence)) for f in analyzer.all_findings]
+    first = min(f.first_detected_at for f in from_probe) - start
+    assert 20 * 60 <= first < 30 * 60
+    assert not [f for f in analyzer.all_findings if f.kind == "oom"]
+    assert any("expandable_segments:True" in " ".join(f.advice) for f in from_probe)
+
+
+@pytest.mark.slow
+def test_leak_scenario_attributes_the_growth_to_memory_outside_torch():
+    """In the leak scenario torch's reserved memory stays flat while NVML's figure grows."""
+    analyzer, _ = play("leak")
+    [gpu_leak] = [f for f in analyzer.all_findings if f.kind == "leak" and f.gpu is not None]
+    evidence = dict(gpu_leak.evidence)
+    assert evidence["component"] == "non_torch"
+    assert any("NCCL_CUMEM_ENABLE=0" in a for a in gpu_leak.advice)
