@@ -43,11 +43,11 @@ deps: $(VENV)/.installed-test system-deps
 # built-in simulated host runs instead.
 run: $(VENV)/.installed
 	@if [ -z "$(SCENARIO)" ] && ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml\.so\.1'; then \
-	  echo "NVIDIA driver found: sampling this host's GPUs on http://$(LISTEN)/metrics"; \
+	  echo "NVIDIA driver found: sampling this host's GPUs; status page http://$(LISTEN)/, metrics /metrics"; \
 	  exec $(VENV)/bin/gpu-memory-exporter run --listen $(LISTEN); \
 	else \
 	  [ -n "$(SCENARIO)" ] || echo "no NVIDIA driver here: running a simulated host instead"; \
-	  echo "simulated host, scenario '$${SCENARIO:-steady}' at $(SPEED)x, on http://$(LISTEN)/metrics" \
+	  echo "simulated host, scenario '$${SCENARIO:-steady}' at $(SPEED)x; status page http://$(LISTEN)/, metrics /metrics" \
 	    "(make run SCENARIO=leak SPEED=60 for another; gpu-memory-exporter scenarios lists them)"; \
 	  exec $(VENV)/bin/gpu-memory-exporter run --simulate $${SCENARIO:-steady} --speed $(SPEED) --listen $(LISTEN); \
 	fi

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import signal
@@ -145,7 +146,9 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
             try:
                 servers.append(HttpServer(served, *parse_listen(where), web_config).start())
             except OSError as exc:
-                raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}") from exc
+                hint = (" (another exporter on that port? choose one with --listen HOST:PORT, or "
+                        "`make run LISTEN=127.0.0.1:9843`)") if exc.errno == errno.EADDRINUSE else ""
+                raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from exc
     except BaseException:
         for server in servers:
             server.stop()

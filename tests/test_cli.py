@@ -107,6 +107,17 @@ def test_unknown_scenario_is_a_clear_error():
 
 
 @pytest.mark.integration
+def test_a_port_in_use_is_a_clear_error_that_says_how_to_choose_another():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = cli("run", "--simulate", "steady", "--listen", f"127.0.0.1:{port}", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "--listen HOST:PORT" in proc.stderr
+
+
+@pytest.mark.integration
 def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
     d = Daemon("--interval", "0.2")
     try:

@@ -257,6 +257,7 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     assert "<td>40.00 GiB</td><td>open</td>" in page  # free bytes, then admission
     # the active finding with its summary, and every source up or down
     assert "<td>leak</td>" in page and "<td>101 proc101</td><td>grows 4 MiB/min</td>" in page
+    assert "<th>what to change</th>" in page and "<td>check NCCL_CUMEM_ENABLE</td>" in page  # its advice
     assert "<td>nvml</td>" in page and "<td>vllm down</td><td><span class=\"bad\">down</span> refused" in page
     for link in ("metrics", "healthz", "admission", "api/findings"):
         assert f'<a href="{link}">' in page

@@ -34,6 +34,11 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
+def _advice(advice: tuple[str, ...]) -> str:
+    """On-call reads this page to decide what to do: the finding's advice, one item a line."""
+    return "<br>".join(escape(a) for a in advice)
+
+
 def render(state: State, host: str, sample_age: float | None, stale_after: float) -> str:
     """`host`: how the host is sampled ("real", or "simulated: scenario NAME")."""
     snap, analysis = state.snapshot, state.analysis
@@ -54,7 +59,8 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
                      escape(use) if g.up else "", escape(format_bytes(g.free_bytes)) if g.up else "",
                      admission, escape(_duration(a.time_to_full_seconds)) if a else "", len(g.processes)))
     findings: list[tuple[object, ...]] = [(escape(f.severity), escape(f.kind), escape(f.gpu or ""),
-                 escape(f"{f.pid} {f.process}" if f.pid is not None else f.process), escape(f.summary))
+                 escape(f"{f.pid} {f.process}" if f.pid is not None else f.process), escape(f.summary),
+                 _advice(f.advice))
                 for f in (analysis.findings if analysis else ())]
     sources: list[tuple[object, ...]] = [(escape(s.source), _updown(s.up, s.error))
                                          for s in (snap.sources if snap else ())]
@@ -65,7 +71,7 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
             f"<p>Host: {escape(host)}{driver}. Last sample: {freshness}.</p>"
             "<h2>GPUs</h2>" + _table(("GPU", "name", "state", "used", "headroom (free)", "admission",
                                       "full in", "processes"), gpus, "No GPU sampled yet.")
-            + "<h2>Findings</h2>" + _table(("severity", "kind", "GPU", "process", "summary"), findings,
+            + "<h2>Findings</h2>" + _table(("severity", "kind", "GPU", "process", "why", "what to change"), findings,
                                            "No active findings.")
             + "<h2>Sources</h2>" + _table(("source", "state"), sources, "No source has reported yet.")
             + f"<h2>Endpoints</h2><ul>{links}</ul></body></html>\n")
