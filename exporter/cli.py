@@ -20,6 +20,7 @@ from .config import load as load_config
 if TYPE_CHECKING:  # imported where used, so each command loads only what it needs
     from .analysis.engine import Analyzer
     from .clock import Clock
+    from .postmortem.alloc_history import HistoryRequester
     from .postmortem.recorder import FlightRecorder
     from .runtime import Runtime
 
@@ -83,6 +84,19 @@ def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
         raise click.ClickException(f"invalid configuration: recorder: {exc}") from exc
 
 
+def _make_alloc_history(config: Config, clock: Clock, simulated: bool) -> HistoryRequester | None:
+    h = config.allocator.history
+    if not h.enabled or not config.allocator.probe_dir:
+        return None
+    if simulated:  # the simulated probes record nothing
+        log.info("allocator.history: not used while simulating")
+        return None
+    from .postmortem.alloc_history import HistoryRequester
+
+    return HistoryRequester(config.allocator.probe_dir, h.record_seconds, h.max_entries,
+                            h.min_interval_seconds, now=clock.now)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], **_COMMON_ENV})
 @click.version_option(__version__, prog_name="gpu-memory-exporter")
 @click.option("--log-level", default="info", show_default=True,
@@ -132,7 +146,8 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
     servers = []
     try:  # a failure from here on must not leave simulated servers or threads behind
         recorder = _make_recorder(config, clock)
-        daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder)
+        daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder,
+                        alloc_history=_make_alloc_history(config, clock, bool(simulate)))
         registry = build_registry(lambda: daemon.state, clock.now)
         current = {"config": config}  # what a reload changes
         app_args = (registry, lambda: daemon.state, clock.now, lambda: current["config"].effective_stale_after)
@@ -210,6 +225,8 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
         daemon.interval = new_config.interval_seconds
         changed = [k for k in ("listen", "health_listen", "web_config_file", "host", "history", "recorder",
                                "kubelet") if getattr(old, k) != getattr(new_config, k)]
+        if old.allocator.history != new_config.allocator.history:
+            changed.append("allocator.history")
         if changed:
             log.warning("changed settings that take effect only on restart: %s", ", ".join(changed))
         log.info("configuration reloaded")

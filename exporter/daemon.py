@@ -19,6 +19,7 @@ from .sources.source import Source, collect
 
 if TYPE_CHECKING:
     from .analysis.engine import Analyzer
+    from .postmortem.alloc_history import HistoryRequester
     from .postmortem.recorder import FlightRecorder
 
 log = logging.getLogger("exporter.daemon")
@@ -58,12 +59,14 @@ def _bounded_add(counter: Counter[tuple[str, str]], key: tuple[str, str], n: int
 
 class Daemon:
     def __init__(self, sampler: Sampler, clock: Clock, interval_seconds: float,
-                 analyzer: Analyzer | None = None, recorder: FlightRecorder | None = None):
+                 analyzer: Analyzer | None = None, recorder: FlightRecorder | None = None,
+                 alloc_history: HistoryRequester | None = None):
         self.sampler = sampler
         self.clock = clock
         self.interval = interval_seconds
         self.analyzer = analyzer  # analysis.engine.Analyzer: update(snapshot) -> Analysis
         self.recorder = recorder  # postmortem.recorder.FlightRecorder: writes on its own thread
+        self.alloc_history = alloc_history  # postmortem.alloc_history: asks probes to record
         self.state = State()
         self._errors: Counter[tuple[str, str]] = Counter()
         self._vllm_errors: Counter[tuple[str, str]] = Counter()
@@ -127,10 +130,14 @@ class Daemon:
             samples_total=self.state.samples_total + 1,
             last_sample_at=self.clock.now(),
             sample_duration_seconds=time.perf_counter() - started,
-            recorder=self.recorder.stats() if self.recorder is not None else None)
+            recorder=self.recorder.stats() if self.recorder is not None else None,
+            alloc_history=self.alloc_history.stats() if self.alloc_history is not None else None)
         if self.recorder is not None and self.analyzer is not None:
             # Reacts to the transitions the analysis found; never blocks on the disk.
             self.recorder.observe(self.state, self.analyzer.history.recent)
+        if self.alloc_history is not None:
+            # Reacts to findings first raised for a probed process; never raises.
+            self.alloc_history.observe(self.state)
         return self.state
 
     def run(self) -> None:

@@ -34,6 +34,16 @@ class AllocatorStats:
     alloc_conf: tuple[tuple[str, str], ...] = ()  # (PYTORCH_[CUDA_]ALLOC_CONF, value) as set
     probe_errors: int = 0  # faults the probe counted in the process (all kinds)
     written_at: float = 0.0  # when the probe read these numbers (Unix s)
+    # The probe's own identity (its file's name): where a request for allocation history goes.
+    probe_pid: int | None = None  # in the process's own PID namespace
+    probe_pid_ns: int = 0
+    # The last allocation-history request the probe acted on (docs/probe.md): its id, state
+    # (recording | done | failed, "" never asked), and the dump's file name in the probe
+    # directory and size once done.
+    history_request: str = ""
+    history_state: str = ""
+    history_file: str = ""
+    history_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -447,6 +457,14 @@ class RecorderStats:
 
 
 @dataclass(frozen=True)
+class AllocHistoryStats:
+    """The allocation-history requests the exporter made (postmortem/alloc_history.py)."""
+
+    requests_total: Mapping[str, int] = field(default_factory=dict)  # result -> count
+    results_total: Mapping[str, int] = field(default_factory=dict)  # probe's outcome -> count
+
+
+@dataclass(frozen=True)
 class State:
     """What a scrape renders. Replaced whole after every tick."""
 
@@ -456,6 +474,7 @@ class State:
     vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
     recorder: RecorderStats | None = None  # when the flight recorder is on
+    alloc_history: AllocHistoryStats | None = None  # when allocator.history is on
     samples_total: int = 0
     last_sample_at: float | None = None  # clock time the last tick completed
     sample_duration_seconds: float = 0.0

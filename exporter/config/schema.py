@@ -199,6 +199,24 @@ class RecorderConfig(Section):
     debounce_seconds: Seconds = Field(300.0, description="At most one trace per trigger kind this often.")
 
 
+class AllocatorHistoryConfig(Section):
+    """Allocation history on demand (docs/probe.md): off unless `enabled`."""
+
+    enabled: bool = Field(False, description=(
+        "When a leak or fragmentation finding is first raised for a probed process, ask its probe "
+        "(a control file in allocator.probe_dir, which must then be writable by the exporter) to "
+        "record PyTorch's allocation history and dump it there for pytorch.org/memory_viz. "
+        "Recording slows the serving process's allocations while it lasts: see docs/probe.md."))
+    record_seconds: Annotated[PositiveSeconds, Field(le=600.0)] = Field(120.0, description=(
+        "How long the probe records (the probe refuses more than 600)."))
+    max_entries: Annotated[Count, Field(ge=1, le=1_000_000)] = Field(100_000, description=(
+        "Allocation events kept, the newest (the probe refuses more than 1,000,000); bounds the "
+        "dump's size and the memory recording takes."))
+    min_interval_seconds: Annotated[Seconds, Field(ge=900.0)] = Field(3600.0, description=(
+        "At most one request per process this often (the probe itself records at most once per "
+        "15 minutes)."))
+
+
 class AllocatorConfig(Section):
     """PyTorch's allocator numbers from the in-process probe (docs/probe.md): off while
     `probe_dir` is empty."""
@@ -207,6 +225,12 @@ class AllocatorConfig(Section):
         "The directory the vLLM processes' probes write to (their GPUMEM_PROBE_DIR, shared with "
         "the exporter, e.g. /run/gpumem-probe). Read once per sample; per-process torch "
         "allocated/reserved, non-torch and retry series come from it. Off while empty."))
+    history: AllocatorHistoryConfig = Field(default_factory=EMPTY, description=(
+        "Allocation history on demand from the probes (opt-in)."))
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.history.enabled and not self.probe_dir:
+            yield "history.enabled", "needs allocator.probe_dir"
 
 
 def _enabled(value: Any) -> Any:

@@ -384,9 +384,37 @@ def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) ->
         for a, why in advice.items()) + "</ol>"
 
 
+def _history_dumps(snapshots: Sequence[Snapshot]) -> list[tuple[str, int, str, str, int | None]]:
+    """(gpu, pid, process, file, bytes) of each allocation-history dump a probe reported in the
+    trace (docs/probe.md), the last one reported per process and file."""
+    dumps: dict[tuple[str, int, str], tuple[str, int, str, str, int | None]] = {}
+    for snap in snapshots:
+        for g in snap.gpus:
+            for p in g.processes:
+                a = p.allocator
+                if a is not None and a.history_file:
+                    dumps[(g.index, p.pid, a.history_file)] = (g.index, p.pid, p.name, a.history_file,
+                                                               a.history_bytes)
+    return list(dumps.values())
+
+
+def _history_section(dumps: Sequence[tuple[str, int, str, str, int | None]], probe_dir: str) -> str:
+    out = []
+    for gpu, pid, process, name, size in dumps:
+        path = os.path.join(probe_dir, name) if probe_dir else name
+        where = "" if probe_dir else " in the probe directory (<code>allocator.probe_dir</code>)"
+        out.append(f'<p class="alloc-history">Allocation history of pid {pid}'
+                   + (f" ({_e(process)})" if process else "") + f" on GPU {_e(gpu)}: "
+                   f'<a href="{_e(path)}"><code>{_e(path)}</code></a>'
+                   + (f" ({_e(_bytes(size))})" if size is not None else "") + f"{where}; open it in "
+                   '<a href="https://pytorch.org/memory_viz">pytorch.org/memory_viz</a> to see the stacks '
+                   "that allocated the memory.</p>")
+    return "\n".join(out)
+
+
 def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
                   oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem",
-                  triggers: Sequence[tuple[float, str]] = ()) -> str:
+                  triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "") -> str:
     """The report as one HTML string (see write_report)."""
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
     episodes = sorted(findings_with_clearing,
@@ -422,6 +450,7 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
              _when(c) if c is not None else "active at the end", f.summary) for f, c in episodes)))
     else:
         body.append("<p>No findings.</p>")
+    body.append(_history_section(_history_dumps(snapshots), probe_dir))
 
     body.append("<h2>GPU memory</h2>")
     rows = []
@@ -469,13 +498,15 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
 
 def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
                  oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem",
-                 triggers: Sequence[tuple[float, str]] = ()) -> None:
+                 triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "") -> None:
     """Write the report to `path` as one self-contained HTML file (temporary file + rename).
 
     findings_with_clearing: (Finding, cleared_at or None) pairs, as Analyzer.episodes() or
     analyze.replay_episodes() give them. oom_events: OomEvents (from `explain` of the logs,
-    and the trace's own). triggers: the flight recorder's (tick time, trigger) marks."""
-    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers)
+    and the trace's own). triggers: the flight recorder's (tick time, trigger) marks.
+    probe_dir: where the probes' allocation-history dumps are, for their links (else the
+    bare file name)."""
+    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers, probe_dir)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as handle:

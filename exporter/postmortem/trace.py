@@ -36,8 +36,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict, TypeVar
@@ -54,6 +52,7 @@ from ..model import (
     VllmEngineStats,
     VllmSample,
 )
+from .atomic import atomic_file
 from .cells import decode_list, decode_one, encode
 
 # Bounds on outside input: a trace is read whole into memory, so cap what we accept.
@@ -293,32 +292,25 @@ def write_csv(snapshots: Iterable[Snapshot], path: str,
     written through.
     """
     triggers = triggers or {}
-    directory, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f"{name}.tmp.{os.getpid()}.", dir=directory or ".")
-    try:
-        # errors="replace": a name that is not valid Unicode must not lose the whole trace
-        with open(fd, "w", encoding="utf-8", errors="replace", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(CSV_COLUMNS)
-            for snap in snapshots:
-                ts = repr(float(snap.timestamp))
-                host = snap.host
-                trigger = "+".join(triggers.get(snap.timestamp, ()))
-                for i, g in enumerate(snap.gpus):
-                    row = _gpu_cells(ts, g, host, trigger)
-                    if i == 0:  # the tick's own data, once
-                        if snap.vllm:
-                            row[_COL["vllm"]] = encode(list(snap.vllm))
-                        if snap.log_events:
-                            row[_COL["oom_events"]] = encode(
-                                [_as_message(e) for e in snap.log_events])
-                    writer.writerow(row)
-                    for p in g.processes:
-                        writer.writerow(_process_cells(ts, g, p))
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+    # errors="replace": a name that is not valid Unicode must not lose the whole trace
+    with atomic_file(path, encoding="utf-8", errors="replace", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for snap in snapshots:
+            ts = repr(float(snap.timestamp))
+            host = snap.host
+            trigger = "+".join(triggers.get(snap.timestamp, ()))
+            for i, g in enumerate(snap.gpus):
+                row = _gpu_cells(ts, g, host, trigger)
+                if i == 0:  # the tick's own data, once
+                    if snap.vllm:
+                        row[_COL["vllm"]] = encode(list(snap.vllm))
+                    if snap.log_events:
+                        row[_COL["oom_events"]] = encode(
+                            [_as_message(e) for e in snap.log_events])
+                writer.writerow(row)
+                for p in g.processes:
+                    writer.writerow(_process_cells(ts, g, p))
 
 
 def _text(value: object) -> str:

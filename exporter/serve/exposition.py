@@ -14,7 +14,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
-from ..model import Analysis, ProcessSample, RecorderStats, Snapshot, State
+from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, Snapshot, State
 
 GPU = ["gpu", "uuid"]
 PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
@@ -49,6 +49,8 @@ class StateCollector(Collector):
             yield from self._analysis(state.analysis)
         if state.recorder is not None:
             yield from self._recorder(state.recorder)
+        if state.alloc_history is not None:
+            yield from self._alloc_history(state.alloc_history)
 
     # -- exporter health ------------------------------------------------------------------
     def _self_metrics(self, state: State) -> Iterator[Metric]:
@@ -333,6 +335,21 @@ class StateCollector(Collector):
             yield GaugeMetricFamily("gpumem_recorder_last_write_timestamp_seconds",
                                     "When the flight recorder last finished a trace file.",
                                     value=stats.last_write_timestamp)
+
+    def _alloc_history(self, stats: AllocHistoryStats) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "gpumem_allocator_history_requests",
+            "Allocation-history requests to probes, by result (written, rate_limited, or an error kind).",
+            labels=["result"])
+        for result, n in sorted(stats.requests_total.items()):
+            requests.add_metric([result], n)
+        yield requests
+        results = CounterMetricFamily(
+            "gpumem_allocator_history_results",
+            "The probes' answers to those requests: done, failed, unanswered.", labels=["state"])
+        for state, n in sorted(stats.results_total.items()):
+            results.add_metric([state], n)
+        yield results
 
 
 def _str(value: object) -> str:

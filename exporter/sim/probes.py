@@ -26,7 +26,8 @@ from .scenario.state import ProcessState
 SCHEMA = 1
 PROBE_VERSION = "0.1.0"
 TORCH_VERSION = "2.6.0+cu124"
-ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal")
+ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal",
+               "control", "history", "history_unsupported")
 PID_NAMESPACE = 0  # unreadable, as far as the reader is concerned (see the module docstring)
 
 
@@ -93,7 +94,7 @@ class SimulatedProbes:
             "written_at": written_at, "interval": probe.interval, "seq": seq,
             "torch_version": TORCH_VERSION, "backend": "native",
             "alloc_conf": {"PYTORCH_CUDA_ALLOC_CONF": probe.alloc_conf} if probe.alloc_conf else {},
-            "errors": dict.fromkeys(ERROR_KINDS, 0), "devices": devices,
+            "errors": dict.fromkeys(ERROR_KINDS, 0), "devices": devices, "history": None,
         }
 
     def _write(self, name: str, doc: dict[str, object]) -> None:

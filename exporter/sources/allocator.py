@@ -44,6 +44,9 @@ _STAT_FIELDS = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_s
                 "alloc_retries", "ooms", "device_allocs", "device_frees", "cumem_bytes")
 _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _NS_LINK = re.compile(r"pid:\[(\d+)\]")
+# The probe's allocation-history dump (probe/gpumem_probe/history.py): a bare name, never a path.
+DUMP_NAME = re.compile(r"gpumem-\d{1,20}-\d{1,10}-[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.pickle")
+_HISTORY_STATES = frozenset({"recording", "done", "failed"})
 _MAX_COUNT = 1 << 63
 
 
@@ -117,14 +120,33 @@ def parse(data: bytes) -> ProbeReport:
             backend=_text(doc.get("backend", ""), 32),
             alloc_conf=tuple((name, _text(conf[name])) for name in _ALLOC_CONF_VARS if name in conf),
             probe_errors=sum(_count(n) for n in errors.values()),
-            written_at=_seconds(doc["written_at"]))
+            written_at=_seconds(doc["written_at"]),
+            probe_pid=_count(doc["pid"]), probe_pid_ns=_count(doc.get("pid_ns") or 0),
+            **_history(doc.get("history")))
         return ProbeReport(
-            pid=_count(doc["pid"]), pid_ns=_count(doc.get("pid_ns") or 0),
+            pid=common["probe_pid"], pid_ns=common["probe_pid_ns"],
             start_time=_seconds(doc["start_time"]), written_at=common["written_at"],
             interval=min(max(_seconds(doc["interval"]), MIN_INTERVAL), MAX_INTERVAL),
             devices=tuple(_device(d, common) for d in devices))
     except (KeyError, TypeError) as exc:
         raise _Invalid("bad_schema", f"missing or mistyped {str(exc)[:60]}") from None
+
+
+def _history(value: object) -> dict[str, Any]:
+    """The probe's `history` object (absent or null: never asked). A value of an unknown
+    state or a file name that is not a dump's is dropped, never passed on."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Invalid("bad_schema", "history: not an object")
+    request, state, name = value.get("request_id"), value.get("state"), value.get("file")
+    out: dict[str, Any] = {
+        "history_request": _text(request, 64) if request is not None else "",
+        "history_state": state if isinstance(state, str) and state in _HISTORY_STATES else ""}
+    if out["history_state"] == "done" and isinstance(name, str) and DUMP_NAME.fullmatch(name):
+        out["history_file"] = name
+        out["history_bytes"] = _optional_count(value.get("bytes"))
+    return out
 
 
 def _device(entry: object, common: dict[str, Any]) -> tuple[str | None, AllocatorStats]:

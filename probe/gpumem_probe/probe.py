@@ -17,6 +17,7 @@ from typing import Any
 
 from . import __version__
 from .files import ProbeFile
+from .history import ENV_HISTORY, History, enabled_from
 from .identity import Identity
 from .identity import current as current_identity
 from .stats import device_uuid, read_devices
@@ -28,7 +29,8 @@ DEFAULT_INTERVAL = 5.0
 MIN_INTERVAL, MAX_INTERVAL = 0.5, 300.0
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MAX_SETTING_CHARS = 512  # allocator settings are short; an odd value must not bloat the file
-ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal")
+ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal",
+               "control", "history", "history_unsupported")
 THREAD_NAME = "gpumem-probe"
 
 log = logging.getLogger("gpumem_probe")
@@ -61,7 +63,7 @@ def initialised_cuda(modules: dict = sys.modules) -> Any:
 class Probe:
     def __init__(self, directory: str, interval: float, settings: dict[str, str] | None = None,
                  cuda: Callable[[], Any] = initialised_cuda, clock: Callable[[], float] = time.time,
-                 modules: dict = sys.modules, proc: str = "/proc"):
+                 modules: dict = sys.modules, proc: str = "/proc", history: bool = True):
         self.directory = directory
         self.interval = interval
         self.settings = dict(settings or {})
@@ -80,6 +82,8 @@ class Probe:
         self._file: ProbeFile | None = None
         self._uuids: dict[int, str | None] = {}
         self._backend: str | None = None
+        # Allocation history on request (history.py); `history` False refuses every request.
+        self.history = History(history, clock, self.errors)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=THREAD_NAME, daemon=True).start()
@@ -101,18 +105,23 @@ class Probe:
         cuda = self._cuda()
         if cuda is None:
             return False
-        data = json.dumps(self.document(cuda), separators=(",", ":")).encode()
-        with self._lock:
+        with self._lock:  # held through a history dump too: exit waits for it to finish
             if self._closed:
                 return False
+            me = self._me()
             try:
                 if self._file is None:
-                    me = self._me()
                     self._file = ProbeFile(self.directory, me.file_name)
                     self._sweep(self._file, me)
-                self._file.write(data)
             except OSError:
                 self.errors["write"] += 1  # shows in the next file that does get written
+                return False
+            self.history.step(self._file, me.pid_ns, me.pid, cuda)  # one lstat unless asked
+            data = json.dumps(self.document(cuda), separators=(",", ":")).encode()
+            try:
+                self._file.write(data)
+            except OSError:
+                self.errors["write"] += 1
                 return False
         self.writes += 1
         return True
@@ -137,7 +146,7 @@ class Probe:
             "written_at": self._clock(), "interval": self.interval, "seq": self.writes + 1,
             "torch_version": str(getattr(self._modules.get("torch"), "__version__", ""))[:64],
             "backend": self._allocator_backend(cuda), "alloc_conf": self.settings,
-            "errors": dict(self.errors), "devices": devices,
+            "errors": dict(self.errors), "devices": devices, "history": self.history.state,
         }
 
     def _uuid(self, cuda: Any, index: int) -> str | None:
@@ -176,7 +185,7 @@ class Probe:
     def forked(self) -> Probe:
         """A new probe for a forked child, with this one's settings."""
         return Probe(self.directory, self.interval, self.settings, self._cuda, self._clock,
-                     self._modules, self._proc)
+                     self._modules, self._proc, self.history.enabled)
 
 
 class _ThisProcess:
@@ -204,7 +213,8 @@ def start(environ=os.environ) -> Probe | None:
         if not os.path.isdir(directory):
             log.warning("gpumem_probe: %s=%r is not a directory; the probe stays off", ENV_DIR, directory)
             return None
-        this.probe = Probe(directory, interval_from(environ.get(ENV_INTERVAL)), allocator_settings(environ))
+        this.probe = Probe(directory, interval_from(environ.get(ENV_INTERVAL)), allocator_settings(environ),
+                           history=enabled_from(environ.get(ENV_HISTORY)))
         this.probe.start()
         if not this.fork_hook:
             os.register_at_fork(after_in_child=_after_fork_in_child)
