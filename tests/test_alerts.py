@@ -24,7 +24,7 @@ from helpers.rules import (
     metric_names,
     recording_rules,
 )
-from helpers.tools import REPO, tool
+from helpers.tools import HANG, REPO, tool
 from helpers.tools import free_port as _free_port
 
 UNIT_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
@@ -115,7 +115,7 @@ def test_alertmanager_groups_by_host():
 # -- a real Alertmanager applies the inhibitions ------------------------------------------------
 def _http(url: str, body: bytes | None = None) -> bytes:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=5) as response:
+    with urllib.request.urlopen(request, timeout=HANG) as response:
         return response.read(1_000_000)
 
 
@@ -136,7 +136,7 @@ def alertmanager(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + HANG
         while True:
             try:
                 _http(f"{base}/-/ready")
@@ -171,7 +171,7 @@ def test_alertmanager_inhibits_what_the_example_promises(alertmanager):
                 ("GpuMemoryExporterDown", "gpu-host-2:9842", None): False,
                 ("VllmEndpointDown", "gpu-host-2:9842", None): True,
                 ("VllmEndpointDown", "gpu-host-1:9842", None): False}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG
     while True:  # inhibition sees source alerts asynchronously
         got = {(a["labels"]["alertname"], a["labels"]["instance"], a["labels"].get("gpu")):
                bool(a["status"]["inhibitedBy"])

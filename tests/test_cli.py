@@ -2,31 +2,25 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.sim.scenario import load
+from helpers.daemon import Daemon
+from helpers.tools import HANG
 
 EXE = [sys.executable, "-m", "exporter"]
 
 
 def cli(*args, check=True):
-    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=HANG)
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def series(text):
@@ -34,33 +28,8 @@ def series(text):
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-class Daemon:
-    def __init__(self, *args, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([*EXE, "run", "--listen", f"127.0.0.1:{self.port}", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-
-    def wait_healthy(self, timeout=20):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("daemon never became healthy")
-
-    def metrics(self):
-        return series(requests.get(self.url + "/metrics", timeout=5).text)
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=15)
-        return self.proc.returncode, out
+def metrics(d):
+    return series(d.get("/metrics").text)
 
 
 @pytest.mark.integration
@@ -122,7 +91,7 @@ def test_run_with_no_gpu_serves_source_down_and_keeps_retrying():
     d = Daemon("--interval", "0.2")
     try:
         d.wait_healthy()
-        m = d.metrics()
+        m = metrics(d)
         assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 0
         assert m[("gpumem_exporter_source_up", (("source", "host"),))] == 1
         assert any(n == "gpumem_exporter_errors_total" and dict(labels)["source"] == "nvml" for n, labels in m)
@@ -148,10 +117,10 @@ def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
     d = Daemon("--simulate", "steady", "--interval", "0.2", "--speed", "600")
     try:
         d.wait_healthy()
-        m = d.metrics()
+        m = metrics(d)
         assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 1
         assert any(n == "gpumem_process_memory_used_bytes" for n, _ in m)
-        assert requests.get(d.url + "/admission", timeout=5).status_code in (200, 503)
+        assert d.get("/admission").status_code in (200, 503)
     finally:
         code, out = d.stop()
     assert code == 0 and "stopping" in out
@@ -167,14 +136,12 @@ def test_sighup_reloads_and_a_bad_file_keeps_the_running_config(tmp_path):
     try:
         d.wait_healthy()
         cfg.write_text("interval_seconds: [broken\n")
-        d.proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        d.reload()  # until the daemon has said how it went
         cfg.write_text("interval_seconds: 0.3\n")
-        d.proc.send_signal(signal.SIGHUP)
-        time.sleep(1.0)
+        d.reload()
         d.wait_healthy()
         # The reloaded sources run over the same simulated host: NVML still answers.
-        m = d.metrics()
+        m = metrics(d)
         assert m[("gpumem_exporter_source_up", (("source", "nvml"),))] == 1
         assert any(n == "gpumem_process_memory_used_bytes" for n, _ in m)
     finally:
@@ -192,13 +159,13 @@ def test_sighup_reloads_admission_thresholds(tmp_path):
     d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "120")  # 20 GiB beyond budgets
     try:
         d.wait_healthy()
-        assert requests.get(d.url + "/admission", timeout=5).status_code == 200
+        assert d.get("/admission").status_code == 200
         cfg.write_text("interval_seconds: 0.2\nadmission: {close_above: 0.5, open_below: 0.4}\n")
         d.proc.send_signal(signal.SIGHUP)  # at the default 0.90 this scenario never closes
-        deadline = time.monotonic() + 10
-        while requests.get(d.url + "/admission", timeout=5).status_code != 503 and time.monotonic() < deadline:
+        deadline = time.monotonic() + HANG
+        while d.get("/admission").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert requests.get(d.url + "/admission", timeout=5).status_code == 503
+        assert d.get("/admission").status_code == 503
     finally:
         d.stop()
 
@@ -256,12 +223,12 @@ def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
     d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "600", "--interval", "5")
     try:
         d.wait_healthy()
-        deadline = time.time() + 20
-        while time.time() < deadline and not list((tmp_path / "traces").glob("*vllm_exit*.csv")):
+        deadline = time.monotonic() + HANG
+        while time.monotonic() < deadline and not list((tmp_path / "traces").glob("*vllm_exit*.csv")):
             time.sleep(0.2)
         files = list((tmp_path / "traces").glob("*vllm_exit*.csv"))
         assert files, "no trace written"
-        assert d.metrics()[("gpumem_recorder_writes_total", ())] >= 1
+        assert metrics(d)[("gpumem_recorder_writes_total", ())] >= 1
     finally:
         d.stop()
     header = files[0].read_text().splitlines()[0]

@@ -2,17 +2,11 @@
 answer from check-config and from run's own start-up steps, and a real daemon survives every
 reload, good or bad, keeping its configuration when the new one fails."""
 import copy
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import bcrypt
 import click
 import pytest
-import requests
 import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +16,7 @@ from exporter import cli
 from exporter.config import build, load, parse_listen
 from exporter.config.web import load_web_config, ssl_context
 from exporter.runtime import make_sampler, open_host
+from helpers.daemon import Daemon
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
@@ -202,61 +197,12 @@ def test_no_bad_value_of_any_key_gets_past_check_config_into_a_crash(leaf, files
 
 
 # -- a real daemon and SIGHUP ------------------------------------------------------------------
-class Daemon:
-    """`run --simulate steady` on a free loopback port, its log read line by line."""
-
-    def __init__(self, config_path):
-        self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--config", config_path,
-                                      "--simulate", "steady", "--listen", "127.0.0.1:0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        line = self.wait_for(lambda lines: next((x for x in lines if "serving on" in x), None))
-        self.url = "http://127.0.0.1:" + line.split("127.0.0.1:")[1].split("/")[0]
-        deadline = time.monotonic() + 60  # healthy means the SIGHUP handler is installed
-        while not self._healthy():
-            assert time.monotonic() < deadline, "daemon never became healthy"
-            time.sleep(0.05)
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-
-    def _healthy(self):
-        try:
-            return requests.get(self.url + "/healthz", timeout=5).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    def wait_for(self, found, timeout=60):
-        with self._changed:
-            result = self._changed.wait_for(lambda: found(self.lines) or self.proc.poll() is not None, timeout)
-            assert self.proc.poll() is None, "".join(self.lines)
-            assert result, "".join(self.lines[-20:])
-            return result
-
-    def reload(self) -> str:
-        """SIGHUP, then the log line that says how the reload went."""
-        def outcomes(lines: list[str]) -> list[str]:
-            return [x for x in lines if "configuration reloaded" in x or "reload failed" in x]
-        before = len(outcomes(self.lines))
-        self.proc.send_signal(signal.SIGHUP)
-        return self.wait_for(lambda lines: len(outcomes(lines)) > before and outcomes(lines)[before])
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=30)
-        return code, "".join(self.lines)
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     path = tmp_path_factory.mktemp("daemon") / "c.yml"
     path.write_text("interval_seconds: 0.2\n")
-    d = Daemon(str(path))
+    d = Daemon("--config", str(path), "--simulate", "steady")
+    d.wait_healthy()  # healthy means the SIGHUP handler is installed
     d.config_path = path
     yield d
     code, out = d.stop()
@@ -280,7 +226,7 @@ def test_a_bad_reload_keeps_the_running_configuration(daemon, text, why):
     daemon.config_path.write_text(text)
     outcome = daemon.reload()
     assert "reload failed, keeping the running configuration" in outcome and why in outcome, outcome
-    assert requests.get(daemon.url + "/healthz", timeout=5).status_code == 200
+    assert daemon.get("/healthz").status_code == 200
 
 
 @pytest.mark.integration
@@ -305,4 +251,4 @@ def test_random_reloads_never_kill_the_daemon_and_agree_with_the_validation(doc,
         accepted = False
     outcome = daemon.reload()
     assert ("configuration reloaded" in outcome) == accepted, outcome
-    assert requests.get(daemon.url + "/healthz", timeout=5).status_code in (200, 503)
+    assert daemon.get("/healthz").status_code in (200, 503)

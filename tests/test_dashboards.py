@@ -24,7 +24,7 @@ from helpers.dashboards import (
 )
 from helpers.dashboards import label_values_selector as _label_values_selector
 from helpers.rules import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
-from helpers.tools import REPO, free_port, tool
+from helpers.tools import HANG, REPO, free_port, tool
 
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
 
@@ -273,7 +273,7 @@ def prometheus(tmp_path_factory):
     def query(expr: str) -> dict:
         url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with urllib.request.urlopen(url, timeout=HANG) as response:
                 return json.loads(response.read(5_000_000))
         except urllib.error.HTTPError as e:  # a bad query: Prometheus says why in the body
             return json.loads(e.read(100_000))

@@ -32,6 +32,7 @@ from helpers.dashboards import DASHBOARD_FILES, PROBE_SERIES, load, queries, sub
 from helpers.dashboards import label_values_selector as _label_values_selector
 from helpers.e2e_stack import Stack, fast_rules, get_json, wait_until
 from helpers.rules import RULES, alert_rules
+from helpers.tools import HANG
 
 FAST_FOR = "2s"
 
@@ -118,7 +119,7 @@ def test_leak_alert_reaches_alertmanager(stack, alerting):
     # Routed by severity=ticket to the ticket receiver, which gets the notification.
     notified = wait_until(lambda: [a for a in hook.alerts("ticket")
                                    if a["labels"].get("alertname") == "GpuMemoryLeakSuspected"
-                                   and a["labels"].get("instance") == exporter], 30,
+                                   and a["labels"].get("instance") == exporter], HANG,
                           "the ticket webhook to be notified of the leak", alive=running)
     assert notified[0]["status"] == "firing" and notified[0]["labels"]["pid"] == LEAK_PID
     assert not [a for a in hook.alerts("pager") if a["labels"].get("alertname") == "GpuMemoryLeakSuspected"]
@@ -147,7 +148,7 @@ def test_pressure_pages_above_90_percent_and_resolves(stack, alerting):
         return float(result[0]["value"][1]) if result else float("nan")
 
     # Before the second model loads: below the threshold, and no page.
-    before = wait_until(lambda: prometheus.result(utilization), 30, "the first scrape", alive=running)
+    before = wait_until(lambda: prometheus.result(utilization), HANG, "the first scrape", alive=running)
     assert float(before[0]["value"][1]) < 0.85
     assert not [a for a in prometheus.alerts() if a["labels"].get("alertname") == "GpuMemoryHigh"]
 
@@ -161,17 +162,17 @@ def test_pressure_pages_above_90_percent_and_resolves(stack, alerting):
     other = next(p for p in scenario.processes if p.name == "python3")
     assert f"python3 (pid {other.pid}, other)" in paged[0]["annotations"]["description"]
     wait_until(lambda: [a for a in hook.alerts("pager") if a["labels"].get("alertname") == "GpuMemoryHigh"
-                        and a["labels"].get("instance") == exporter and a["status"] == "firing"], 30,
+                        and a["labels"].get("instance") == exporter and a["status"] == "firing"], HANG,
                "the pager webhook to be paged", alive=running)
 
     # The embedding server exits at 50 min: the alert resolves everywhere.
     wait_until(lambda: not firing_in_prometheus(prometheus, "GpuMemoryHigh", exporter), 60,
                "GpuMemoryHigh to stop firing in Prometheus", alive=running)
     assert gpu_ratio() < 0.85, "it resolved because memory dropped"
-    wait_until(lambda: not am_alerts(alertmanager, "GpuMemoryHigh", exporter), 30,
+    wait_until(lambda: not am_alerts(alertmanager, "GpuMemoryHigh", exporter), HANG,
                "GpuMemoryHigh to leave Alertmanager's active alerts", alive=running)
     wait_until(lambda: [a for a in hook.alerts("pager") if a["labels"].get("alertname") == "GpuMemoryHigh"
-                        and a["labels"].get("instance") == exporter and a["status"] == "resolved"], 30,
+                        and a["labels"].get("instance") == exporter and a["status"] == "resolved"], HANG,
                "the pager webhook to hear it resolved", alive=running)
 
 

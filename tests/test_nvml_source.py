@@ -210,3 +210,32 @@ def test_mig_instances(make):
 
 def test_errors_are_the_real_pynvml_classes():
     assert fake_nvml.NVMLError_GpuIsLost is pynvml.NVMLError_GpuIsLost
+
+
+class LaggingClock(FixedClock):
+    """Two minutes of scenario time pass between any two NVML calls (a loaded host at --speed
+    120 lags a second between calls)."""
+
+    def elapsed(self):
+        self.advance(120)
+        return super().elapsed()
+
+
+def test_one_sample_is_consistent_however_much_time_passes_between_calls(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(textwrap.dedent(BASE).replace(
+        "memory: 30GiB, rss: 2GiB", "memory: [{constant: 30GiB}, {linear: {rate: 1GiB/min}}], rss: 2GiB"))
+    clock = LaggingClock(1_700_000_000.0)
+    fake_nvml.configure(load(str(path)), clock)
+    try:
+        source = NvmlSource(fake_nvml, lambda: HOST, now=clock.now)
+        for _ in range(3):
+            r = sample(source)
+            assert r.up and not r.errors
+            for gpu in r.gpus:
+                assert sum(p.used_bytes for p in gpu.processes) <= gpu.used_bytes
+            g0 = r.gpus[0]
+            [proc] = g0.processes
+            assert proc.used_bytes == g0.used_bytes > 30 * GiB  # the leaker alone, and growing
+    finally:
+        fake_nvml.configure(None, None)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from exporter import __version__
+from helpers.tools import HANG
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -87,7 +88,7 @@ def _free_port() -> int:
 
 def _get(url: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=HANG) as response:
             return response.status, response.read(1_000_000)
     except urllib.error.HTTPError as e:
         return e.code, e.read(100_000)

@@ -17,6 +17,7 @@ import yaml
 
 from exporter.postmortem.promquery import PromQueryError, chunks, fetch, parse_time, redact
 from exporter.postmortem.trace import TraceError, read_trace
+from helpers.tools import HANG
 
 REPO = Path(__file__).resolve().parents[1]
 SCRAPE = 0.5  # seconds between Prometheus scrapes (and the query step)
@@ -94,7 +95,7 @@ def prom(tmp_path_factory):
     url = f"http://127.0.0.1:{prom_port}"
     started = time.time()
     try:
-        deadline = time.monotonic() + 25
+        deadline = time.monotonic() + HANG
 
         def enough_points():
             r = requests.get(f"{url}/api/v1/query", timeout=2, params={
@@ -139,7 +140,7 @@ def test_fetch_converts_like_a_saved_range_query_file(prom, tmp_path):
     start, end = prom["start"], prom["end"]
     saved = []
     for metric in METRICS:
-        r = requests.get(prom["url"] + "/api/v1/query_range", timeout=5, params={
+        r = requests.get(prom["url"] + "/api/v1/query_range", timeout=HANG, params={
             "query": f"{metric}{{{prom['selector']}}}", "start": repr(start), "end": repr(end),
             "step": repr(SCRAPE)})
         saved.append(r.json())

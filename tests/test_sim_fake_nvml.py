@@ -302,6 +302,7 @@ def test_gpu_lost_window(clock):
     assert nv.nvmlDeviceGetMemoryInfo(handle(0)).total == 80 * GiB  # GPU 0 keeps reporting
     assert nv.nvmlDeviceGetCount() == 4
     at(clock, 1200)
+    nv.nvmlDeviceGetCount()  # a new sampling pass (the one counted at 600 reads that moment)
     assert nv.nvmlDeviceGetUUID(h1).startswith("GPU-")
 
 
@@ -414,3 +415,80 @@ def test_thread_safe_under_concurrent_calls(clock):
         t.join()
     assert errors == [] and len(results) == 1600 and len(set(results)) == 1
     assert mod.counts["nvmlDeviceGetMemoryInfo"] == 1600
+
+
+# ---- one sampling pass reads one moment --------------------------------------------------------
+
+LEAKING = """
+name: leaking
+description: one process outgrowing its GPU by the minute
+duration: 1h
+gpus:
+  - {name: NVIDIA H100 80GB HBM3, memory: 80GiB, reserved: 512MiB}
+host: {memory: 512GiB}
+processes:
+  - {pid: 10, name: leaker, gpu: 0, memory: [{constant: 10GiB}, {linear: {rate: 1GiB/min}}]}
+"""
+
+
+@pytest.fixture
+def leaking():
+    clk = FixedClock(START, 0.0)
+    nv.configure(sc.loads(LEAKING), clk)
+    nv.nvmlInit()
+    yield clk
+    nv.configure(None, None)
+
+
+def _one_sample(clock, lag):
+    """What a sampler reads of GPU 0, with `lag` scenario seconds passing before each call (a
+    loaded machine at --speed 120 lags minutes of scenario time between two calls)."""
+    def call(f, *args):
+        clock.advance(lag)
+        return f(*args)
+    call(nv.nvmlDeviceGetCount)
+    h = call(nv.nvmlDeviceGetHandleByIndex, 0)
+    memory = call(nv.nvmlDeviceGetMemoryInfo, h, nv.nvmlMemory_v2)
+    [proc] = call(nv.nvmlDeviceGetComputeRunningProcesses_v3, h)
+    return memory, proc
+
+
+def test_a_sampling_pass_reads_one_moment_however_long_the_calls_take(leaking):
+    memory, proc = _one_sample(leaking, lag=120)
+    # Every call of the pass read the moment nvmlDeviceGetCount began it (scenario time 120).
+    assert proc.usedGpuMemory == memory.used == 12 * GiB
+    # The next pass reads the clock again.
+    memory, proc = _one_sample(leaking, lag=120)
+    assert proc.usedGpuMemory == memory.used == 20 * GiB  # counted at 600
+
+
+def test_without_a_pass_each_call_reads_the_clock(leaking):
+    h = handle(0)
+    assert nv.nvmlDeviceGetMemoryInfo(h, nv.nvmlMemory_v2).used == 10 * GiB
+    leaking.advance(60)
+    [proc] = nv.nvmlDeviceGetComputeRunningProcesses_v3(h)
+    assert proc.usedGpuMemory == 11 * GiB
+
+
+def test_a_repeated_call_ends_the_pass(leaking):
+    """A tool that asked for the count once and samples again, call by call, sees time pass."""
+    nv.nvmlDeviceGetCount()
+    h = handle(0)
+    assert nv.nvmlDeviceGetMemoryInfo(h, nv.nvmlMemory_v2).used == 10 * GiB
+    leaking.advance(60)
+    assert nv.nvmlDeviceGetMemoryInfo(h, nv.nvmlMemory_v2).used == 11 * GiB
+    leaking.advance(60)
+    [proc] = nv.nvmlDeviceGetComputeRunningProcesses_v3(h)
+    assert proc.usedGpuMemory == 12 * GiB
+
+
+def test_a_pass_is_its_own_threads(leaking):
+    nv.nvmlDeviceGetCount()
+    h = handle(0)
+    leaking.advance(60)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(nv.nvmlDeviceGetMemoryInfo(h, nv.nvmlMemory_v2).used))
+    t.start()
+    t.join(60)
+    assert seen == [11 * GiB]  # the other thread has no pass: it reads the clock
+    assert nv.nvmlDeviceGetMemoryInfo(h, nv.nvmlMemory_v2).used == 10 * GiB  # this one's pass

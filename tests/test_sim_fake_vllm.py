@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.clock import FixedClock
 from exporter.sim import scenario as sc
 from exporter.sim.fake_vllm import FakeVllmServer
+from helpers.tools import HANG
 
 START = 1_700_000_000.0
 DOC = {
@@ -59,7 +60,7 @@ def served():
 
 def test_exposition_matches_the_scenario(served):
     server, _ = served
-    r = requests.get(server.url, timeout=5)
+    r = requests.get(server.url, timeout=HANG)
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
     samples = parse(r.text)
     labels = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "engine": "0"}
@@ -81,7 +82,7 @@ def test_exposition_matches_the_scenario(served):
 
 def test_metric_types_are_vllms(served):
     server, _ = served
-    types = {f.name: f.type for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)}
+    types = {f.name: f.type for f in text_string_to_metric_families(requests.get(server.url, timeout=HANG).text)}
     assert types["vllm:num_preemptions"] == "counter"
     assert types["vllm:prefix_cache_queries"] == "counter"
     assert types["vllm:kv_cache_usage_perc"] == "gauge"
@@ -90,32 +91,32 @@ def test_metric_types_are_vllms(served):
 
 def test_values_follow_the_clock(served):
     server, clock = served
-    before = parse(requests.get(server.url, timeout=5).text)["vllm:num_preemptions_total"][0][1]
+    before = parse(requests.get(server.url, timeout=HANG).text)["vllm:num_preemptions_total"][0][1]
     clock.advance(600)
-    after = parse(requests.get(server.url, timeout=5).text)["vllm:num_preemptions_total"][0][1]
+    after = parse(requests.get(server.url, timeout=HANG).text)["vllm:num_preemptions_total"][0][1]
     assert after - before == 60
 
 
 def test_down_server_answers_503(served):
     server, clock = served
     clock.at = 10
-    assert requests.get(server.url, timeout=5).status_code == 503
+    assert requests.get(server.url, timeout=HANG).status_code == 503
     clock.at = 3000
-    assert requests.get(server.url, timeout=5).status_code == 503
+    assert requests.get(server.url, timeout=HANG).status_code == 503
 
 
 def test_faults(served):
     server, clock = served
     clock.at = 1050
-    assert requests.get(server.url, timeout=5).status_code == 500
+    assert requests.get(server.url, timeout=HANG).status_code == 500
     clock.at = 1150
-    r = requests.get(server.url, timeout=5)
+    r = requests.get(server.url, timeout=HANG)
     assert r.status_code == 200
     with pytest.raises(ValueError):
         list(text_string_to_metric_families(r.text))
     clock.at = 1250
     t0 = time.monotonic()
-    assert requests.get(server.url, timeout=5).status_code == 200
+    assert requests.get(server.url, timeout=HANG).status_code == 200
     assert time.monotonic() - t0 >= 0.3
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.get(server.url, timeout=0.05)
@@ -124,7 +125,7 @@ def test_faults(served):
 def test_faults_only_hit_their_server():
     clock = FixedClock(START, 1050)
     with FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), clock, server_index=1) as other:
-        r = requests.get(other.url, timeout=5)
+        r = requests.get(other.url, timeout=HANG)
         assert r.status_code == 200
         assert parse(r.text)["vllm:num_requests_running"] == [({"model_name": "other", "engine": "0"}, 0)]
 
@@ -132,18 +133,18 @@ def test_faults_only_hit_their_server():
 def test_other_paths(served):
     server, _ = served
     base = server.url.rsplit("/", 1)[0]
-    assert requests.get(base + "/health", timeout=5).status_code == 200
-    assert requests.get(base + "/v1/models", timeout=5).status_code == 404
+    assert requests.get(base + "/health", timeout=HANG).status_code == 200
+    assert requests.get(base + "/v1/models", timeout=HANG).status_code == 404
 
 
 def test_restart_on_the_same_port_serves_the_live_server():
     clock = FixedClock(START, 300)
     with FakeVllmServer(sc.load("stale-memory"), clock) as server:
-        first = parse(requests.get(server.url, timeout=5).text)["vllm:cache_config_info"][0][0]
+        first = parse(requests.get(server.url, timeout=HANG).text)["vllm:cache_config_info"][0][0]
         clock.at = 700
-        assert requests.get(server.url, timeout=5).status_code == 503
+        assert requests.get(server.url, timeout=HANG).status_code == 503
         clock.at = 1000
-        second = parse(requests.get(server.url, timeout=5).text)["vllm:cache_config_info"][0][0]
+        second = parse(requests.get(server.url, timeout=HANG).text)["vllm:cache_config_info"][0][0]
     assert (first["gpu_memory_utilization"], second["gpu_memory_utilization"]) == ("0.9", "0.6")
 
 
@@ -152,7 +153,7 @@ def test_concurrent_scrapes(served):
     statuses = []
 
     def scrape():
-        statuses.append(requests.get(server.url, timeout=5).status_code)
+        statuses.append(requests.get(server.url, timeout=HANG).status_code)
 
     threads = [threading.Thread(target=scrape) for _ in range(16)]
     for t in threads:
@@ -165,7 +166,7 @@ def test_concurrent_scrapes(served):
 def test_stop_closes_the_port():
     server = FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START, 700)).start()
     url = server.url
-    assert requests.get(url, timeout=5).status_code == 200
+    assert requests.get(url, timeout=HANG).status_code == 200
     server.stop()
     with pytest.raises(requests.exceptions.ConnectionError):
         requests.get(url, timeout=2)
@@ -194,7 +195,7 @@ def test_page_carries_what_a_real_vllm_page_carries(served):
     """vLLM's request histograms with its own buckets, the API server's http_* families and
     Python's collectors: the bulk a scraper must get through on a real server."""
     server, clock = served
-    families = {f.name: f for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)}
+    families = {f.name: f for f in text_string_to_metric_families(requests.get(server.url, timeout=HANG).text)}
     ttft = families["vllm:time_to_first_token_seconds"]
     assert ttft.type == "histogram"
     buckets = [s.labels["le"] for s in ttft.samples if s.name.endswith("_bucket")]
@@ -215,7 +216,7 @@ def test_page_carries_what_a_real_vllm_page_carries(served):
                if s.name.endswith("_total")}
     clock.advance(60)
     later = {s.labels["finished_reason"]: s.value
-             for s in next(f for f in text_string_to_metric_families(requests.get(server.url, timeout=5).text)
+             for s in next(f for f in text_string_to_metric_families(requests.get(server.url, timeout=HANG).text)
                            if f.name == "vllm:request_success").samples if s.name.endswith("_total")}
     assert set(success) == {"stop", "length", "abort"} and later["stop"] > success["stop"]
 
@@ -224,8 +225,8 @@ def test_keep_alive_like_uvicorn_and_stop_drops_open_connections():
     server = FakeVllmServer(sc.from_dict(copy.deepcopy(DOC)), FixedClock(START, 700)).start()
     url = server.url
     with requests.Session() as session:
-        first = session.get(url, timeout=5)
-        second = session.get(url, timeout=5)
+        first = session.get(url, timeout=HANG)
+        second = session.get(url, timeout=HANG)
         assert first.status_code == second.status_code == 200
         assert first.headers.get("Connection", "").lower() != "close"
         assert len(server._connections) == 1  # both answers came over one connection

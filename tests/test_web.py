@@ -14,6 +14,7 @@ from exporter.serve.server import HttpServer
 from exporter.serve.web import make_app
 from exporter.serve.webconfig import load_web_config
 from helpers.state import make_state
+from helpers.tools import HANG
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def samples(text):
 
 def test_metrics_endpoint_serves_the_state(serve):
     url, _ = serve(make_state())
-    r = requests.get(url + "/metrics", timeout=5)
+    r = requests.get(url + "/metrics", timeout=HANG)
     assert r.status_code == 200
     got = samples(r.text)
     assert got[("gpumem_gpu_memory_used_bytes", (("gpu", "0"), ("uuid", "GPU-aaaa")))] == 40 * (1 << 30)
@@ -51,17 +52,17 @@ def test_metrics_endpoint_serves_the_state(serve):
 
 def test_gzip_is_negotiated(serve):
     url, _ = serve(make_state())
-    r = requests.get(url + "/metrics", headers={"Accept-Encoding": "gzip"}, timeout=5)
+    r = requests.get(url + "/metrics", headers={"Accept-Encoding": "gzip"}, timeout=HANG)
     assert r.headers.get("Content-Encoding") == "gzip"
     assert "gpumem_gpu_info" in r.text
 
 
 def test_healthz_turns_503_when_the_sample_is_stale(serve, clock):
     url, _ = serve(make_state(t=clock.now()), stale_after=15.0)
-    r = requests.get(url + "/healthz", timeout=5)
+    r = requests.get(url + "/healthz", timeout=HANG)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     clock.advance(16)
-    r = requests.get(url + "/healthz", timeout=5)
+    r = requests.get(url + "/healthz", timeout=HANG)
     assert r.status_code == 503
     assert r.json()["status"] == "stale" and r.json()["sample_age_seconds"] == pytest.approx(16)
 
@@ -69,19 +70,19 @@ def test_healthz_turns_503_when_the_sample_is_stale(serve, clock):
 def test_healthz_before_any_sample_is_503(serve):
     from exporter.model import State
     url, _ = serve(State())
-    assert requests.get(url + "/healthz", timeout=5).status_code == 503
+    assert requests.get(url + "/healthz", timeout=HANG).status_code == 503
 
 
 def test_admission_follows_the_analysis(serve):
     url, holder = serve(make_state(admission_open=True))
-    r = requests.get(url + "/admission", timeout=5)
+    r = requests.get(url + "/admission", timeout=HANG)
     assert r.status_code == 200 and r.json()["open"] is True
     holder["state"] = make_state(admission_open=False)
-    r = requests.get(url + "/admission", timeout=5)
+    r = requests.get(url + "/admission", timeout=HANG)
     assert r.status_code == 503 and r.json()["closed_gpus"] == ["0"]
-    assert requests.get(url + "/admission?gpu=0", timeout=5).status_code == 503
+    assert requests.get(url + "/admission?gpu=0", timeout=HANG).status_code == 503
     # issue 14: no such GPU is a bad argument (it was 200 "known": false, which hid typos)
-    r = requests.get(url + "/admission?gpu=7", timeout=5)
+    r = requests.get(url + "/admission?gpu=7", timeout=HANG)
     assert r.status_code == 400 and r.json() == {"error": "no such GPU: 7", "gpus": ["0"]}
 
 
@@ -89,17 +90,17 @@ def test_admission_before_the_first_analysis_is_open_and_unknown_for_any_gpu(ser
     from exporter.model import State
     url, _ = serve(State())
     for query in ("", "?gpu=0", "?gpu=99"):
-        r = requests.get(url + "/admission" + query, timeout=5)
+        r = requests.get(url + "/admission" + query, timeout=HANG)
         assert r.status_code == 200 and r.json()["known"] is False and r.json()["open"] is True
 
 
 def test_findings_api_and_index(serve):
     url, _ = serve(make_state())
-    body = requests.get(url + "/api/findings", timeout=5).json()
+    body = requests.get(url + "/api/findings", timeout=HANG).json()
     assert body["findings"][0]["kind"] == "leak" and body["findings"][0]["pid"] == 101
-    assert "/metrics" in requests.get(url + "/", timeout=5).text
-    assert requests.get(url + "/nope", timeout=5).status_code == 404
-    assert requests.post(url + "/metrics", timeout=5).status_code == 405
+    assert "/metrics" in requests.get(url + "/", timeout=HANG).text
+    assert requests.get(url + "/nope", timeout=HANG).status_code == 404
+    assert requests.post(url + "/metrics", timeout=HANG).status_code == 405
 
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
@@ -107,12 +108,12 @@ HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
 
 def test_basic_auth(serve):
     url, _ = serve(make_state(), auth=BasicAuth({"prom": HASH}))
-    assert requests.get(url + "/metrics", timeout=5).status_code == 401
-    assert requests.get(url + "/metrics", auth=("prom", "wrong"), timeout=5).status_code == 401
-    assert requests.get(url + "/metrics", auth=("nobody", "s3cret"), timeout=5).status_code == 401
-    assert requests.get(url + "/metrics", auth=("prom", "s3cret"), timeout=5).status_code == 200
+    assert requests.get(url + "/metrics", timeout=HANG).status_code == 401
+    assert requests.get(url + "/metrics", auth=("prom", "wrong"), timeout=HANG).status_code == 401
+    assert requests.get(url + "/metrics", auth=("nobody", "s3cret"), timeout=HANG).status_code == 401
+    assert requests.get(url + "/metrics", auth=("prom", "s3cret"), timeout=HANG).status_code == 200
     # cached path answers the same
-    assert requests.get(url + "/healthz", auth=("prom", "s3cret"), timeout=5).status_code == 200
+    assert requests.get(url + "/healthz", auth=("prom", "s3cret"), timeout=HANG).status_code == 200
 
 
 @pytest.mark.parametrize("header", ["Basic !!!notbase64", "Bearer abc",
@@ -130,10 +131,10 @@ def test_tls_and_auth_from_web_config(serve, tls_cert, tmp_path):
     web = load_web_config(str(path))
     url, _ = serve(make_state(), web=web, auth=BasicAuth(web.basic_auth_users))
     assert url.startswith("https://")
-    r = requests.get(url + "/metrics", auth=("prom", "s3cret"), verify=cert, timeout=5)
+    r = requests.get(url + "/metrics", auth=("prom", "s3cret"), verify=cert, timeout=HANG)
     assert r.status_code == 200 and "gpumem_gpu_info" in r.text
     with pytest.raises(requests.exceptions.ConnectionError):
-        requests.get(url.replace("https", "http") + "/metrics", timeout=5)
+        requests.get(url.replace("https", "http") + "/metrics", timeout=HANG)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -169,10 +170,10 @@ def test_metrics_render_once_per_state_not_per_scrape(clock):
     server = HttpServer(app, "127.0.0.1", 0).start()
     try:
         url = f"http://127.0.0.1:{server.port}/metrics"
-        first = [requests.get(url, timeout=5).text for _ in range(5)]
+        first = [requests.get(url, timeout=HANG).text for _ in range(5)]
         assert len(set(first)) == 1 and Counting.calls == 1  # five scrapes, one render
         holder["state"] = make_state()  # the next tick published a new state
-        assert requests.get(url, timeout=5).text != first[0] and Counting.calls == 2
+        assert requests.get(url, timeout=HANG).text != first[0] and Counting.calls == 2
     finally:
         server.stop()
 
@@ -198,11 +199,11 @@ def test_query_strings_other_than_name_share_one_rendering(clock):
     try:
         url = f"http://127.0.0.1:{server.port}/metrics"
         for i in range(5):
-            assert "x 1.0" in requests.get(f"{url}?nocache={i}", timeout=5).text
+            assert "x 1.0" in requests.get(f"{url}?nocache={i}", timeout=HANG).text
         assert Counting.calls == 1
-        only_y = requests.get(f"{url}?name[]=y&nocache=1", timeout=5).text
+        only_y = requests.get(f"{url}?name[]=y&nocache=1", timeout=HANG).text
         assert "y 2.0" in only_y and "x 1.0" not in only_y and Counting.calls == 2
-        requests.get(f"{url}?nocache=2&name[]=y", timeout=5)
+        requests.get(f"{url}?nocache=2&name[]=y", timeout=HANG)
         assert Counting.calls == 2  # the same name[] list, another cache-buster
     finally:
         server.stop()
@@ -212,7 +213,7 @@ def test_head_answers_headers_without_a_body(serve):
     url, _ = serve(make_state())
     port = int(url.rsplit(":", 1)[1])
     for path in ("/metrics", "/healthz", "/"):
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=HANG) as s:
             s.sendall(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             reply = b""
             while chunk := s.recv(65536):
@@ -223,7 +224,7 @@ def test_head_answers_headers_without_a_body(serve):
         if path == "/metrics":  # the exporter's own process metrics change between renderings
             assert length > 1000
         else:
-            assert length == len(requests.get(url + path, timeout=5).content)  # the GET answer's length
+            assert length == len(requests.get(url + path, timeout=HANG).content)  # the GET answer's length
 
 
 def hostile_state():
@@ -246,7 +247,7 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     server = HttpServer(make_app(build_registry(lambda: state, clock.now), lambda: state, clock.now, 15.0,
                                  host="simulated: scenario fleet-8x64"), "127.0.0.1", 0).start()
     try:
-        r = requests.get(f"http://127.0.0.1:{server.port}/", timeout=5)
+        r = requests.get(f"http://127.0.0.1:{server.port}/", timeout=HANG)
     finally:
         server.stop()
     assert r.status_code == 200 and r.headers["Content-Type"] == "text/html; charset=utf-8"
@@ -287,10 +288,10 @@ def test_health_paths_alone_are_served_without_auth(clock):
     server = HttpServer(app, "127.0.0.1", 0).start()
     try:
         url = f"http://127.0.0.1:{server.port}"
-        assert requests.get(url + "/healthz", timeout=5).status_code == 200
-        assert requests.get(url + "/admission", timeout=5).json()["open"] is True
+        assert requests.get(url + "/healthz", timeout=HANG).status_code == 200
+        assert requests.get(url + "/admission", timeout=HANG).json()["open"] is True
         for path in ("/metrics", "/", "/api/findings"):
-            r = requests.get(url + path, timeout=5)
+            r = requests.get(url + path, timeout=HANG)
             assert r.status_code == 404 and "gpumem" not in r.text and "leak" not in r.text
     finally:
         server.stop()

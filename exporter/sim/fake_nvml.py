@@ -19,6 +19,14 @@ Faithful details worth knowing:
   and reports addressing mode ATS.
 - Functions of the real module that this one does not implement exist as stubs raising
   NVMLError_FunctionNotFound (a library without that symbol).
+- One sampling pass reads one moment. The real driver answers each call in microseconds; here
+  a second of lag between two calls is two minutes of scenario time at `--speed 120`, enough
+  for a leaking process to outgrow the memory its GPU reported a call earlier.
+  `nvmlDeviceGetCount`, the call a sampler makes first, starts a pass: it reads the state at
+  the clock's time and the calls after it, in the same thread, read that same state. The pass
+  ends at the next `nvmlDeviceGetCount`, or when a call repeats with the same arguments (a
+  tool that asked for the count once and is sampling again). Without a pass, each call reads
+  the state at the clock's time.
 """
 from __future__ import annotations
 
@@ -68,6 +76,19 @@ _scenario: Scenario | None = None
 _clock: ScenarioClock | None = None
 _refcount = 0
 _handles: dict[tuple[int, int | None], _Handle] = {}
+_generation = 0  # bumped by configure(): a pass begun before it is over
+
+
+class _Pass(threading.local):
+    """This thread's sampling pass: the state it reads and the calls already made in it."""
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.state: State | None = None
+        self.calls: set[tuple[object, ...]] = set()
+
+
+_pass = _Pass()
 
 
 class _Handle:
@@ -89,7 +110,7 @@ def configure(scenario: Scenario | None, clock: ScenarioClock | None) -> None:
 
     Also drops any NVML initialisation, as if the process had restarted.
     """
-    global _scenario, _clock, _refcount
+    global _scenario, _clock, _refcount, _generation
     if scenario is not None:
         for i, fault in enumerate(scenario.faults):
             if fault.kind == "call_error" and not callable(globals().get(fault.call)):
@@ -98,26 +119,44 @@ def configure(scenario: Scenario | None, clock: ScenarioClock | None) -> None:
         _scenario, _clock = scenario, clock
         _refcount = 0
         _handles.clear()
+        _generation += 1
 
 
 def _raise(code: int) -> NoReturn:
     raise NVMLError(code)
 
 
-def _bound(name: str) -> tuple[Scenario, State]:
-    """Check initialisation and the faults aimed at this call; return the scenario and its state now."""
+def _sample_state(scenario: Scenario, clock: ScenarioClock, call: tuple[object, ...],
+                  start: bool = False) -> State:
+    """The state `call` (its name and arguments) reads: the pass's, or the clock's now (see the
+    module's docstring). `start`: this call begins a new pass."""
+    p = _pass
+    if start:
+        state = scenario.state_for(clock)
+        p.generation, p.state, p.calls = _generation, state, {call}
+        return state
+    if p.state is None or p.generation != _generation or call in p.calls:
+        p.state = None  # no pass, or it is over: this call samples anew
+        return scenario.state_for(clock)
+    p.calls.add(call)
+    return p.state
+
+
+def _bound(name: str, *args: object, start: bool = False) -> tuple[Scenario, State]:
+    """Check initialisation and the faults aimed at this call; return the scenario and the
+    state it reads. `args`: the call's arguments; `start`: the call begins a sampling pass."""
     with _lock:
         if _refcount == 0 or _scenario is None or _clock is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
-    state = scenario.state_for(clock)
+    state = _sample_state(scenario, clock, (name, *args), start)
     _check_call_fault(state, name, None)
     return scenario, state
 
 
-def _state(name: str) -> State:
-    """Check initialisation and the faults aimed at this call; return the state now."""
-    return _bound(name)[1]
+def _state(name: str, *args: object, start: bool = False) -> State:
+    """Check initialisation and the faults aimed at this call; return the state it reads."""
+    return _bound(name, *args, start=start)[1]
 
 
 def _check_call_fault(state: State, name: str, gpu: int | None, version: int | None = None) -> None:
@@ -131,15 +170,17 @@ def _check_call_fault(state: State, name: str, gpu: int | None, version: int | N
         raise getattr(_real, "NVMLError_" + f.error)()
 
 
-def _device(name: str, handle: object, version: int | None = None) -> tuple[State, GpuState, _Handle]:
-    """Resolve a handle for a device call: lost/reset GPUs and per-call faults raise here."""
+def _device(name: str, handle: object, *args: object,
+            version: int | None = None) -> tuple[State, GpuState, _Handle]:
+    """Resolve a handle for a device call: lost/reset GPUs and per-call faults raise here.
+    `args`: the call's other arguments."""
     if not isinstance(handle, _Handle):
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     with _lock:
         if _refcount == 0 or _scenario is None or _clock is None:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         scenario, clock = _scenario, _clock
-    state = scenario.state_for(clock)
+    state = _sample_state(scenario, clock, (name, handle.gpu, handle.mig, version, *args))
     if handle.gpu >= len(state.gpus):
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     gpu = state.gpus[handle.gpu]
@@ -222,7 +263,7 @@ def nvmlSystemGetCudaDriverVersion_v2() -> int:
 
 
 def nvmlSystemGetProcessName(pid: int) -> str:
-    state = _state("nvmlSystemGetProcessName")
+    state = _state("nvmlSystemGetProcessName", pid)
     proc = state.process(int(pid))
     if proc is None:
         _raise(_real.NVML_ERROR_NOT_FOUND)
@@ -234,11 +275,11 @@ def nvmlSystemGetProcessName(pid: int) -> str:
 
 
 def nvmlDeviceGetCount() -> int:
-    return len(_state("nvmlDeviceGetCount").gpus)
+    return len(_state("nvmlDeviceGetCount", start=True).gpus)
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
-    state = _state("nvmlDeviceGetHandleByIndex")
+    state = _state("nvmlDeviceGetHandleByIndex", index)
     if not isinstance(index, int) or not 0 <= index < len(state.gpus):
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     _check_lost(state, index)
@@ -246,7 +287,7 @@ def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
 
 
 def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> _Handle:
-    state = _state("nvmlDeviceGetHandleByUUID")
+    state = _state("nvmlDeviceGetHandleByUUID", uuid)
     if isinstance(uuid, bytes):
         uuid = uuid.decode(errors="replace")
     for g in state.gpus:
@@ -416,7 +457,8 @@ def _plain_check(name: str, handle: object) -> None:
     with _lock:
         scenario, clock = _scenario, _clock
     if scenario is not None and clock is not None and _refcount > 0:
-        _check_call_fault(scenario.state_for(clock), name, getattr(handle, "gpu", None))
+        gpu, mig = getattr(handle, "gpu", None), getattr(handle, "mig", None)
+        _check_call_fault(_sample_state(scenario, clock, (name, gpu, mig)), name, gpu)
 
 
 def _mismatch(name: str) -> Exception:
@@ -446,7 +488,7 @@ def nvmlDeviceGetMaxMigDeviceCount(device: _Handle) -> int:
 
 
 def nvmlDeviceGetMigDeviceHandleByIndex(device: _Handle, index: int) -> _Handle:
-    _, gpu, h = _device("nvmlDeviceGetMigDeviceHandleByIndex", device)
+    _, gpu, h = _device("nvmlDeviceGetMigDeviceHandleByIndex", device, index)
     if h.mig is not None or not isinstance(index, int) or not 0 <= index < _MAX_MIG_DEVICES:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     if index >= len(gpu.mig):
@@ -493,14 +535,14 @@ def nvmlDeviceGetUtilizationRates(handle: _Handle) -> ctypes.Structure:
 
 
 def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
-    _device("nvmlDeviceGetTemperature", handle)
+    _device("nvmlDeviceGetTemperature", handle, sensor)
     if sensor != _real.NVML_TEMPERATURE_GPU:
         _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
     return 46
 
 
 def nvmlDeviceGetTemperatureThreshold(handle: _Handle, threshold: int) -> int:
-    _device("nvmlDeviceGetTemperatureThreshold", handle)
+    _device("nvmlDeviceGetTemperatureThreshold", handle, threshold)
     return 92
 
 
@@ -540,12 +582,12 @@ def nvmlDeviceGetPowerManagementLimitConstraints(handle: _Handle) -> list[int]:
 
 
 def nvmlDeviceGetClockInfo(handle: _Handle, type: int) -> int:
-    _device("nvmlDeviceGetClockInfo", handle)
+    _device("nvmlDeviceGetClockInfo", handle, type)
     return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
 
 
 def nvmlDeviceGetMaxClockInfo(handle: _Handle, type: int) -> int:
-    _device("nvmlDeviceGetMaxClockInfo", handle)
+    _device("nvmlDeviceGetMaxClockInfo", handle, type)
     return {0: 1980, 1: 1980, 2: 2619, 3: 1755}.get(type, 1980)
 
 
@@ -584,7 +626,7 @@ def nvmlDeviceGetEccMode(handle: _Handle) -> list[int]:
 
 
 def nvmlDeviceGetTotalEccErrors(handle: _Handle, errorType: int, counterType: int) -> int:
-    _device("nvmlDeviceGetTotalEccErrors", handle)
+    _device("nvmlDeviceGetTotalEccErrors", handle, errorType, counterType)
     return 0
 
 
@@ -629,7 +671,7 @@ def nvmlDeviceGetMaxPcieLinkWidth(handle: _Handle) -> int:
 
 
 def nvmlDeviceGetPcieThroughput(device: _Handle, counter: int) -> int:
-    _device("nvmlDeviceGetPcieThroughput", device)
+    _device("nvmlDeviceGetPcieThroughput", device, counter)
     return 1024  # KB/s
 
 

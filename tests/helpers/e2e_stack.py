@@ -22,7 +22,7 @@ import requests
 import yaml
 
 from helpers.rules import ALERTMANAGER_CONFIG
-from helpers.tools import REPO, tool
+from helpers.tools import HANG, REPO, tool
 from helpers.tools import free_port as _free_port
 
 # Bounds on what we read from the services (outside input, even on loopback).
@@ -72,7 +72,7 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, interval:
 
 
 def get_json(url: str, **params) -> object:
-    with requests.get(url, params=params, timeout=5, stream=True) as response:
+    with requests.get(url, params=params, timeout=HANG, stream=True) as response:
         body = response.raw.read(MAX_RESPONSE_BYTES + 1, decode_content=True)
         if len(body) > MAX_RESPONSE_BYTES:
             raise ValueError(f"{url} answered more than {MAX_RESPONSE_BYTES} bytes")
@@ -183,7 +183,7 @@ class Stack:
             sys.executable, "-m", "exporter", "run", "--simulate", scenario, "--speed", str(speed),
             "--interval", str(interval), "--listen", target], cwd=REPO)
         wait_until(lambda: requests.get(f"http://{target}/metrics", timeout=2).status_code == 200,
-                   30, f"the exporter ({scenario}) to serve /metrics", alive=service.check_alive)
+                   HANG, f"the exporter ({scenario}) to serve /metrics", alive=service.check_alive)
         return target
 
     def alertmanager(self, webhook_url: str) -> str:
@@ -206,7 +206,7 @@ class Stack:
             "--cluster.listen-address="])
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: requests.get(f"{base}/-/ready", timeout=2).status_code == 200,
-                   20, "Alertmanager to be ready", alive=service.check_alive)
+                   HANG, "Alertmanager to be ready", alive=service.check_alive)
         return base
 
     def prometheus(self, targets: list[str], alertmanager: str | None, rules: Path) -> Prometheus:
@@ -228,7 +228,7 @@ class Stack:
             f"--web.listen-address=127.0.0.1:{port}"])
         prometheus = Prometheus(f"http://127.0.0.1:{port}", service)
         wait_until(lambda: requests.get(f"{prometheus.url}/-/ready", timeout=2).status_code == 200,
-                   30, "Prometheus to be ready", alive=service.check_alive)
+                   HANG, "Prometheus to be ready", alive=service.check_alive)
         return prometheus
 
     def close(self) -> None:

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# How long a test waits on a real process, server or thread before calling it hung. It bounds a
+# hang only: what is waited for happens far sooner on any machine, loaded or not.
+HANG = 60.0
 
 
 def tool(*names: str) -> str:
