@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
