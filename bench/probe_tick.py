@@ -15,8 +15,9 @@ then driven one tick at a time in turn, the order rotated every round, so the ma
 falls on every variant alike. Each tick advances the simulated clock by 5 s and measures the
 worker thread's CPU time (time.thread_time) of: the sources (NVML through the simulator's
 pynvml module, host identity, the `allocator` source reading and matching the probe files), the
-`allocator` source alone, and the analysis (History and every detector). The probe files are
-rewritten before each tick, outside the timing (in a real host the probes write them).
+`allocator` source alone, and the analysis (History and every detector). The simulator's own
+work is done before each tick, outside the timing: the scenario's state at that moment, and the
+probe files (on a real host the probes write them).
 
 With `--code DIR ...` every variant runs once per checkout (its `exporter` package on the
 path), so an older tree compares with this one in the same run (`git worktree add /tmp/base
@@ -89,7 +90,10 @@ def worker(scenario_file: str, warmup: int) -> None:
 
     def tick() -> dict[str, float]:
         runtime.clock.advance(INTERVAL)
-        if probes is not None:
+        # The simulator's own work, outside the timing: the scenario's state at this moment
+        # (memoised for the tick; otherwise the first source to ask would pay for it) ...
+        runtime.host.view.scenario.state_for(runtime.clock)
+        if probes is not None:  # ... and the probe files a real host's probes would write
             probes.write()
         allocator = 0.0
         t0 = time.thread_time()
