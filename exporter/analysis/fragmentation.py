@@ -278,9 +278,13 @@ def _from_allocator(history: History, snapshot: Snapshot, config: FragmentationC
             a = p.allocator
             if a is None:
                 continue
-            retries = history.process_allocator("alloc_retries", gpu.uuid, p.identity,
-                                                since=now - config.window_seconds)
-            rise, rises = counter_rise(retries.values)
+            since = now - config.window_seconds
+            span = history.process_allocator_span("alloc_retries", gpu.uuid, p.identity, since)
+            if span is None or span.flat:
+                rise, rises = 0.0, 0  # what counter_rise() says of no values or flat ones
+            else:
+                rise, rises = counter_rise(history.process_allocator(
+                    "alloc_retries", gpu.uuid, p.identity, since=since).values)
             retrying = rise >= config.alloc_retries_min and rises >= config.alloc_retries_min_rises
             split_floor = _sustained_floor(history, gpu.uuid, p, now,
                                            config.inactive_split_sustain_seconds)
@@ -315,10 +319,10 @@ def _sustained_floor(history: History, uuid: str, p: ProcessSample, now: float,
     """The least inactive-split bytes over the last `sustain` seconds, None until the series
     reaches back that far (a process just seen, or one whose splits were not reported)."""
     # From the sample in effect at the window's start: it held until the next one.
-    view = history.process_allocator("inactive_split", uuid, p.identity, since=now - sustain)
-    if not view.times or view.times[0] > now - sustain or view.times[-1] < now:
+    span = history.process_allocator_span("inactive_split", uuid, p.identity, since=now - sustain)
+    if span is None or span.first_time > now - sustain or span.last_time < now:
         return None
-    return min(view.values)
+    return span.low
 
 
 def _allocator_finding(gpu: GpuSample, p: ProcessSample, a: AllocatorStats, now: float,

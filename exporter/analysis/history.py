@@ -36,7 +36,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 from ..model import Budget, OomEvent, ProcessSample, Snapshot
 from .trend import median
@@ -52,6 +52,7 @@ SeriesKey = tuple[object, ...]
 # from their raw points, kept for raw_seconds like every raw series.
 ALLOCATOR_COMPONENTS = ("torch_allocated", "torch_cached", "non_torch")
 ALLOCATOR_SERIES = (*ALLOCATOR_COMPONENTS, "inactive_split", "alloc_retries")
+_COMPONENTS = frozenset(ALLOCATOR_COMPONENTS)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,15 @@ class SeriesView:
 EMPTY = SeriesView((), ())
 
 
+class RawSpan(NamedTuple):
+    """A summary of a series' raw points over a window (History.process_allocator_span)."""
+
+    first_time: float
+    last_time: float
+    low: float  # the least value
+    flat: bool  # every value the same (then low is that value)
+
+
 class _Series:
     """One series: raw ring (two arrays with a moving start) plus the bucket-median tier."""
 
@@ -77,6 +87,7 @@ class _Series:
         "bucket_seconds",
         "bucket_tsum",
         "bucket_vals",
+        "changed_at",
         "last_seen",
         "name",
         "offset",
@@ -99,6 +110,11 @@ class _Series:
         self.raw_t = array("d")
         self.raw_v = array("d")
         self.raw_start = 0
+        # The time of the newest raw point whose value differs from the point stored before it
+        # (or that has none): every later point has its value. Never earlier than that point
+        # (a thinned point's change may be kept after it is overwritten), so "flat since" is
+        # never claimed wrongly (raw_span()).
+        self.changed_at = t
         self.tier_t = array("d")
         self.tier_v = array("d")
         self.tier_lo = array("d")
@@ -110,20 +126,58 @@ class _Series:
 
     def add(self, t: float, v: float, raw_seconds: float, retention_seconds: float,
             raw_gap: float) -> None:
-        if self.raw_t and t <= self.raw_t[-1]:
-            return  # out of order or duplicate: keep the series ascending
-        self.last_seen = t
-        n = len(self.raw_t)
-        if n - self.raw_start >= 2 and self.raw_t[-1] - self.raw_t[-2] < raw_gap:
-            self.raw_t[-1], self.raw_v[-1] = t, v  # the previous newest was too close: thinned
+        raw_t, raw_v = self.raw_t, self.raw_v
+        n = len(raw_t)
+        if n:
+            if t <= raw_t[-1]:
+                return  # out of order or duplicate: keep the series ascending
+            if n - self.raw_start >= 2 and raw_t[-1] - raw_t[-2] < raw_gap:
+                # The previous newest was too close: thinned (overwritten).
+                if v != raw_v[-2]:
+                    self.changed_at = t
+                raw_t[-1] = t
+                raw_v[-1] = v
+            else:
+                if v != raw_v[-1]:
+                    self.changed_at = t
+                raw_t.append(t)
+                raw_v.append(v)
+            if raw_t[self.raw_start] < t - raw_seconds:  # else _trim() would do nothing
+                self.raw_start = _trim(raw_t, self.raw_start, t - raw_seconds, raw_v)
         else:
-            self.raw_t.append(t)
-            self.raw_v.append(v)
-        self.raw_start = _trim(self.raw_t, self.raw_start, t - raw_seconds, self.raw_v)
+            self.changed_at = t
+            raw_t.append(t)
+            raw_v.append(v)
+        self.last_seen = t
         bucket = int((t - self.offset) // self.bucket_seconds)
-        if self.bucket is not None and bucket != self.bucket:
-            self._close_bucket(t, retention_seconds)
-        self.bucket = bucket
+        if bucket != self.bucket:
+            if self.bucket is not None:
+                self._close_bucket(t, retention_seconds)
+            self.bucket = bucket
+        self.bucket_vals.append(v)
+        self.bucket_tsum += t
+
+    def add_newest(self, t: float, v: float, retention_seconds: float) -> None:
+        """add() for a series read only from its tier: its raw tier keeps only the newest
+        point (what add() with raw_seconds 0 keeps, without the trimming)."""
+        raw_t = self.raw_t
+        if raw_t:
+            if t <= raw_t[-1]:
+                return  # out of order or duplicate: keep the series ascending
+            if v != self.raw_v[-1]:
+                self.changed_at = t
+            raw_t[-1] = t
+            self.raw_v[-1] = v
+        else:
+            raw_t.append(t)
+            self.raw_v.append(v)
+        self.raw_start = 0
+        self.last_seen = t
+        bucket = int((t - self.offset) // self.bucket_seconds)
+        if bucket != self.bucket:
+            if self.bucket is not None:
+                self._close_bucket(t, retention_seconds)
+            self.bucket = bucket
         self.bucket_vals.append(v)
         self.bucket_tsum += t
 
@@ -146,13 +200,28 @@ class _Series:
                                    tuple(self.tier_lo[s:]))
         return self.view
 
-    def raw_view(self, since: float | None = None) -> SeriesView:
-        """The raw points; with `since`, from the one in effect then (the newest at or before
-        it, where kept) on."""
+    def _raw_index(self, since: float | None) -> int:
         s = self.raw_start
         if since is not None:
             s = max(s, bisect.bisect_right(self.raw_t, since, s) - 1)
+        return s
+
+    def raw_view(self, since: float | None = None) -> SeriesView:
+        """The raw points; with `since`, from the one in effect then (the newest at or before
+        it, where kept) on."""
+        s = self._raw_index(since)
         return SeriesView(tuple(self.raw_t[s:]), tuple(self.raw_v[s:]))
+
+    def raw_span(self, since: float) -> RawSpan | None:
+        """What raw_view(since) holds, summed up: its first and last times, its least value,
+        and whether every value is the same. None when it would be empty."""
+        s = self._raw_index(since)
+        raw_t, raw_v = self.raw_t, self.raw_v
+        if s >= len(raw_t):
+            return None
+        if self.changed_at <= raw_t[s]:  # no value changed after the first point: all alike
+            return RawSpan(raw_t[s], raw_t[-1], raw_v[-1], True)
+        return RawSpan(raw_t[s], raw_t[-1], min(raw_v[s:]), False)
 
     def point_count(self) -> int:
         return (len(self.raw_t) - self.raw_start) + (len(self.tier_t) - self.tier_start)
@@ -205,6 +274,8 @@ class History:
             return
         self._last_timestamp = t
         rss_done: set[SeriesKey] = set()
+        get, move_to_end = self._series.get, self._series.move_to_end
+        raw_seconds, retention, raw_gap = self.raw_seconds, self.retention_seconds, self.raw_gap
         for gpu in snapshot.gpus:
             if gpu.used_bytes is not None:
                 self._add(("gpu", gpu.uuid), t, float(gpu.used_bytes), "")
@@ -212,9 +283,18 @@ class History:
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
                 if p.allocator is not None:
+                    pid, start_time = p.pid, p.start_time
                     for name, value in _allocator_values(p):
-                        self._add((name, gpu.uuid, p.pid, p.start_time), t, value, p.name,
-                                  raw=name not in ALLOCATOR_COMPONENTS)
+                        key = (name, gpu.uuid, pid, start_time)
+                        series = get(key)
+                        if series is None or start_time is None:  # new, or maybe a reused PID
+                            self._add(key, t, value, p.name, raw=name not in _COMPONENTS)
+                            continue
+                        move_to_end(key)  # what _add() does, without its call
+                        if name in _COMPONENTS:
+                            series.add_newest(t, value, retention)
+                        else:
+                            series.add(t, value, raw_seconds, retention, raw_gap)
                 rss_key = ("rss", p.pid, p.start_time)
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
@@ -235,7 +315,7 @@ class History:
 
     def _add(self, key: SeriesKey, t: float, value: float, name: str, raw: bool = True) -> None:
         series = self._series.get(key)
-        if series is not None and key[0] != "gpu" and key[-1] is None and name and series.name \
+        if series is not None and key[-1] is None and key[0] != "gpu" and name and series.name \
                 and name != series.name:
             # Without a start time only the name can tell a reused PID apart.
             series = None
@@ -245,8 +325,10 @@ class History:
         else:
             self._series.move_to_end(key)
         # A series read only from its tier keeps no raw history (only its newest point).
-        series.add(t, value, self.raw_seconds if raw else 0.0, self.retention_seconds,
-                   self.raw_gap)
+        if raw:
+            series.add(t, value, self.raw_seconds, self.retention_seconds, self.raw_gap)
+        else:
+            series.add_newest(t, value, self.retention_seconds)
 
     def _sweep(self, now: float) -> None:
         cutoff = now - self.dead_grace_seconds
@@ -284,6 +366,15 @@ class History:
         if series is None:
             return EMPTY
         return series.tier_view() if since is None else series.raw_view(since)
+
+    def process_allocator_span(self, name: str, uuid: str, identity: Identity,
+                               since: float) -> RawSpan | None:
+        """process_allocator(name, uuid, identity, since) summed up (RawSpan), without building
+        the view: None where that view is empty."""
+        if name not in ALLOCATOR_SERIES:
+            raise ValueError(f"no allocator series {name!r}")
+        series = self._series.get((name, uuid, identity[0], identity[1]))
+        return None if series is None else series.raw_span(since)
 
     def recent(self, since: float) -> list[Snapshot]:
         """Raw snapshots with timestamp >= since, oldest first (kept for raw_seconds)."""
