@@ -10,7 +10,8 @@
    two serving processes per GPU) and GPUS x PROCS processes (the stress case), each with its
    own probe file, against the same processes with no probe files (the directory listing alone).
 Medians of CPU time (this thread's) from one run, side by side; compare ratios across machines,
-not absolute figures.
+not absolute figures. The whole tick with probe files (sources and analysis, which keeps and reads
+five series per probed process) is bench/probe_tick.py.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def exporter_cost(gpus: int, procs: int, ticks: int) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--ticks", type=int, default=200)
     ap.add_argument("--gpus", type=int, default=8)

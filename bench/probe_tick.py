@@ -125,7 +125,7 @@ def worker(scenario_file: str, warmup: int) -> None:
 # ------------------------------------------------------------------ driver
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--procs", type=int, default=64, help="processes per GPU")
