@@ -270,8 +270,10 @@ def prometheus(tmp_path_factory):
                              f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    def query(expr: str) -> dict:
-        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    def query(expr: str, at: float | None = None) -> dict:
+        """An instant query, now or at `at` (Unix s): queries that must agree share one `at`."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(params)
         try:
             with urllib.request.urlopen(url, timeout=HANG) as response:
                 return json.loads(response.read(5_000_000))
@@ -373,6 +375,12 @@ def test_probe_panels_say_what_they_show_without_a_probe():
         assert p["fieldConfig"]["defaults"]["noValue"].startswith("No allocator probe"), p["title"]
 
 
+def _last_scrape(prometheus) -> float:
+    """When the exporter was last scraped: every series evaluated at that instant comes from it."""
+    [up] = prometheus("timestamp(up)")["data"]["result"]
+    return float(up["value"][1])
+
+
 def test_memory_budget_stacks_each_process_as_its_three_components(prometheus):
     """torch allocated + cached-but-free + non-torch is the process's NVML total; the process
     without a probe has no component at all (it is not shown as zero)."""
@@ -380,9 +388,12 @@ def test_memory_budget_stacks_each_process_as_its_three_components(prometheus):
     assert inside["repeat"] == "gpu" and inside["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
     assert [t["legendFormat"].rsplit(") ", 1)[1] for t in inside["targets"]] == [
         "torch allocated", "torch cached, free", "non-torch"]
+    # One evaluation time for the three, the last scrape's: live tensors grow 1 MiB a scrape, so
+    # queries made a scrape apart would disagree by that much.
+    at = _last_scrape(prometheus)
     pids: dict[str, float] = {}
     for t in inside["targets"]:
-        for r in prometheus(substitute(t["expr"]))["data"]["result"]:
+        for r in prometheus(substitute(t["expr"]), at)["data"]["result"]:
             pids[r["metric"]["pid"]] = pids.get(r["metric"]["pid"], 0.0) + float(r["value"][1])
     assert pids == {"1000": pytest.approx(77309411328)}
 
@@ -391,9 +402,10 @@ def test_leak_dashboard_shows_which_component_grows(prometheus):
     """Tensors filling the cache: torch allocated grows, cached-but-free shrinks as much, non-torch
     and the NVML total stay flat."""
     [grew] = [p for p in _probe_panels(GRAFANA / "dashboards" / "leak-investigation.json") if p["type"] == "table"]
+    at = _last_scrape(prometheus)  # one evaluation time: the growth is compared across the four queries
     per_hour = []
     for t in grew["targets"][:4]:
-        result = prometheus(substitute(t["expr"]).replace("$__range", "1h"))["data"]["result"]
+        result = prometheus(substitute(t["expr"]).replace("$__range", "1h"), at)["data"]["result"]
         per_hour.append({r["metric"]["pid"]: float(r["value"][1]) for r in result}.get("1000"))
     total, allocated, cached, non_torch = per_hour
     assert total == 0 and non_torch == 0
