@@ -287,8 +287,9 @@ def memory_budget() -> JSON:
         overrides=[threshold_line("H", "vLLM budget"), threshold_line("I", "total")])
     stack["repeat"] = "gpu"
     stack["repeatDirection"] = "h"
-    # non-torch is clamped at 0 in the stack: it is negative while a vLLM server sleeps (NVML no
-    # longer counts the released pool that PyTorch still does); the table below shows it as is.
+    # The exporter never exports a negative non-torch figure (a vLLM sleep pool's released memory
+    # is taken out of reserved first; what cannot be reconciled is left out, docs/probe.md); the
+    # clamp only keeps a stack of series scraped a moment apart from dipping below zero.
     inside = timeseries("GPU $gpu: each process as torch allocated / cached free / non-torch",
                         components([ALLOCATED, CACHED, f"clamp_min({NON_TORCH}, 0)"]), stack=True, w=24, h=10,
                         no_value=NO_PROBE, overrides=component_colors(),
@@ -329,8 +330,9 @@ def memory_budget() -> JSON:
             per_process(f"increase(gpumem_process_torch_ooms_total{{{PROC}}}[$__range])"),
         ], h=8, no_value=NO_PROBE,
             description="Now, per probed process. A: torch allocated (live tensors), B: torch reserved, "
-                        "C: cached but free (B - A), D: non-torch (NVML used - B; below zero while a vLLM "
-                        "server sleeps), E: inactive split (free pieces only a smaller request fits), "
+                        "C: cached but free (B - A), D: non-torch (NVML used - B; while a vLLM server sleeps, "
+                        "its released pool is not counted in B), E: inactive split (free pieces only a "
+                        "smaller request fits), "
                         "F: allocator retries and G: allocator out-of-memory errors over the range "
                         "(retries climbing: fragmentation, see GpuMemoryFragmentation)." + PROBE_NOTE,
             units={f"Value #{c}": "bytes" for c in "ABCDE"}),
