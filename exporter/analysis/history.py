@@ -149,13 +149,7 @@ class _Series:
             raw_t.append(t)
             raw_v.append(v)
         self.last_seen = t
-        bucket = int((t - self.offset) // self.bucket_seconds)
-        if bucket != self.bucket:
-            if self.bucket is not None:
-                self._close_bucket(t, retention_seconds)
-            self.bucket = bucket
-        self.bucket_vals.append(v)
-        self.bucket_tsum += t
+        self._to_bucket(t, v, retention_seconds)
 
     def add_newest(self, t: float, v: float, retention_seconds: float) -> None:
         """add() for a series read only from its tier: its raw tier keeps only the newest
@@ -173,6 +167,10 @@ class _Series:
             self.raw_v.append(v)
         self.raw_start = 0
         self.last_seen = t
+        self._to_bucket(t, v, retention_seconds)
+
+    def _to_bucket(self, t: float, v: float, retention_seconds: float) -> None:
+        """Count the point into its per-minute bucket, closing the previous bucket first."""
         bucket = int((t - self.offset) // self.bucket_seconds)
         if bucket != self.bucket:
             if self.bucket is not None:
