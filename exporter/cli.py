@@ -20,8 +20,8 @@ from .config import load as load_config
 if TYPE_CHECKING:  # imported where used, so each command loads only what it needs
     from .analysis.engine import Analyzer
     from .clock import Clock
-    from .postmortem.alloc_history import HistoryRequester
-    from .postmortem.recorder import FlightRecorder
+    from .reactions.alloc_history import HistoryRequester
+    from .reactions.recorder import FlightRecorder
     from .runtime import Runtime
 
 log = logging.getLogger("exporter")
@@ -74,7 +74,7 @@ def _build_runtime(config: Config, simulate: str | None, speed: float = 1.0, at:
 def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
     if not config.recorder.directory:
         return None
-    from .postmortem.recorder import FlightRecorder
+    from .reactions.recorder import FlightRecorder
 
     r = config.recorder
     try:
@@ -91,7 +91,7 @@ def _make_alloc_history(config: Config, clock: Clock, simulated: bool) -> Histor
     if simulated:  # the simulated probes record nothing
         log.info("allocator.history: not used while simulating")
         return None
-    from .postmortem.alloc_history import HistoryRequester
+    from .reactions.alloc_history import HistoryRequester
 
     return HistoryRequester(config.allocator.probe_dir, h.record_seconds, h.max_entries,
                             h.min_interval_seconds, now=clock.now)

@@ -19,8 +19,8 @@ from .sources.source import Source, collect
 
 if TYPE_CHECKING:
     from .analysis.engine import Analyzer
-    from .postmortem.alloc_history import HistoryRequester
-    from .postmortem.recorder import FlightRecorder
+    from .reactions.alloc_history import HistoryRequester
+    from .reactions.recorder import FlightRecorder
 
 log = logging.getLogger("exporter.daemon")
 
@@ -65,8 +65,8 @@ class Daemon:
         self.clock = clock
         self.interval = interval_seconds
         self.analyzer = analyzer  # analysis.engine.Analyzer: update(snapshot) -> Analysis
-        self.recorder = recorder  # postmortem.recorder.FlightRecorder: writes on its own thread
-        self.alloc_history = alloc_history  # postmortem.alloc_history: asks probes to record
+        self.recorder = recorder  # reactions.recorder.FlightRecorder: writes on its own thread
+        self.alloc_history = alloc_history  # reactions.alloc_history: asks probes to record
         self.state = State()
         self._errors: Counter[tuple[str, str]] = Counter()
         self._vllm_errors: Counter[tuple[str, str]] = Counter()

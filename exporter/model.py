@@ -458,7 +458,7 @@ class RecorderStats:
 
 @dataclass(frozen=True)
 class AllocHistoryStats:
-    """The allocation-history requests the exporter made (postmortem/alloc_history.py)."""
+    """The allocation-history requests the exporter made (reactions/alloc_history.py)."""
 
     requests_total: Mapping[str, int] = field(default_factory=dict)  # result -> count
     results_total: Mapping[str, int] = field(default_factory=dict)  # probe's outcome -> count

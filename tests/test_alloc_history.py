@@ -285,7 +285,7 @@ import re  # noqa: E402
 from exporter.config import ConfigError  # noqa: E402
 from exporter.config import load as load_config  # noqa: E402
 from exporter.model import AllocatorStats, Analysis  # noqa: E402
-from exporter.postmortem.alloc_history import HistoryRequester  # noqa: E402
+from exporter.reactions.alloc_history import HistoryRequester  # noqa: E402
 from exporter.postmortem.report import render_report  # noqa: E402
 from exporter.postmortem.trace import read_trace, write_csv  # noqa: E402
 from exporter.sources.allocator import parse  # noqa: E402

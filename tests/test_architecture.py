@@ -112,3 +112,14 @@ def test_nothing_but_the_wiring_knows_the_simulator():
     outside = [line for line in _importers("exporter", "exporter.sim")
                if not line.startswith(("exporter.sim", "exporter.runtime", "exporter.cli"))]
     assert outside == []
+
+
+def test_the_live_tick_and_the_offline_tools_keep_apart():
+    """What runs on every tick (the daemon, its reactions) is apart from the post-mortem tools:
+    the tools never import the live loop, and the loop reaches the tools only for the trace
+    format the recorder writes (and the one way to write a file)."""
+    assert _importers("exporter.postmortem", "exporter.reactions") == []
+    assert _importers("exporter.postmortem", "exporter.daemon") == []
+    live = [line for prefix in ("exporter.daemon", "exporter.reactions")
+            for line in _importers(prefix, "exporter.postmortem")]
+    assert all(line.endswith(("exporter.postmortem.trace", "exporter.postmortem.atomic")) for line in live), live

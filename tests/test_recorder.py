@@ -13,7 +13,7 @@ import pytest
 from exporter.analysis.history import History
 from exporter.analysis.transitions import transitions
 from exporter.model import Analysis, Finding, GpuSample, HostMemory, OomEvent, ProcessSample, Snapshot, State
-from exporter.postmortem.recorder import FlightRecorder, error_kind
+from exporter.reactions.recorder import FlightRecorder, error_kind
 from exporter.postmortem.trace import read_trace, write_csv
 
 GiB = 1 << 30

@@ -1,1 +1,2 @@
-"""After an incident: recorded traces, Prometheus ranges, offline replay, reports and log explanations."""
+"""After an incident, offline: recorded traces, Prometheus ranges, replay, reports and log
+explanations. Nothing here runs on the daemon's tick (the live reactions are in reactions/)."""

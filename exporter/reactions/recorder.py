@@ -50,9 +50,9 @@ from datetime import datetime, timezone
 from types import MappingProxyType
 
 from ..model import TRANSITIONS, RecorderStats, Snapshot, State
-from .trace import write_csv
+from ..postmortem.trace import write_csv
 
-log = logging.getLogger("exporter.postmortem.recorder")
+log = logging.getLogger("exporter.reactions.recorder")
 
 TRIGGERS = TRANSITIONS
 # Our own file names only: rotation never deletes anything else in the directory.

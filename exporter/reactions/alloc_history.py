@@ -7,7 +7,7 @@ recorder this is a reaction, outside the analysis: `observe()` looks at each pub
 after the tick and never raises into the daemon.
 
 The request is the probe's control file, `gpumem-<pid namespace inode>-<pid>.control.json`
-(the probe file's own identity), written the post-mortem's one way (atomic.py): a new
+(the probe file's own identity), written the way post-mortem traces are (postmortem/atomic.py): a new
 temporary file (O_EXCL|O_NOFOLLOW) renamed over the name, mode 0644 for the probe's user.
 At most one request per process (PID and start time) per `min_interval_seconds`. The probe
 bounds and validates what it reads and records at most once per 15 minutes whoever asks;
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..model import AllocHistoryStats, ProcessSample, State
-from .atomic import atomic_file
+from ..postmortem.atomic import atomic_file
 from .recorder import error_kind
 
-log = logging.getLogger("exporter.postmortem.alloc_history")
+log = logging.getLogger("exporter.reactions.alloc_history")
 
 KINDS = frozenset({"leak", "fragmentation"})  # findings that ask for a recording
 MAX_TRACKED = 4096  # processes remembered for the interval; requests pending an answer
