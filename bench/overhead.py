@@ -98,7 +98,6 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
     from exporter.serve.exposition import build_registry
     from exporter.sim import fake_nvml
     from exporter.sim.scenario import from_dict
-    from exporter.sources.adapters import VllmServers
     from exporter.sources.host import HostSource, LocalHost
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.vllm import VllmEndpoint, VllmSource
@@ -109,8 +108,7 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
     nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
     sources = [nvml, HostSource(host)]
     if endpoints:  # as the daemon: no endpoint configured, no vLLM source
-        scraper = VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host)
-        sources.append(VllmServers(scraper, host))
+        sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host))
     sampler = Sampler(sources, now=clock.now)
     analyzer = make_analyzer(build_config())
     state = State()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .clock import Clock
 from .model import Snapshot, State
-from .sources.source import Source, collect
+from .sources.source import Source, collect, in_order
 
 if TYPE_CHECKING:
     from .analysis.engine import Analyzer
@@ -29,11 +29,13 @@ MAX_COUNTER_SERIES = 1000
 
 
 class Sampler:
-    """One tick: every source in turn (nvml, host, allocator, kubelet, vllm, logs), each filling its part
-    of one Snapshot; a later source reads what the earlier ones filled in."""
+    """One tick: every source in turn, each filling its part of one Snapshot. The order comes
+    from what each source declares it needs and gives (sources/source.py: in_order), so a
+    source reads what the ones before it filled in. Raises ValueError on declarations that
+    cannot be ordered."""
 
     def __init__(self, sources: Sequence[Source], now: Callable[[], float] = time.time):
-        self.sources = tuple(sources)
+        self.sources = in_order(sources)
         self.now = now
 
     def sample(self) -> Snapshot:

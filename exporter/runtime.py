@@ -158,8 +158,8 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
 
 def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
     """The configuration-dependent part: endpoints, log files, what to read. `one_shot`: for a
-    single sample (`snapshot`), where failures are not retried. Raises ConfigError."""
-    from .sources.adapters import OomLogs, PodNames, VllmServers
+    single sample (`snapshot`), where failures are not retried. The sampler orders the sources
+    by what each needs (sources/source.py). Raises ConfigError."""
     from .sources.host import HostSource
 
     endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm.endpoints)]
@@ -171,20 +171,19 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
                    label="simulated NVML" if host.simulated else "NVML", retry=not one_shot),
         HostSource(host.view, read_cmdline=config.host.read_cmdline),
     ]
-    allocator = _allocator_source(config, host)  # after nvml and host: it needs their processes
+    allocator = _allocator_source(config, host)
     if allocator is not None:
         sources.append(allocator)
     if host.pods is not None:
-        sources.append(PodNames(host.pods))
+        from .sources.kubelet import KubeletSource
+        sources.append(KubeletSource(host.pods))
     if endpoints:
         from .sources.vllm import VllmSource
-        from .sources.vllm_log import ProfileCache
-        profiles = ProfileCache({ep.label: ep.log_file for ep in endpoints if ep.log_file})
-        sources.append(VllmServers(VllmSource(endpoints, host=host.view), host.view, profiles))
+        sources.append(VllmSource(endpoints, host=host.view))
     log_files = list(config.logs.files) + [ep.log_file for ep in config.vllm.endpoints if ep.log_file]
     if log_files:
         from .sources.logs import LogSource
-        sources.append(OomLogs(LogSource(log_files)))
+        sources.append(LogSource(log_files))
     return Sampler(sources, now=host.clock.now)
 
 

@@ -285,9 +285,9 @@ import re  # noqa: E402
 from exporter.config import ConfigError  # noqa: E402
 from exporter.config import load as load_config  # noqa: E402
 from exporter.model import AllocatorStats, Analysis  # noqa: E402
-from exporter.reactions.alloc_history import HistoryRequester  # noqa: E402
 from exporter.postmortem.report import render_report  # noqa: E402
 from exporter.postmortem.trace import read_trace, write_csv  # noqa: E402
+from exporter.reactions.alloc_history import HistoryRequester  # noqa: E402
 from exporter.sources.allocator import parse  # noqa: E402
 from tests.helpers.state import make_state  # noqa: E402
 

@@ -103,22 +103,23 @@ def test_run_loop_keeps_time_on_the_clock_and_stops_promptly():
     assert isinstance(accelerated.clock, VirtualClock)
 
 
-def test_a_serving_process_keeps_its_role_while_its_server_shuts_down(runtime_at):
+def test_a_serving_process_keeps_its_role_while_its_server_shuts_down():
     from exporter.model import GpuSample, ProcessSample
+    from exporter.sources.vllm_procs import StickyRoles
 
-    sampler = next(s for s in runtime_at("steady", 600).sampler.sources if s.name == "vllm")
+    roles = StickyRoles()
 
     def gpus(role, endpoint="", start=100.0):
         return (GpuSample(index="0", uuid="GPU-a", processes=(
             ProcessSample(pid=7, used_bytes=1, role=role, endpoint=endpoint, start_time=start),)),)
 
-    assert sampler._sticky_roles(gpus("vllm", "sim-0"))[0].processes[0].role == "vllm"
+    assert roles.apply(gpus("vllm", "sim-0"))[0].processes[0].role == "vllm"
     # The listener is gone, the worker still holds its memory: still the server's.
-    kept = sampler._sticky_roles(gpus("other"))[0].processes[0]
+    kept = roles.apply(gpus("other"))[0].processes[0]
     assert (kept.role, kept.endpoint) == ("vllm", "sim-0")
     # The same PID reused by another process is not.
-    assert sampler._sticky_roles(gpus("other", start=200.0))[0].processes[0].role == "other"
-    assert sampler._sticky_roles(gpus("other"))[0].processes[0].role == "other"  # forgotten once gone
+    assert roles.apply(gpus("other", start=200.0))[0].processes[0].role == "other"
+    assert roles.apply(gpus("other"))[0].processes[0].role == "other"  # forgotten once gone
 
 
 def test_impossible_vllm_values_are_counted_as_out_of_range():
@@ -128,7 +129,7 @@ def test_impossible_vllm_values_are_counted_as_out_of_range():
     from exporter.sources.source import Reading
 
     class Server:
-        name = "vllm"
+        name, needs, gives = "vllm", (), ("vllm",)
 
         def collect(self, snapshot):
             sample = VllmSample(endpoint="llama", up=True, rejected_metrics=("vllm:kv_cache_usage_perc",))
@@ -148,7 +149,7 @@ def test_a_sampler_superseded_before_any_tick_is_closed():
     from exporter.daemon import Sampler
 
     class Closing:
-        name = "nvml"
+        name, needs, gives = "nvml", (), ("gpus",)
         closed = 0
 
         def collect(self, snapshot):

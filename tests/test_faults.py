@@ -26,7 +26,6 @@ from exporter.serve.exposition import build_registry
 from exporter.sim import fake_nvml
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import loads
-from exporter.sources.adapters import OomLogs, VllmServers
 from exporter.sources.host import HostSource, LocalHost, enrich
 from exporter.sources.logs import LogSource
 from exporter.sources.nvml import NvmlSource
@@ -65,9 +64,9 @@ class Rig:
                                retry_initial_seconds=5, retry_max_seconds=20)
         sources = [self.nvml, HostSource(self.host)]
         if vllm is not None:
-            sources.append(VllmServers(vllm, self.host))
+            sources.append(vllm)
         if logs is not None:
-            sources.append(OomLogs(logs))
+            sources.append(logs)
         self.sampler = Sampler(sources, now=self.clock.now)
         self.analyzer = Analyzer(log_findings=False)
         self.daemon = Daemon(self.sampler, self.clock, INTERVAL, analyzer=self.analyzer)

@@ -15,10 +15,9 @@ from exporter.model import GpuSample, ProcessSample, Snapshot
 from exporter.runtime import Host, kubelet_pods, make_sampler
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import from_dict
-from exporter.sources.adapters import PodNames, pod_name
 from exporter.sources.cgroup import parse_cgroup
 from exporter.sources.host import LocalHost, enrich
-from exporter.sources.kubelet import KubeletPods
+from exporter.sources.kubelet import KubeletPods, KubeletSource, pod_name
 from helpers.kubelet import Kubelet, pod_item, pod_list
 
 CID = "3f4e" * 16
@@ -73,7 +72,7 @@ def pod_identity(cgroup_text, pods):
 
 def with_pod_names(gpus, pods):
     """The kubelet source over what enrich() filled in."""
-    return PodNames(pods).collect(Snapshot(timestamp=0.0, gpus=gpus)).snapshot.gpus
+    return KubeletSource(pods).collect(Snapshot(timestamp=0.0, gpus=gpus)).snapshot.gpus
 
 
 @pytest.fixture

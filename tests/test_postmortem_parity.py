@@ -30,8 +30,8 @@ from exporter.model import (
 )
 from exporter.postmortem.analyze import analyze, read_log_events, replay, replay_episodes
 from exporter.postmortem.logtime import line_time
-from exporter.reactions.recorder import FlightRecorder
 from exporter.postmortem.trace import TraceError, load_traces, read_trace, write_csv
+from exporter.reactions.recorder import FlightRecorder
 from exporter.runtime import build as build_runtime
 
 GiB = 1 << 30

@@ -13,8 +13,8 @@ import pytest
 from exporter.analysis.history import History
 from exporter.analysis.transitions import transitions
 from exporter.model import Analysis, Finding, GpuSample, HostMemory, OomEvent, ProcessSample, Snapshot, State
-from exporter.reactions.recorder import FlightRecorder, error_kind
 from exporter.postmortem.trace import read_trace, write_csv
+from exporter.reactions.recorder import FlightRecorder, error_kind
 
 GiB = 1 << 30
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z

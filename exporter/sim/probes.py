@@ -111,7 +111,7 @@ class ProbedSource:
     def __init__(self, probes: SimulatedProbes, source: Source):
         self.probes = probes
         self.source = source
-        self.name = source.name
+        self.name, self.needs, self.gives = source.name, source.needs, source.gives
 
     def collect(self, snapshot: Snapshot) -> Reading:
         self.probes.write()

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..boundedio import read_head
 from ..model import AllocatorStats, GpuSample, ProcessSample, Snapshot, SourceError
-from .source import Reading
+from .source import ALLOCATOR, GPUS, PROCESS_IDENTITY, Reading
 
 SOURCE = "allocator"
 SCHEMAS = frozenset({1})  # the probe file versions this reader understands
@@ -178,10 +178,12 @@ def read_pid_namespace(proc_root: str, pid: int) -> int | None:
 
 
 class AllocatorSource:
-    """The `allocator` source. Runs after the nvml and host sources: it needs the GPU processes
-    NVML listed and the identity (start time, NSpid) the host source gave them."""
+    """The `allocator` source: it needs the GPU processes and the identity (start time, NSpid)
+    the host source gave them."""
 
     name = SOURCE
+    needs = (GPUS, PROCESS_IDENTITY)
+    gives = (ALLOCATOR,)
 
     def __init__(self, directory: str, proc_root: str = "/proc",
                  pid_namespace: Callable[[int], int | None] | None = None,

@@ -19,7 +19,7 @@ from ..boundedio import read_head
 from ..model import GpuSample, HostMemory, Snapshot, SourceError
 from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
-from .source import Reading
+from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, Reading
 
 _MAX_PROC_FILE = 64 << 10  # /proc files are small; never read more than this
 _PROCESS_ERRORS = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError)
@@ -187,6 +187,8 @@ class HostSource:
     """The `host` source: host memory, then each GPU process's host identity (enrich)."""
 
     name = "host"
+    needs = (GPUS,)
+    gives = (HOST_MEMORY, PROCESS_IDENTITY)
 
     def __init__(self, view: HostView, read_cmdline: bool = False):
         self.view = view

@@ -14,9 +14,13 @@ every `unknown_refresh_seconds` when a UID is not in it (a pod started since the
 Every fetch has a deadline and a size bound; a failed fetch keeps the last good list (pod UIDs
 are never reused, so an old entry is never wrong, at worst missing) and is recorded, never
 raised. Outside Kubernetes (no token file, no node address) the lookup is simply absent.
+
+`KubeletSource` is the `kubelet` source: it names the pod of every GPU process that runs in
+one. The pod list (`KubeletPods`) lives as long as the host and outlasts a reload's sources.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,14 +28,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import requests
 import urllib3
 
 from ..boundedio import read_head
-from ..model import SourceError
+from ..model import Snapshot, SourceError
 from .httpclient import HttpFailure, get
+from .source import POD_NAMES, PROCESS_IDENTITY, Reading
 
 log = logging.getLogger("exporter.sources.kubelet")
 
@@ -236,3 +241,55 @@ def default_url(env: Mapping[str, str] | None = None) -> str:
 def in_kubernetes(token_file: str = DEFAULT_TOKEN_FILE, env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return bool(env.get("KUBERNETES_SERVICE_HOST")) and os.path.isfile(token_file)
+
+
+class PodLookup(Protocol):
+    up: bool | None
+
+    def lookup(self, pod_uid: str) -> Pod | None: ...
+
+    def take_errors(self) -> tuple[SourceError, ...]: ...
+
+
+def pod_name(pods: PodLookup, pod_uid: str) -> tuple[str, str]:
+    """(pod, namespace) for a pod UID; ('', '') outside a pod or while the kubelet does not
+    know it."""
+    if not pod_uid:
+        return "", ""
+    try:
+        pod = pods.lookup(pod_uid)
+    except Exception:  # lookup promises not to raise; a broken one must still not stop sampling
+        pod = None
+    return ("", "") if pod is None else (pod.name, pod.namespace)
+
+
+class KubeletSource:
+    """The `kubelet` source: names the pod of every GPU process that runs in one, from the pod
+    UID the host source read in its cgroup."""
+
+    name = "kubelet"
+    needs = (PROCESS_IDENTITY,)
+    gives = (POD_NAMES,)
+
+    def __init__(self, pods: PodLookup):
+        self.pods = pods  # a KubeletPods, owned by the host: it outlives a reload's sources
+
+    def collect(self, snapshot: Snapshot) -> Reading:
+        names: dict[str, tuple[str, str]] = {}
+        gpus = []
+        for gpu in snapshot.gpus:
+            procs = []
+            for p in gpu.processes:
+                if p.pod_uid:
+                    if p.pod_uid not in names:
+                        names[p.pod_uid] = pod_name(self.pods, p.pod_uid)
+                    pod, namespace = names[p.pod_uid]
+                    p = dataclasses.replace(p, pod=pod, namespace=namespace)
+                procs.append(p)
+            gpus.append(dataclasses.replace(gpu, processes=tuple(procs)))
+        # Up until a fetch fails: before the first pod process there is nothing to ask.
+        return Reading(dataclasses.replace(snapshot, gpus=tuple(gpus)),
+                       up=self.pods.up is not False, errors=self.pods.take_errors())
+
+    def close(self) -> None:
+        pass  # the pod list lives as long as the host (runtime.Host closes it)

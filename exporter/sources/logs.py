@@ -7,8 +7,9 @@ and unreadable files (reported on `error`/`error_kind`, never raised). Each poll
 `max_read_bytes`, so a burst of logging cannot stall a sampling tick; the rest comes next poll.
 Over-long lines are cut to `max_line_bytes`.
 
-`LogSource` tails several files, feeding each through its own `OomParser` (which keeps the
-context a multi-line message needs) and reports messages and faults for one tick. What a
+`LogSource`, the `logs` source, tails several files, feeding each through its own `OomParser`
+(which keeps the context a multi-line message needs) and reports messages and faults for one
+tick, stamped with the tick's time. What a
 message means is for the analysis (analysis/oom.classify).
 """
 from __future__ import annotations
@@ -21,8 +22,9 @@ from dataclasses import replace
 from typing import BinaryIO
 
 from ..boundedio import open_regular
-from ..model import OomMessage, SourceError
+from ..model import OomMessage, Snapshot, SourceError
 from .oom_messages import OomParser
+from .source import LOG_EVENTS, Reading
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 DEFAULT_MAX_READ_BYTES = 4 * 1024 * 1024
@@ -229,9 +231,12 @@ def iter_file_lines(fh: BinaryIO, max_bytes: int, max_line_bytes: int = DEFAULT_
 
 
 class LogSource:
-    """Tails server logs and reports the OOM messages found in each tick's new lines."""
+    """The `logs` source: tails server logs and reports the OOM messages found in each tick's
+    new lines."""
 
     name = SOURCE
+    needs: tuple[str, ...] = ()
+    gives = (LOG_EVENTS,)
 
     def __init__(self, paths: list[str] | tuple[str, ...], *,
                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, start_at_end: bool = True,
@@ -240,6 +245,10 @@ class LogSource:
         self._tailers = {p: LogTailer(p, max_line_bytes, start_at_end, max_read_bytes)
                          for p in self.paths}
         self._parsers = {p: OomParser(p) for p in self.paths}
+
+    def collect(self, snapshot: Snapshot) -> Reading:
+        events, errors = self.sample(now=snapshot.timestamp)
+        return Reading(replace(snapshot, log_events=events), up=not errors, errors=errors)
 
     def sample(self, now: float | None = None) -> tuple[tuple[OomMessage, ...], tuple[SourceError, ...]]:
         """New messages since the last call (stamped with `now` when given) and this tick's faults."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
-from .source import Reading
+from .source import GPUS, Reading
 
 log = logging.getLogger("exporter.nvml")
 
@@ -34,6 +34,8 @@ class NvmlSource:
     reported without a retry schedule nobody will see."""
 
     name = "nvml"
+    needs: tuple[str, ...] = ()
+    gives = (GPUS,)
 
     def __init__(self, nvml: Any, host_memory: Callable[[], HostMemory | None],
                  now: Callable[[], float] = time.time,

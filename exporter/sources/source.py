@@ -5,17 +5,33 @@ returns a Reading: the snapshot with its own part filled in, whether it worked, 
 it saw. `collect` times the call and records the source's up/error state in the snapshot, as
 node_exporter does for its collectors: no source builds its own status, and a source that
 raises is reported down (its error counted) instead of ending the tick.
+
+Each source declares the parts of the Snapshot it reads (`needs`) and fills (`gives`), and
+`in_order` runs it after every source that gives what it needs: the order is derived from the
+declarations, so adding a source never means finding its place by hand.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..model import Snapshot, SourceError, SourceStatus
 
 log = logging.getLogger("exporter.sources")
+
+
+# The parts of a Snapshot that sources fill and read (a source's `gives` and `needs`).
+GPUS = "gpus"  # each GPU, its memory and the PIDs using it, with their GPU memory: a GPU-memory source
+HOST_MEMORY = "host_memory"  # the host's memory
+PROCESS_IDENTITY = "process_identity"  # each GPU process's name, start time, parent, cgroup, NSpid
+POD_NAMES = "pod_names"  # the pod and namespace of a GPU process in Kubernetes
+ALLOCATOR = "allocator"  # PyTorch's allocator numbers of a probed GPU process
+VLLM = "vllm"  # each vLLM server's sample, and which GPU processes serve it (their role)
+LOG_EVENTS = "log_events"  # the out-of-memory messages read from logs this tick
+PARTS = (GPUS, HOST_MEMORY, PROCESS_IDENTITY, POD_NAMES, ALLOCATOR, VLLM, LOG_EVENTS)
 
 
 @dataclass(frozen=True)
@@ -30,6 +46,14 @@ class Reading:
 
 class Source(Protocol):
     name: str  # the `source` label: nvml, host, allocator, kubelet, vllm, logs
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The PARTS it reads from the snapshot it is given (a class attribute will do)."""
+
+    @property
+    def gives(self) -> tuple[str, ...]:
+        """The PARTS it fills in."""
 
     def collect(self, snapshot: Snapshot) -> Reading:
         """Fill this source's part of `snapshot`; never raise on outside faults."""
@@ -52,3 +76,32 @@ def collect(source: Source, snapshot: Snapshot) -> Snapshot:
     status = SourceStatus(source.name, reading.up, time.perf_counter() - started, why)
     filled = reading.snapshot
     return replace(filled, sources=filled.sources + (status,), errors=filled.errors + reading.errors)
+
+
+def in_order(sources: Iterable[Source]) -> tuple[Source, ...]:
+    """The order the sources run in: each after every source that gives a part it needs, and
+    otherwise as listed. A part nobody gives is simply empty (a host without a kubelet has no
+    pod names). Raises ValueError where two sources give the same part, on a part no source
+    can declare, or on a cycle."""
+    listed = tuple(sources)
+    giver: dict[str, Source] = {}
+    for source in listed:
+        for part in (*source.needs, *source.gives):
+            if part not in PARTS:
+                raise ValueError(f"source {source.name}: unknown snapshot part {part!r} (known: {', '.join(PARTS)})")
+        for part in source.gives:
+            if part in giver:
+                raise ValueError(f"sources {giver[part].name} and {source.name} both give {part}")
+            giver[part] = source
+    after = {id(s): {id(giver[p]) for p in s.needs if p in giver and giver[p] is not s} for s in listed}
+    ordered: list[Source] = []
+    placed: set[int] = set()
+    waiting = list(listed)
+    while waiting:
+        ready = next((s for s in waiting if after[id(s)] <= placed), None)
+        if ready is None:
+            raise ValueError("sources need each other's parts in a circle: " + ", ".join(s.name for s in waiting))
+        ordered.append(ready)
+        placed.add(id(ready))
+        waiting.remove(ready)
+    return tuple(ordered)

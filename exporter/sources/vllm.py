@@ -6,6 +6,10 @@ bytes cannot hold it past `timeout_seconds`), and never reads a redirect's body
 the deadline whatever the worker is doing, so one stuck endpoint never delays the others or the
 sampling loop. Values a sane vLLM cannot send (negative counters, NaN, a KV usage of -5) are
 dropped and named in the sample, never passed on.
+
+`VllmSource` is the `vllm` source: each tick it scrapes every endpoint, attaches each server's
+start-up memory profile (vllm_log.ProfileCache, from the endpoint's log file) and marks the GPU
+processes that serve it (role "vllm", its endpoint; vllm_procs.assign_roles).
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ from dataclasses import replace
 
 import requests
 
-from ..model import VllmSample
+from ..model import Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, public_url
+from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
+from .vllm_log import ProfileCache
 from .vllm_normalise import ParseError, normalise
-from .vllm_procs import ServerPids
+from .vllm_procs import ServerPids, StickyRoles, assign_roles
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -115,8 +121,11 @@ PidResolver = Callable[[VllmEndpoint, HostView, Sequence[int]], tuple[int, ...]]
 
 
 class VllmSource:
-    """Scrapes all endpoints concurrently, each bounded by its own timeout."""
+    """The `vllm` source. Scrapes all endpoints concurrently, each bounded by its own timeout."""
 
+    name = "vllm"
+    needs = (GPUS, PROCESS_IDENTITY)  # the GPU processes, to find each server's
+    gives = (VLLM,)
     # Slack past the endpoint's timeout before we stop waiting for a worker thread.
     WAIT_MARGIN_SECONDS = 0.25
 
@@ -139,6 +148,18 @@ class VllmSource:
         self._inflight: dict[int, concurrent.futures.Future[VllmSample]] = {}
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # (endpoint, metric) already logged
+        logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
+        self.profiles = ProfileCache(logs) if logs else None
+        self._roles = StickyRoles()
+
+    def collect(self, snapshot: Snapshot) -> Reading:
+        samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes])
+        if self.profiles is not None:
+            samples = self.profiles.attach(samples)
+        gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
+                                                                                      self.host))
+        down = [s for s in samples if not s.up]
+        return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "")
 
     def sample(self, candidates: Sequence[int] = ()) -> tuple[VllmSample, ...]:
         """Scrape every endpoint; `candidates` (the GPU processes' PIDs) feed the

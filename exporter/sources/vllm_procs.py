@@ -138,6 +138,31 @@ def _owning_endpoint(pid: int, owner: dict[int, str], host: HostView,
     return ""
 
 
+class StickyRoles:
+    """A process serves its server for life. When a server shuts down, its listener goes first
+    and its workers free their GPU memory a moment later: keep their role meanwhile, so the
+    exit is seen as a serving process's exit."""
+
+    def __init__(self) -> None:
+        self._roles: dict[tuple[int, float | None], tuple[str, str]] = {}  # process identity -> (role, endpoint)
+
+    def apply(self, gpus: Iterable[GpuSample]) -> tuple[GpuSample, ...]:
+        roles: dict[tuple[int, float | None], tuple[str, str]] = {}
+        out: list[GpuSample] = []
+        for gpu in gpus:
+            procs = []
+            for p in gpu.processes:
+                if p.role == "other" and p.start_time is not None and p.identity in self._roles:
+                    role, endpoint = self._roles[p.identity]
+                    p = replace(p, role=role, endpoint=endpoint)
+                if p.role != "other" and p.start_time is not None:
+                    roles[p.identity] = (p.role, p.endpoint)
+                procs.append(p)
+            out.append(replace(gpu, processes=tuple(procs)))
+        self._roles = roles  # only processes alive now: bounded by the process table
+        return tuple(out)
+
+
 def is_local_host(hostname: str) -> bool:
     """True when `hostname` names this machine: loopback, its hostname, or one of its
     interface addresses. Names are not resolved (no DNS in the sampling path)."""
