@@ -184,7 +184,7 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
 
     def reload(*_: object) -> None:
         """SIGHUP: re-read the configuration and rebuild the sources over the same host (its
-        clock, NVML and simulated servers carry on). A reload that fails in any way keeps the
+        clock, GPU library and simulated servers carry on). A reload that fails in any way keeps the
         running configuration and says why: the daemon never dies of one. The listener, web
         config, host, kubelet, history and recorder settings change only on restart."""
         if reloading["busy"]:  # a signal during a reload: run once more when it is done
@@ -274,7 +274,7 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         runtime.close()
     if state.snapshot is None:
         _fail("sampling failed; see the log above")
-    if not simulate and state.snapshot.source_up("nvml") is False:
+    if not simulate and state.snapshot.source_up(runtime.host.gpu.name) is False:
         click.echo("No GPU could be read on this host. To see what the exporter reports, sample "
                    "a simulated one: gpu-memory-exporter snapshot --simulate steady "
                    "(`gpu-memory-exporter scenarios` lists them all).", err=True)

@@ -1,21 +1,24 @@
-"""Wires sources to a host: the real one (pynvml + /proc), or a simulated scenario.
+"""Wires sources to a host: the real one (the GPU vendor's library + /proc), or a simulated
+scenario.
 
 This is the only place that knows whether the host is simulated; everything downstream gets
-the same NVML module shape, the same HostView and plain vLLM endpoint URLs.
+the same GPU library shape (the vendor's module or the simulator's stand-in, sim/fake_<backend>),
+the same HostView and plain vLLM endpoint URLs.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .clock import Clock, FixedClock, SystemClock, VirtualClock
-from .config import Config, EndpointConfig, read_secret_file
+from .config import Config, ConfigError, EndpointConfig, read_secret_file
 from .daemon import Sampler
+from .sources.gpu import GpuBackend, backend
 from .sources.hostview import HostView
-from .sources.nvml import NvmlSource
 from .sources.source import Source
 
 if TYPE_CHECKING:  # imported where used: only some hosts need them
@@ -28,11 +31,13 @@ log = logging.getLogger("exporter.runtime")
 
 @dataclass
 class Host:
-    """What lives as long as the process: the NVML module, the HostView, the clock, the
-    kubelet's pod list in Kubernetes, and when simulated the scenario's fake vLLM servers
-    (with their start-up logs) and its processes' allocator probes (with their directory)."""
+    """What lives as long as the process: the GPU library (its backend and module), the
+    HostView, the clock, the kubelet's pod list in Kubernetes, and when simulated the scenario's
+    fake vLLM servers (with their start-up logs) and its processes' allocator probes (with their
+    directory)."""
 
-    nvml_module: object  # pynvml, or the simulator's drop-in
+    gpu: GpuBackend
+    gpu_library: object  # the vendor's module (pynvml), or the simulator's drop-in (sim/fake_nvml)
     view: HostView
     clock: Clock
     pods: KubeletPods | None = None  # None outside Kubernetes
@@ -48,7 +53,7 @@ class Host:
 @dataclass
 class Runtime:
     """A Host and the sampler built over it from one configuration. A reload (SIGHUP) builds
-    a new sampler over the same host: the simulated clock and NVML module carry on."""
+    a new sampler over the same host: the simulated clock and GPU library carry on."""
 
     host: Host
     sampler: Sampler
@@ -99,11 +104,12 @@ def kubelet_pods(config: Config, env: Mapping[str, str] | None = None) -> Kubele
 def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
               at: float | None = None) -> Host:
     """`simulate`: a scenario name or file. `at`: freeze the simulated clock at that scenario
-    time (for `snapshot`). Raises ScenarioError on a bad scenario."""
+    time (for `snapshot`). Raises ScenarioError on a bad scenario, ConfigError where the GPU
+    backend's library cannot be imported."""
     stack = contextlib.ExitStack()
+    gpu = backend(config.gpu.backend)
     if not simulate:
         import psutil
-        import pynvml
 
         from .sources.host import LocalHost
 
@@ -113,12 +119,17 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         pods = kubelet_pods(config)
         if pods is not None:
             stack.callback(pods.close)
-        return Host(pynvml, LocalHost(), SystemClock(), pods=pods, _cleanup=stack)
+        try:
+            library = importlib.import_module(gpu.library)
+        except (ImportError, OSError) as exc:
+            stack.close()
+            raise ConfigError(f"gpu.backend: {gpu.name} needs the Python module {gpu.library!r}, which cannot "
+                              f"be imported here: {exc}") from None
+        return Host(gpu, library, LocalHost(), SystemClock(), pods=pods, _cleanup=stack)
 
     import tempfile
     import time
 
-    from .sim import fake_nvml
     from .sim.fake_vllm import FakeVllmServer, startup_log
     from .sim.host import SimulatedHost
     from .sim.scenario import load as load_scenario
@@ -132,8 +143,10 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     # so a replayed scenario gives the same findings at the same moments.
     start = float(int(time.time()) // 60 * 60)
     clock = FixedClock(start, at) if at is not None else VirtualClock(start, speed=speed)
-    fake_nvml.configure(scenario, clock)
-    stack.callback(fake_nvml.configure, None, None)
+    # Each backend's simulated library is sim/fake_<name>.py, driven by the same scenario.
+    fake = importlib.import_module(f"{__package__}.sim.fake_{gpu.name}")
+    fake.configure(scenario, clock)
+    stack.callback(fake.configure, None, None)
     view = SimulatedHost(scenario, clock)
     logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
     endpoints = []
@@ -152,7 +165,7 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         # a real host's and is not read while simulating).
         probes = SimulatedProbes(scenario, clock, stack.enter_context(
             tempfile.TemporaryDirectory(prefix="gpumem-sim-probe-")))
-    return Host(fake_nvml, view, clock, simulated=True, sim_endpoints=tuple(endpoints), sim_probes=probes,
+    return Host(gpu, fake, view, clock, simulated=True, sim_endpoints=tuple(endpoints), sim_probes=probes,
                 _cleanup=stack)
 
 
@@ -165,10 +178,11 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
     endpoints = [_endpoint(ep, f"vllm.endpoints[{i}]") for i, ep in enumerate(config.vllm.endpoints)]
     endpoints += host.sim_endpoints
     sources: list[Source] = [
-        NvmlSource(host.nvml_module, host.view.memory, now=host.clock.now,
-                   retry_initial_seconds=config.nvml.retry_initial_seconds,
-                   retry_max_seconds=config.nvml.retry_max_seconds,
-                   label="simulated NVML" if host.simulated else "NVML", retry=not one_shot),
+        host.gpu.source(host.gpu_library, host.view.memory, now=host.clock.now,
+                        retry_initial_seconds=config.gpu.retry_initial_seconds,
+                        retry_max_seconds=config.gpu.retry_max_seconds,
+                        label=f"simulated {host.gpu.title}" if host.simulated else host.gpu.title,
+                        retry=not one_shot),
         HostSource(host.view, read_cmdline=config.host.read_cmdline),
     ]
     allocator = _allocator_source(config, host)

@@ -1,7 +1,9 @@
 import pytest
 import yaml
+from click.testing import CliRunner
 from pydantic import TypeAdapter
 
+from exporter.cli import main
 from exporter.config import ConfigError, build, load, parse_listen
 from exporter.config.fields import Size
 
@@ -55,7 +57,10 @@ def test_overrides_beat_the_file(tmp_path):
     ({"interval_seconds": 0}, "interval_seconds: must be positive"),
     ({"interval_seconds": float("nan")}, "interval_seconds: expected a finite number"),
     ({"stale_after_seconds": -5}, "stale_after_seconds: must not be negative"),
-    ({"nvml": {"retry_max_seconds": 0}}, "nvml.retry_max_seconds: must be positive"),
+    ({"gpu": {"retry_max_seconds": 0}}, "gpu.retry_max_seconds: must be positive"),
+    ({"nvml": {"retry_max_seconds": 0}}, "nvml.retry_max_seconds: must be positive"),  # the old name, as written
+    ({"gpu": {"backend": "voodoo"}}, "gpu.backend: expected one of nvml, got 'voodoo'"),
+    ({"nvml": {}, "gpu": {}}, "nvml: the old name of gpu; give gpu only"),
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "max_response_bytes": "9" * 400}]}},
      "vllm.endpoints[0].max_response_bytes: '" + "9" * 64 + "' is too large"),
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "max_response_bytes": "1e300"}]}},
@@ -109,3 +114,16 @@ def test_listen(text, expected):
 def test_listen_rejects_bad_port():
     with pytest.raises(ConfigError):
         parse_listen("host:99999")
+
+
+def test_the_nvml_section_is_read_as_gpu_with_a_warning_and_printed_with_its_new_name(tmp_path, caplog):
+    """`nvml:` was the GPU library's section before a second vendor could be one (#20)."""
+    path = write(tmp_path, {"nvml": {"retry_initial_seconds": 2, "retry_max_seconds": 60}})
+    with caplog.at_level("WARNING", logger="exporter.config"):
+        config = load(path)
+    assert (config.gpu.backend, config.gpu.retry_initial_seconds, config.gpu.retry_max_seconds) == ("nvml", 2, 60)
+    assert any("'nvml' is deprecated" in r.getMessage() and "'gpu'" in r.getMessage() for r in caplog.records)
+    result = CliRunner().invoke(main, ["check-config", path])
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    assert "nvml" not in printed and printed["gpu"]["retry_max_seconds"] == 60

@@ -44,7 +44,7 @@ WELL_FORMED = section(
     interval_seconds=NUM, stale_after_seconds=NUM, health_listen=one_of("", "127.0.0.1:0", "[::1]:0"),
     web_config_file=one_of("", "@web", "@tls_web"),
     history=section(raw_seconds=NUM, retention_seconds=NUM),
-    nvml=section(retry_initial_seconds=NUM, retry_max_seconds=NUM),
+    gpu=section(retry_initial_seconds=NUM, retry_max_seconds=NUM),
     host=section(read_cmdline=st.booleans()),
     logs=section(files=st.lists(FILE, max_size=2)),
     admission=section(close_above=RATIO, open_below=RATIO),
@@ -165,7 +165,7 @@ def test_check_config_accepts_exactly_what_run_starts_with(doc, files, host):
 COMPLETE = {
     "listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "interval_seconds": 5, "stale_after_seconds": 0,
     "web_config_file": "@web", "history": {"raw_seconds": 3600, "retention_seconds": 21600},
-    "nvml": {"retry_initial_seconds": 5, "retry_max_seconds": 300},
+    "gpu": {"backend": "nvml", "retry_initial_seconds": 5, "retry_max_seconds": 300},
     "host": {"proc_root": "/proc", "read_cmdline": False}, "logs": {"files": ["@token"]},
     "admission": {"close_above": 0.9, "open_below": 0.8},
     "recorder": {"directory": "@dir", "window_seconds": 3600, "tail_seconds": 300, "max_files": 20,

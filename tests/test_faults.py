@@ -172,10 +172,14 @@ def test_nvml_call_failing_then_recovering(call, error):
         assert not any(f.kind == "leak" for f in state.analysis.findings)
 
 
-@pytest.mark.parametrize("error", ["library_not_found", "driver_not_loaded", "lib_rm_version_mismatch"])
-def test_nvml_unavailable_at_start_then_appearing(error):
+@pytest.mark.parametrize("fault, error", [
+    ("library_not_found", "library_not_found"), ("driver_not_loaded", "driver_not_loaded"),
+    ("version_mismatch", "lib_rm_version_mismatch"),
+    ("lib_rm_version_mismatch", "lib_rm_version_mismatch"),  # the fault's old spelling, still read
+])
+def test_nvml_unavailable_at_start_then_appearing(fault, error):
     """No driver yet (or a driver upgraded under a running library: LibRmVersionMismatch)."""
-    rig = Rig(f"faults:\n  - {{kind: init_failure, error: {error}, at: 0, until: 60}}\n")
+    rig = Rig(f"faults:\n  - {{kind: init_failure, error: {fault}, at: 0, until: 60}}\n")
     for _ in range(11):
         state = rig.tick()
         assert state.snapshot.gpus == () and rig.host_intact(state)

@@ -20,7 +20,7 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
 # Values shaped like the real keys, so the search gets past the first "unknown key".
-CONFIG_KEYS = ["listen", "interval_seconds", "web_config_file", "stale_after_seconds", "history", "nvml",
+CONFIG_KEYS = ["listen", "interval_seconds", "web_config_file", "stale_after_seconds", "history", "gpu", "nvml",
                "host", "logs", "vllm", "admission", "raw_seconds", "retention_seconds", "proc_root",
                "read_cmdline", "files", "endpoints", "url", "name", "bearer_token_file", "timeout_seconds",
                "max_response_bytes", "process_pattern", "close_above", "open_below", "retry_max_seconds"]

@@ -16,6 +16,7 @@ from exporter.runtime import Host, kubelet_pods, make_sampler
 from exporter.sim.host import SimulatedHost
 from exporter.sim.scenario import from_dict
 from exporter.sources.cgroup import parse_cgroup
+from exporter.sources.gpu import backend
 from exporter.sources.host import LocalHost, enrich
 from exporter.sources.kubelet import KubeletPods, KubeletSource, pod_name
 from helpers.kubelet import Kubelet, pod_item, pod_list
@@ -162,7 +163,7 @@ def test_enrich_outside_kubernetes_fills_no_pod_names():
 def test_the_runtime_runs_the_pod_lookup_as_the_kubelet_source(pods, kubelet):
     """Host(pods=...) is how the runtime wires it: the sampler runs it after the host source.
     This test's own process is in no pod, so the kubelet is not even asked."""
-    host = Host(nvml_module=None, view=LocalHost(), clock=FixedClock(1_000_000.0), pods=pods)
+    host = Host(gpu=backend("nvml"), gpu_library=None, view=LocalHost(), clock=FixedClock(1_000_000.0), pods=pods)
     sampler = make_sampler(build_config(), host)
     assert [s.name for s in sampler.sources] == ["nvml", "host", "kubelet"]
     gpus = enrich((GpuSample(index="0", uuid="GPU-0", processes=(ProcessSample(os.getpid(), 1 << 20),)),), host.view)

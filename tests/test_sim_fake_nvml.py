@@ -41,7 +41,7 @@ faults:
   - {kind: reset_required, gpu: 0, at: 2000, until: 2100}
   - {kind: init_failure, error: driver_not_loaded, at: 3000, until: 3100}
   - {kind: init_failure, error: library_not_found, at: 3100, until: 3200}
-  - {kind: init_failure, error: lib_rm_version_mismatch, at: 3200, until: 3300}
+  - {kind: init_failure, error: version_mismatch, at: 3200, until: 3300}
   - {call: nvmlDeviceGetComputeRunningProcesses_v3, error: FunctionNotFound, at: 1300, until: 1400}
   - {call: nvmlDeviceGetComputeRunningProcesses_v2, error: FunctionNotFound, at: 1350, until: 1400}
   - {call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound, gpu: 0, at: 1500, until: 1600}
@@ -155,6 +155,37 @@ def test_configure_rejects_faults_on_functions_it_does_not_have():
     bad = sc.loads(SCENARIO.replace("nvmlSystemGetDriverVersion", "nvmlDeviceGetWarpDrive"))
     with pytest.raises(sc.ScenarioError, match=r"faults\[12\].call: the simulated NVML has no nvmlDeviceGetWarpDrive"):
         nv.configure(bad, FixedClock(START))
+
+
+@pytest.mark.parametrize("fault, message", [
+    ({"call": "nvmlDeviceGetMemoryInfo", "error": "Exploded"}, "faults[0].error: unknown NVML error 'Exploded'"),
+    ({"call": "nvmlDeviceGetUUID", "error": "Timeout", "version": 2},
+     "faults[0].version: only nvmlDeviceGetMemoryInfo has versions"),
+    ({"call": "amdsmi_get_gpu_vram_usage", "error": "Timeout"},
+     "faults[0].call: the simulated NVML has no amdsmi_get_gpu_vram_usage"),
+])
+def test_the_nvml_names_of_a_call_fault_are_checked_by_the_fake_that_has_them(fault, message):
+    """The scenario's schema knows no vendor: NVML's function, error and version names are
+    checked where they live, in the fake NVML, when it is bound to the scenario."""
+    scenario = sc.from_dict({"name": "f", "duration": 60, "gpus": [{"name": "g", "memory": "8GiB"}],
+                             "host": {"memory": "16GiB"}, "faults": [fault]})
+    with pytest.raises(sc.ScenarioError) as err:
+        nv.configure(scenario, FixedClock(START))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("spelling", ["NVMLError_GpuIsLost", "GpuIsLost", "gpu_is_lost"])
+def test_a_call_fault_raises_the_nvml_error_in_each_spelling(spelling):
+    scenario = sc.from_dict({"name": "f", "duration": 60, "gpus": [{"name": "g", "memory": "8GiB"}],
+                             "host": {"memory": "16GiB"},
+                             "faults": [{"call": "nvmlDeviceGetUUID", "error": spelling}]})
+    nv.configure(scenario, FixedClock(START))
+    try:
+        nv.nvmlInit()
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0))
+    finally:
+        nv.configure(None, None)
 
 
 # ---- devices and memory ------------------------------------------------------------------------

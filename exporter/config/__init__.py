@@ -13,7 +13,7 @@ from .schema import (
                      HostConfig,
                      KubeletConfig,
                      LogsConfig,
-                     NvmlConfig,
+                     GpuConfig,
                      RecorderConfig,
                      VllmConfig,
                      read_secret_file,
@@ -21,5 +21,5 @@ from .schema import (
 from .yamlfile import MAX_YAML_BYTES as MAX_CONFIG_BYTES
 
 __all__ = ["DEFAULT_PORT", "MAX_CONFIG_BYTES", "AdmissionConfig", "Config", "ConfigError", "EndpointConfig",
-           "HistoryConfig", "HostConfig", "KubeletConfig", "LogsConfig", "NvmlConfig", "RecorderConfig",
+           "GpuConfig", "HistoryConfig", "HostConfig", "KubeletConfig", "LogsConfig", "RecorderConfig",
            "VllmConfig", "build", "file_form", "load", "load_file", "parse_listen", "read_secret_file"]

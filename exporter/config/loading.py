@@ -1,6 +1,7 @@
 """From a file (and the flags and environment that override it) to a checked Config."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import ValidationError
@@ -8,6 +9,11 @@ from pydantic import ValidationError
 from .fields import ConfigError, problems_of
 from .schema import Config
 from .yamlfile import YamlError, read_yaml
+
+log = logging.getLogger("exporter.config")
+
+# Sections renamed, old name -> new: the old name is still read, with a warning.
+RENAMED = {"nvml": "gpu"}
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -36,17 +42,46 @@ def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = list(value) if isinstance(value, tuple) else value
 
 
+def _renamed(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The file's mapping with each section under its current name (RENAMED), the names it
+    used (new -> old, so a problem names the key as the file wrote it), and the problems of a
+    file that gives both names."""
+    used, problems = {}, []
+    for old, new in RENAMED.items():
+        if old not in data:
+            continue
+        if new in data:
+            problems.append(f"{old}: the old name of {new}; give {new} only")
+            data = {key: value for key, value in data.items() if key != old}
+            continue
+        log.warning("config: %r is deprecated and will be removed: call the section %r (read as %r now; "
+                    "check-config prints the file with the new name)", old, new, new)
+        data = {(new if key == old else key): value for key, value in data.items()}
+        used[new] = old
+    return data, used, problems
+
+
+def _as_written(problem: str, used: dict[str, str]) -> str:
+    for new, old in used.items():
+        if problem.startswith((new + ".", new + ":")):
+            return old + problem[len(new):]
+    return problem
+
+
 def build(file_data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """The file's values, then the overrides (flags and environment, keyed by dotted key path;
     None or () leaves a key alone), checked as one. Raises ConfigError with every problem."""
-    data = dict(file_data or {})
+    data, used, problems = _renamed(dict(file_data or {}))
     for key, value in (overrides or {}).items():
         if value is not None and value != ():
             _override(data, key, value)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(problems_of(exc, Config)) from None
+        raise ConfigError(problems + [_as_written(p, used) for p in problems_of(exc, Config)]) from None
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from .. import units
 from ..boundedio import read_head
+from ..sources import gpu as gpu_backends
 from .fields import (
     DEFAULT_PORT,
     EMPTY,
@@ -35,6 +36,7 @@ from .fields import (
     fail,
     no_nul,
     parse_listen,
+    show,
     url_check,
 )
 from .web import load_web_config
@@ -150,9 +152,22 @@ class HistoryConfig(Section):
             yield "raw_seconds", "must not exceed history.retention_seconds"
 
 
-class NvmlConfig(Section):
+def _gpu_backend(name: str) -> str:
+    if name not in GPU_BACKENDS:
+        raise fail(f"expected one of {', '.join(GPU_BACKENDS)}, got {show(name)}")
+    return name
+
+
+GPU_BACKENDS = tuple(b.name for b in gpu_backends.BACKENDS)
+GpuBackendName = Annotated[str, AfterValidator(_gpu_backend),
+                           Doc("one of " + ", ".join(f"`{n}`" for n in GPU_BACKENDS))]
+
+
+class GpuConfig(Section):
+    backend: GpuBackendName = Field(gpu_backends.DEFAULT, description=(
+        "The vendor library GPU memory is read through (each is a backend in sources/gpu.py)."))
     retry_initial_seconds: PositiveSeconds = Field(5.0, description=(
-        "Back-off while NVML or the driver is unavailable ..."))
+        "Back-off while the library or the driver is unavailable ..."))
     retry_max_seconds: PositiveSeconds = Field(300.0, description="... doubling up to this.")
 
 
@@ -282,7 +297,8 @@ class Config(Section):
     web_config_file: Annotated[Path, AfterValidator(_web_config)] = Field("", description=(
         "TLS and basic auth, in Prometheus exporter-toolkit's web config format (see below)."))
     history: HistoryConfig = Field(default_factory=EMPTY, description="The samples kept for the detectors.")
-    nvml: NvmlConfig = Field(default_factory=EMPTY, description="The NVIDIA driver library.")
+    gpu: GpuConfig = Field(default_factory=EMPTY, description=(
+        "The GPU vendor's library. `nvml`, the section's old name, is still read (with a warning)."))
     host: HostConfig = Field(default_factory=EMPTY, description="Processes and memory of the host.")
     logs: LogsConfig = Field(default_factory=EMPTY, description="Server logs.")
     admission: AdmissionConfig = Field(default_factory=EMPTY, description="The admission signal, with hysteresis.")

@@ -6,6 +6,12 @@ Use it wherever the real `pynvml` module (nvidia-ml-py) would go:
     fake_nvml.configure(scenario, clock)      # scenario time = clock.elapsed()
     sys.modules["pynvml"] = fake_nvml         # optional: for third-party tools
 
+It is the simulated library of the `nvml` GPU backend (sources/gpu.py): the runtime loads
+sim/fake_<backend>.py when simulating and binds it with `configure(scenario, clock)`. The
+scenario's faults are vendor-neutral (`gpu_lost`, `reset_required`, `init_failure` with
+`library_not_found|driver_not_loaded|version_mismatch`) and mapped to NVML's errors here; a
+`call_error` fault names NVML's own function, error and version, and is checked here too.
+
 Functions have the names, signatures, return shapes and errors of nvidia-ml-py. The error
 classes, constants and ctypes structures are the real module's own objects, so
 `except pynvml.NVMLError_GpuIsLost` catches this module's errors and vice versa.
@@ -38,6 +44,7 @@ from typing import Any, NoReturn
 import pynvml as _real
 
 from .scenario import Scenario, ScenarioClock, ScenarioError
+from .scenario.specs import FaultSpec
 from .scenario.state import GpuState, State
 
 # ---- Re-exports: the real module's errors, constants and structures -------------------------
@@ -62,11 +69,13 @@ def _reexport() -> None:
 _reexport()
 
 _UNAVAILABLE_ID = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG mode
+# The scenario's init_failure errors (vendor-neutral words) as NVML says them.
 _INIT_ERRORS: dict[str, int] = {
     "library_not_found": _real.NVML_ERROR_LIBRARY_NOT_FOUND,
     "driver_not_loaded": _real.NVML_ERROR_DRIVER_NOT_LOADED,
-    "lib_rm_version_mismatch": _real.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    "version_mismatch": _real.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
 }
+_VERSIONED = {"nvmlDeviceGetMemoryInfo": (1, 2)}  # the calls a call_error fault may aim at one version of
 _MAX_MIG_DEVICES = 7  # an H100/A100 can be split into at most 7 instances
 
 # ---- Module state ------------------------------------------------------------------------------
@@ -113,13 +122,36 @@ def configure(scenario: Scenario | None, clock: ScenarioClock | None) -> None:
     global _scenario, _clock, _refcount, _generation
     if scenario is not None:
         for i, fault in enumerate(scenario.faults):
-            if fault.kind == "call_error" and not callable(globals().get(fault.call)):
-                raise ScenarioError(f"faults[{i}].call: the simulated NVML has no {fault.call}")
+            if fault.kind == "call_error":
+                _check_call_error(fault, f"faults[{i}]")
     with _lock:
         _scenario, _clock = scenario, clock
         _refcount = 0
         _handles.clear()
         _generation += 1
+
+
+def _error_class(name: str) -> type[Exception] | None:
+    """A scenario's error name as pynvml's class: 'FunctionNotFound', 'function_not_found' or
+    'NVMLError_FunctionNotFound'."""
+    name = name.removeprefix("NVMLError_")
+    if "_" in name or name.islower():
+        name = "".join(part.capitalize() for part in name.split("_"))
+    found = getattr(_real, "NVMLError_" + name, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else None
+
+
+def _check_call_error(fault: FaultSpec, path: str) -> None:
+    """A call_error fault names NVML's own functions, errors and versions: checked here, where
+    those names live."""
+    if not fault.call.startswith("nvml") or not callable(globals().get(fault.call)):
+        raise ScenarioError(f"{path}.call: the simulated NVML has no {fault.call} (expected an NVML function "
+                            "name like nvmlDeviceGetMemoryInfo)")
+    if _error_class(fault.error) is None:
+        raise ScenarioError(f"{path}.error: unknown NVML error {fault.error!r} (e.g. FunctionNotFound, "
+                            "NotSupported, NoPermission, Timeout, GpuIsLost, Unknown)")
+    if fault.version is not None and fault.version not in _VERSIONED.get(fault.call, ()):
+        raise ScenarioError(f"{path}.version: only nvmlDeviceGetMemoryInfo has versions (1 or 2)")
 
 
 def _raise(code: int) -> NoReturn:
@@ -167,7 +199,8 @@ def _check_call_fault(state: State, name: str, gpu: int | None, version: int | N
             continue
         if f.version is not None and version is not None and f.version != version:
             continue
-        raise getattr(_real, "NVMLError_" + f.error)()
+        error = _error_class(f.error)  # configure() checked the name
+        raise error() if error is not None else NVMLError(_real.NVML_ERROR_UNKNOWN)
 
 
 def _device(name: str, handle: object, *args: object,

@@ -16,9 +16,11 @@ Top-level keys (sizes: 80GiB / bytes; times: seconds or "30m"; unknown keys are 
               preemptions? (cumulative), prefix_cache_queries? (cumulative),
               prefix_cache_hit_ratio?, cache_config: {gpu_memory_utilization, num_gpu_blocks,
               block_size?, cache_dtype?, enable_prefix_caching?, kv_cache_memory_bytes?}}]
-    faults: [{kind: init_failure, error: library_not_found|driver_not_loaded|lib_rm_version_mismatch}
+    faults: [{kind: init_failure, error: library_not_found|driver_not_loaded|version_mismatch}
              {kind: gpu_lost|reset_required, gpu}
-             {call: nvmlDeviceGetMemoryInfo, version?: 1|2, error: FunctionNotFound, gpu?}
+             {call: <GPU library function>, error: <its error>, version?, gpu?}: the names are the
+              GPU library's, checked by its simulated stand-in (sim/fake_nvml: e.g.
+              {call: nvmlDeviceGetMemoryInfo, version: 2, error: FunctionNotFound})
              {kind: vllm_http_error (status?) | vllm_slow (delay) | vllm_garbage, server?}
              each with at? (default 0) and until? (default: forever), active in [at, until)]
 
@@ -31,6 +33,7 @@ clamped to what is there), on process time; the simulated host writes the probe'
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import uuid as uuidlib
@@ -44,6 +47,7 @@ from .evaluate import Scenario
 from .specs import (
     FAULT_KINDS,
     INIT_ERRORS,
+    RENAMED_INIT_ERRORS,
     AllocatorSpec,
     CacheConfigSpec,
     FaultSpec,
@@ -68,6 +72,7 @@ from .validate import (
 )
 
 MAX_PROCESSES = 4096
+log = logging.getLogger("exporter.sim.scenario")
 
 
 def _gpu_uuid(scenario: str, *parts: object) -> str:
@@ -337,17 +342,11 @@ def _parse_vllm(value: Any, path: str, processes: tuple[ProcessSpec, ...]) -> tu
     return tuple(out)
 
 
-def _nvml_error_name(value: Any, path: str) -> str:
-    """Accept 'FunctionNotFound', 'function_not_found' or 'NVMLError_FunctionNotFound'."""
-    import pynvml  # the real error classes: the simulator raises exactly these
-
+def _identifier(value: Any, path: str) -> str:
+    """A GPU library's function or error name: which names exist is its fake's to say."""
     name = string(value, path)
-    name = name.removeprefix("NVMLError_")
-    if "_" in name or name.islower():
-        name = "".join(part.capitalize() for part in name.split("_"))
-    if not isinstance(getattr(pynvml, "NVMLError_" + name, None), type):
-        raise ScenarioError(f"{path}: unknown NVML error {value!r} (e.g. FunctionNotFound, NotSupported, "
-                            "NoPermission, Timeout, GpuIsLost, Unknown)")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
+        raise ScenarioError(f"{path}: expected a name of the GPU library (letters, digits, _), got {value!r}")
     return name
 
 
@@ -369,6 +368,9 @@ def _parse_faults(value: Any, path: str, gpus: tuple[GpuSpec, ...], n_servers: i
         fault: dict[str, Any] = {"kind": kind, "at": at, "until": until, "gpu": gpu}
         if kind == "init_failure":
             err = n.get("error", string)
+            if err in RENAMED_INIT_ERRORS:
+                log.warning("%s: %r is deprecated, say %r", n.sub("error"), err, RENAMED_INIT_ERRORS[err])
+                err = RENAMED_INIT_ERRORS[err]
             if err not in INIT_ERRORS:
                 raise ScenarioError(f"{n.sub('error')}: expected one of {', '.join(INIT_ERRORS)}, got {err!r}")
             fault["error"] = err
@@ -376,14 +378,9 @@ def _parse_faults(value: Any, path: str, gpus: tuple[GpuSpec, ...], n_servers: i
             if gpu is None:
                 raise ScenarioError(f"{n.sub('gpu')}: required for {kind}")
         elif kind == "call_error":
-            if not re.match(r"^nvml[A-Za-z0-9_]+$", call):
-                raise ScenarioError(f"{n.sub('call')}: expected an NVML function name like nvmlDeviceGetMemoryInfo")
-            fault["call"] = call
-            fault["error"] = n.get("error", _nvml_error_name)
-            version = n.get("version", integer, None)
-            if version is not None and (call != "nvmlDeviceGetMemoryInfo" or version not in (1, 2)):
-                raise ScenarioError(f"{n.sub('version')}: only nvmlDeviceGetMemoryInfo has versions (1 or 2)")
-            fault["version"] = version
+            fault["call"] = _identifier(call, n.sub("call"))
+            fault["error"] = n.get("error", _identifier)
+            fault["version"] = n.get("version", integer, None)
         else:  # vLLM faults
             server = n.get("server", integer, None)
             if server is not None and not 0 <= server < n_servers:

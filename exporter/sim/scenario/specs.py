@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from .curves import Curve
 
-INIT_ERRORS = ("library_not_found", "driver_not_loaded", "lib_rm_version_mismatch")
+# Why the GPU library fails to start, in words of no vendor: each backend's fake raises its own.
+INIT_ERRORS = ("library_not_found", "driver_not_loaded", "version_mismatch")
+RENAMED_INIT_ERRORS = {"lib_rm_version_mismatch": "version_mismatch"}  # old spelling -> new (deprecated)
 VLLM_FAULTS = ("vllm_http_error", "vllm_slow", "vllm_garbage")
 FAULT_KINDS = ("init_failure", "gpu_lost", "reset_required", "call_error") + VLLM_FAULTS
 
@@ -127,9 +129,9 @@ class FaultSpec:
     at: float
     until: float | None
     gpu: int | None = None  # None: every GPU
-    error: str = ""  # init: library_not_found...; call_error: an NVMLError_* suffix
-    call: str = ""
-    version: int | None = None  # nvmlDeviceGetMemoryInfo: 1 or 2; None: both
+    error: str = ""  # init: one of INIT_ERRORS; call_error: the library's error, as its fake names it
+    call: str = ""  # call_error: the GPU library's function (its fake checks the name)
+    version: int | None = None  # call_error: the call's version, where the library has several; None: all
     server: int | None = None  # vLLM faults: server index; None: every server
     status: int = 500
     delay: float = 0.0
