@@ -113,18 +113,17 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
 
         from .sources.host import LocalHost
 
+        try:
+            library = importlib.import_module(gpu.library)
+        except (ImportError, OSError) as exc:
+            raise ConfigError(f"gpu.backend: {gpu.name} needs the Python module {gpu.library!r}, which cannot "
+                              f"be imported here: {exc}") from None
         # psutil reads /proc through this one process-wide setting (its documented way to read
         # a /proc mounted elsewhere); set once here, before anything reads /proc.
         psutil.PROCFS_PATH = config.host.proc_root
         pods = kubelet_pods(config)
         if pods is not None:
             stack.callback(pods.close)
-        try:
-            library = importlib.import_module(gpu.library)
-        except (ImportError, OSError) as exc:
-            stack.close()
-            raise ConfigError(f"gpu.backend: {gpu.name} needs the Python module {gpu.library!r}, which cannot "
-                              f"be imported here: {exc}") from None
         return Host(gpu, library, LocalHost(), SystemClock(), pods=pods, _cleanup=stack)
 
     import tempfile

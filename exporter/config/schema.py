@@ -153,14 +153,14 @@ class HistoryConfig(Section):
 
 
 def _gpu_backend(name: str) -> str:
-    if name not in GPU_BACKENDS:
-        raise fail(f"expected one of {', '.join(GPU_BACKENDS)}, got {show(name)}")
+    known = [b.name for b in gpu_backends.BACKENDS]
+    if name not in known:
+        raise fail(f"expected one of {', '.join(known)}, got {show(name)}")
     return name
 
 
-GPU_BACKENDS = tuple(b.name for b in gpu_backends.BACKENDS)
-GpuBackendName = Annotated[str, AfterValidator(_gpu_backend),
-                           Doc("one of " + ", ".join(f"`{n}`" for n in GPU_BACKENDS))]
+GpuBackendName = Annotated[str, Field(max_length=64), AfterValidator(_gpu_backend),
+                           Doc("one of " + ", ".join(f"`{b.name}`" for b in gpu_backends.BACKENDS))]
 
 
 class GpuConfig(Section):
