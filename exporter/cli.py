@@ -2,27 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import click
 import yaml
 
 from . import __version__
 from .config import Config, ConfigError, file_form
-from .config import load as load_config
+from .service import StartError, make_analyzer  # make_analyzer: also imported from here by tests and benches
 
-if TYPE_CHECKING:  # imported where used, so each command loads only what it needs
-    from .analysis.engine import Analyzer
-    from .clock import Clock
-    from .reactions.alloc_history import HistoryRequester
-    from .reactions.recorder import FlightRecorder
-    from .runtime import Runtime
+__all__ = ["main", "make_analyzer"]
 
 log = logging.getLogger("exporter")
 
@@ -40,61 +34,19 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-# run's and snapshot's flags, as the key paths they override (their environment variables too)
-_FLAG_KEYS = {"vllm_endpoints": "vllm.endpoints"}
+def _invalid(config_file: str | None, exc: ConfigError) -> click.ClickException:
+    where = f" in {config_file}" if config_file else ""
+    return click.ClickException(f"invalid configuration{where}:\n  " + str(exc).replace("\n", "\n  "))
 
 
 def _load(config_file: str | None, **flags: object) -> Config:
-    """The one validation `run`, `check-config` and a reload share: the file, the flags and
-    environment over it, the files it names, and the detectors' own needs."""
+    """service.load, its problems as click's error (exit status 1)."""
+    from .service import load
+
     try:
-        return load_config(config_file, {_FLAG_KEYS.get(k, k): v for k, v in flags.items()})
+        return load(config_file, flags)
     except ConfigError as exc:
-        where = f" in {config_file}" if config_file else ""
-        raise click.ClickException(f"invalid configuration{where}:\n  " + str(exc).replace("\n", "\n  ")) from None
-
-
-def make_analyzer(config: Config) -> Analyzer:
-    from .analysis.engine import Analyzer
-
-    return Analyzer(config.analysis())  # already checked against the detectors' needs by _load
-
-
-def _build_runtime(config: Config, simulate: str | None, speed: float = 1.0, at: float | None = None,
-                   one_shot: bool = False) -> Runtime:
-    from .runtime import build
-    from .sim.scenario import ScenarioError
-
-    try:
-        return build(config, simulate=simulate, speed=speed, at=at, one_shot=one_shot)
-    except (ConfigError, ScenarioError) as exc:
-        raise click.ClickException(str(exc)) from exc
-
-
-def _make_recorder(config: Config, clock: Clock) -> FlightRecorder | None:
-    if not config.recorder.directory:
-        return None
-    from .reactions.recorder import FlightRecorder
-
-    r = config.recorder
-    try:
-        return FlightRecorder(r.directory, r.window_seconds, r.max_files, r.max_total_bytes,
-                              r.debounce_seconds, now=clock.now, tail_seconds=r.tail_seconds)
-    except ValueError as exc:
-        raise click.ClickException(f"invalid configuration: recorder: {exc}") from exc
-
-
-def _make_alloc_history(config: Config, clock: Clock, simulated: bool) -> HistoryRequester | None:
-    h = config.allocator.history
-    if not h.enabled or not config.allocator.probe_dir:
-        return None
-    if simulated:  # the simulated probes record nothing
-        log.info("allocator.history: not used while simulating")
-        return None
-    from .reactions.alloc_history import HistoryRequester
-
-    return HistoryRequester(config.allocator.probe_dir, h.record_seconds, h.max_entries,
-                            h.min_interval_seconds, now=clock.now)
+        raise _invalid(config_file, exc) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], **_COMMON_ENV})
@@ -122,130 +74,28 @@ def main(log_level: str) -> None:
 def run(config_file: str | None, listen: str | None, interval: float | None, simulate: str | None, speed: float,
         vllm_endpoints: tuple[str, ...], web_config_file: str | None, health_listen: str | None) -> None:
     """Run the daemon: sample, analyse and serve /metrics."""
-    from .config import parse_listen
-    from .daemon import Daemon
-    from .serve.auth import BasicAuth
-    from .serve.exposition import build_registry
-    from .serve.server import HttpServer
-    from .serve.web import HEALTH_PATHS, make_app
-    from .serve.webconfig import load_web_config
+    from .service import Service
 
-    overrides = {"listen": listen, "interval_seconds": interval, "web_config_file": web_config_file,
-                 "vllm_endpoints": vllm_endpoints, "health_listen": health_listen}
-    config = _load(config_file, **overrides)
-    web = None
-    if config.web_config_file:
-        try:
-            web = load_web_config(config.web_config_file)
-        except ConfigError as exc:
-            raise click.ClickException(f"invalid web config: {exc}") from exc
-    analyzer = make_analyzer(config)
-    runtime = _build_runtime(config, simulate, speed=speed)
-    clock = runtime.clock
-    recorder = None
-    servers = []
-    try:  # a failure from here on must not leave simulated servers or threads behind
-        recorder = _make_recorder(config, clock)
-        daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder,
-                        alloc_history=_make_alloc_history(config, clock, bool(simulate)))
-        registry = build_registry(lambda: daemon.state, clock.now)
-        current = {"config": config}  # what a reload changes
-        app_args = (registry, lambda: daemon.state, clock.now, lambda: current["config"].effective_stale_after)
-        sampled = f"simulated: scenario {simulate}" if simulate else "real"
-        app = make_app(*app_args, auth=BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None,
-                       host=sampled)
-        listeners = [(config.listen, app, web)]
-        if config.health_listen:  # probes keep working when basic auth is on
-            listeners.append((config.health_listen, make_app(*app_args, paths=HEALTH_PATHS), None))
-        for where, served, web_config in listeners:
-            try:
-                servers.append(HttpServer(served, *parse_listen(where), web_config).start())
-            except OSError as exc:
-                hint = (" (another exporter on that port? choose one with --listen HOST:PORT, or "
-                        "`make run LISTEN=127.0.0.1:9843`)") if exc.errno == errno.EADDRINUSE else ""
-                raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from exc
-    except BaseException:
-        for server in servers:
-            server.stop()
-        if recorder is not None:
-            recorder.close()
-        runtime.close()
-        raise
-    server = servers[0]
-    host = parse_listen(config.listen)[0]
-    log.info("serving on %s://%s:%d/metrics, sampling every %g s", "https" if server.tls else "http",
-             host, server.port, config.interval_seconds)
-    if config.health_listen:
-        log.info("serving /healthz and /admission without auth on http://%s", config.health_listen)
-
+    flags = {"listen": listen, "interval_seconds": interval, "web_config_file": web_config_file,
+             "vllm_endpoints": vllm_endpoints, "health_listen": health_listen}
+    try:
+        service = Service.open(config_file, flags, simulate=simulate, speed=speed)
+    except ConfigError as exc:
+        raise _invalid(config_file, exc) from None
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from exc
     stopping = threading.Event()
-
-    reloading = {"busy": False, "again": False}
-
-    def reload(*_: object) -> None:
-        """SIGHUP: re-read the configuration and rebuild the sources over the same host (its
-        clock, GPU library and simulated servers carry on). A reload that fails in any way keeps the
-        running configuration and says why: the daemon never dies of one. The listener, web
-        config, host, kubelet, history and recorder settings change only on restart."""
-        if reloading["busy"]:  # a signal during a reload: run once more when it is done
-            reloading["again"] = True
-            return
-        reloading["busy"] = True
-        try:
-            while True:
-                reloading["again"] = False
-                _reload_once()
-                if not reloading["again"]:
-                    break
-        finally:
-            reloading["busy"] = False
-
-    def _reload_once() -> None:
-        from .runtime import make_sampler
-
-        sampler = None
-        try:
-            new_config = _load(config_file, **overrides)
-            sampler = make_sampler(new_config, runtime.host)
-            analyzer.reconfigure(new_config.analysis())
-            daemon.replace_sampler(sampler)  # swapped (and the old one closed) between two ticks
-        except click.ClickException as exc:  # one log line, every problem in it
-            header, *problems = exc.message.splitlines()
-            log.error("reload failed, keeping the running configuration: %s %s", header,
-                      "; ".join(p.strip() for p in problems))
-            return
-        except Exception as exc:  # building sources can fail in ways no check foresees
-            log.error("reload failed, keeping the running configuration: %s: %s", type(exc).__name__, exc,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
-            if sampler is not None:
-                sampler.close()
-            return
-        old = current["config"]
-        current["config"] = new_config
-        daemon.interval = new_config.interval_seconds
-        changed = [k for k in ("listen", "health_listen", "web_config_file", "host", "history", "recorder",
-                               "kubelet") if getattr(old, k) != getattr(new_config, k)]
-        if old.allocator.history != new_config.allocator.history:
-            changed.append("allocator.history")
-        if changed:
-            log.warning("changed settings that take effect only on restart: %s", ", ".join(changed))
-        log.info("configuration reloaded")
-
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, reload)
-    daemon.start()
+        signal.signal(signal.SIGHUP, service.reloader.request)
+    service.start()
     try:
         while not stopping.wait(0.5):
             pass
     finally:
         log.info("stopping")
-        daemon.stop()
-        for server in servers:
-            server.stop()
-        daemon.sampler.close()  # the sampler in use, which a reload may have replaced
-        runtime.host.close()
+        service.close()
 
 
 @main.command()
@@ -263,9 +113,13 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
 
     from .daemon import Daemon
     from .serve.exposition import build_registry
+    from .service import build_runtime
 
     config = _load(config_file, vllm_endpoints=vllm_endpoints)
-    runtime = _build_runtime(config, simulate, at=at if simulate else None, one_shot=True)
+    try:
+        runtime = build_runtime(config, simulate, at=at if simulate else None, one_shot=True)
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds,
                         analyzer=make_analyzer(config))

@@ -465,6 +465,15 @@ class AllocHistoryStats:
 
 
 @dataclass(frozen=True)
+class ReloadStats:
+    """How the last configuration load went (SIGHUP's reload; the start counts as one, as in
+    Prometheus's prometheus_config_last_reload_* metrics)."""
+
+    successful: bool
+    last_success_at: float  # clock time of the last successful load
+
+
+@dataclass(frozen=True)
 class State:
     """What a scrape renders. Replaced whole after every tick."""
 
@@ -475,6 +484,7 @@ class State:
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
     recorder: RecorderStats | None = None  # when the flight recorder is on
     alloc_history: AllocHistoryStats | None = None  # when allocator.history is on
+    reload: ReloadStats | None = None  # in `run` (the daemon that reloads on SIGHUP)
     samples_total: int = 0
     last_sample_at: float | None = None  # clock time the last tick completed
     sample_duration_seconds: float = 0.0

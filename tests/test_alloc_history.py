@@ -410,14 +410,14 @@ def test_the_counters_are_exposed_and_documented():
 
 
 def test_the_option_is_off_by_default_and_needs_the_probe_directory(tmp_path):
-    from exporter.cli import _make_alloc_history
     from exporter.clock import SystemClock
+    from exporter.service import make_alloc_history
 
     config = load_config(None, {"allocator.probe_dir": str(tmp_path)})
     assert config.allocator.history.enabled is False
-    assert _make_alloc_history(config, SystemClock(), simulated=False) is None
+    assert make_alloc_history(config, SystemClock(), simulated=False) is None
     on = load_config(None, {"allocator.probe_dir": str(tmp_path), "allocator.history.enabled": True})
-    assert isinstance(_make_alloc_history(on, SystemClock(), simulated=False), HistoryRequester)
+    assert isinstance(make_alloc_history(on, SystemClock(), simulated=False), HistoryRequester)
     with pytest.raises(ConfigError, match=r"needs allocator\.probe_dir"):
         load_config(None, {"allocator.history.enabled": True})
     with pytest.raises(ConfigError, match="max_entries"):

@@ -110,7 +110,7 @@ def test_analysis_does_no_io_of_its_own():
 
 def test_nothing_but_the_wiring_knows_the_simulator():
     outside = [line for line in _importers("exporter", "exporter.sim")
-               if not line.startswith(("exporter.sim", "exporter.runtime", "exporter.cli"))]
+               if not line.startswith(("exporter.sim", "exporter.runtime", "exporter.cli", "exporter.service"))]
     assert outside == []
 
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter import cli
+from exporter import cli, service
 from exporter.config import build, load, parse_listen
 from exporter.config.web import load_web_config, ssl_context
 from exporter.runtime import make_sampler, open_host
@@ -143,7 +143,7 @@ def run_would_start(path, host) -> bool:
             ssl_context(web)
     cli.make_analyzer(config)
     make_sampler(config, host).close()
-    recorder = cli._make_recorder(config, host.clock)
+    recorder = service.make_recorder(config, host.clock)
     if recorder is not None:
         recorder.close()
     parse_listen(config.listen)
@@ -227,13 +227,29 @@ def test_a_bad_reload_keeps_the_running_configuration(daemon, text, why):
     outcome = daemon.reload()
     assert "reload failed, keeping the running configuration" in outcome and why in outcome, outcome
     assert daemon.get("/healthz").status_code == 200
+    assert reload_metrics(daemon)[0] == 0
+
+
+def reload_metrics(daemon) -> tuple[float, float]:
+    """(last reload successful, when the configuration last loaded) as /metrics says."""
+    text = daemon.get("/metrics").text
+    def value(name):
+        return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+    return (value("gpumem_exporter_config_last_reload_successful"),
+            value("gpumem_exporter_config_last_reload_success_timestamp_seconds"))
 
 
 @pytest.mark.integration
 def test_a_good_reload_applies_and_names_restart_only_changes(daemon):
+    daemon.config_path.write_text("interval_seconds: [broken\n")
+    daemon.reload()
+    failed, loaded = reload_metrics(daemon)
+    assert failed == 0
     daemon.config_path.write_text("interval_seconds: 0.3\nhistory: {raw_seconds: 1800}\n")
     assert "configuration reloaded" in daemon.reload()
     assert any("take effect only on restart: history" in line for line in daemon.lines)
+    succeeded, reloaded = reload_metrics(daemon)
+    assert succeeded == 1 and reloaded >= loaded
     daemon.config_path.write_text("interval_seconds: 0.2\n")
     assert "configuration reloaded" in daemon.reload()
 

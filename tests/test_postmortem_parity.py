@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from exporter.cli import _make_recorder, make_analyzer
 from exporter.config import build as build_config
 from exporter.daemon import Daemon
 from exporter.model import (
@@ -33,6 +32,7 @@ from exporter.postmortem.logtime import line_time
 from exporter.postmortem.trace import TraceError, load_traces, read_trace, write_csv
 from exporter.reactions.recorder import FlightRecorder
 from exporter.runtime import build as build_runtime
+from exporter.service import make_analyzer, make_recorder
 
 GiB = 1 << 30
 STEP = 10.0
@@ -58,7 +58,7 @@ class Live:
         self.runtime = build_runtime(self.config, simulate=name, at=0.0)
         self.clock = self.runtime.clock
         self.analyzer = make_analyzer(self.config)
-        self.recorder = _make_recorder(self.config, self.clock)
+        self.recorder = make_recorder(self.config, self.clock)
         self.daemon = Daemon(self.runtime.sampler, self.clock, STEP, analyzer=self.analyzer,
                              recorder=self.recorder)
         self.directory = str(directory)

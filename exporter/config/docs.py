@@ -6,6 +6,7 @@ A test fails when the committed file differs from what this prints.
 """
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
 from typing import Literal, get_args, get_origin
 
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from .fields import Doc, size_text
+from .fields import RESTART, Doc, restart_keys, size_text
 from .loading import file_form
 from .schema import Config
 from .web import WebConfig
@@ -37,13 +38,11 @@ Rules for every file: unknown keys are errors; nothing is coerced (`"5"` is not 
 not `true`); anchors and aliases (`&name`, `*name`) and duplicate keys are refused; at most 1 MiB.
 Sizes (keys ending in `_bytes`) take a whole number of bytes or a string such as `8MiB`, `1.5GiB`
 (binary) or `8MB` (SI); counts are whole numbers.
-
-`kill -HUP` reloads the file. A file that fails in any way keeps the running configuration, and
-the log says why. Endpoints, log files, the allocator's probe directory, interval, staleness limit,
-`admission` thresholds and the GPU library's back-off take effect at the next sample; `listen`,
-`health_listen`, `web_config_file`, `host`, `history`, `recorder` and `kubelet` change only on
-restart (the log names them).
 """
+RELOAD = """`kill -HUP` reloads the file. A file that fails in any way keeps the running configuration, and
+the log says why; `gpumem_exporter_config_last_reload_successful` says whether the last reload
+worked. Every key takes effect at the next sample except these, which change only on restart
+(a reload that changes them logs their names): {restart}."""
 
 
 def _doc_type(metadata: Iterable[object]) -> str | None:
@@ -113,14 +112,16 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         key = prefix + name
         typ = info.annotation
         inner = [a for a in get_args(typ) if isinstance(a, type) and issubclass(a, BaseModel)]
+        meaning = _cell(" ".join([info.description or ""] + (["Changes only on restart."] if RESTART in info.metadata
+                                                             else [])).strip())
         if isinstance(typ, type) and issubclass(typ, BaseModel):
-            rows.append(f"| **`{key}`** | section | | {_cell(info.description or '')} |")
+            rows.append(f"| **`{key}`** | section | | {meaning} |")
             rows += _rows(typ, key + ".")
         elif inner:
-            rows.append(f"| **`{key}`** | list | `[]` | {_cell(info.description or '')} |")
+            rows.append(f"| **`{key}`** | list | `[]` | {meaning} |")
             rows += _rows(inner[0], key + "[].")
         else:
-            rows.append(f"| `{key}` | {_label(info)} | {_default(info)} | {_cell(info.description or '')} |")
+            rows.append(f"| `{key}` | {_label(info)} | {_default(info)} | {meaning} |")
     return rows
 
 
@@ -130,8 +131,10 @@ def _table(model: type[BaseModel]) -> str:
 
 def render() -> str:
     every_key = yaml.safe_dump(file_form(Config.model_validate({})), sort_keys=False)
+    restart = ", ".join(f"`{key}`" for key in restart_keys(Config))
     return "\n".join([
-        HEADER,
+        HEADER, textwrap.fill(RELOAD.format(restart=restart), 100, break_on_hyphens=False,
+                              break_long_words=False) + "\n",
         "## The configuration file", "", _table(Config), "",
         "Each `vllm.endpoints[]` entry may also be a bare URL string.", "",
         "Every key at its default, as `check-config` prints it:", "", "```yaml", every_key.rstrip(), "```", "",

@@ -50,6 +50,27 @@ class Doc:
     type: str
 
 
+@dataclass(frozen=True)
+class OnRestart:
+    """Marks a key (or a whole section) that a reload does not change: it takes effect only when
+    the daemon restarts, and a reload that changes it says so. Read by `restart_keys`."""
+
+
+RESTART = OnRestart()
+
+
+def restart_keys(model: type[BaseModel], prefix: str = "") -> tuple[str, ...]:
+    """The dotted key paths marked RESTART in `model`, in the schema's order."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        typ = info.annotation
+        if RESTART in info.metadata:
+            out.append(prefix + name)
+        elif isinstance(typ, type) and issubclass(typ, BaseModel):
+            out += restart_keys(typ, f"{prefix}{name}.")
+    return tuple(out)
+
+
 def fail(message: str, key: str = "", more: list[tuple[str, str]] | None = None) -> PydanticCustomError:
     """A problem for pydantic to report at the value being checked; `key` extends its path, and
     `more` adds (key, message) problems of the same section."""

@@ -1,6 +1,6 @@
 """The configuration file's schema: one section class per mapping of the file, with each key's
-type, default and meaning. `run`, `check-config`, SIGHUP reload and docs/configuration.md all
-read it from here.
+type, default and meaning, and (RESTART) whether a reload changes it or only a restart does.
+`run`, `check-config`, SIGHUP reload and docs/configuration.md all read it from here.
 
 Files the configuration names (the web config, bearer tokens, the kubelet's token and CA) are
 checked here too, so a file that `check-config` accepts is one that `run` starts with.
@@ -20,6 +20,7 @@ from ..sources import gpu as gpu_backends
 from .fields import (
     DEFAULT_PORT,
     EMPTY,
+    RESTART,
     ConfigError,
     Count,
     Doc,
@@ -164,7 +165,7 @@ GpuBackendName = Annotated[str, Field(max_length=64), AfterValidator(_gpu_backen
 
 
 class GpuConfig(Section):
-    backend: GpuBackendName = Field(gpu_backends.DEFAULT, description=(
+    backend: Annotated[GpuBackendName, RESTART] = Field(gpu_backends.DEFAULT, description=(
         "The vendor library GPU memory is read through (each is a backend in sources/gpu.py)."))
     retry_initial_seconds: PositiveSeconds = Field(5.0, description=(
         "Back-off while the library or the driver is unavailable ..."))
@@ -240,7 +241,7 @@ class AllocatorConfig(Section):
         "The directory the vLLM processes' probes write to (their GPUMEM_PROBE_DIR, shared with "
         "the exporter, e.g. /run/gpumem-probe). Read once per sample; per-process torch "
         "allocated/reserved, non-torch and retry series come from it. Off while empty."))
-    history: AllocatorHistoryConfig = Field(default_factory=EMPTY, description=(
+    history: Annotated[AllocatorHistoryConfig, RESTART] = Field(default_factory=EMPTY, description=(
         "Allocation history on demand from the probes (opt-in)."))
 
     def problems(self) -> Iterator[tuple[str, str]]:
@@ -286,24 +287,27 @@ class KubeletConfig(Section):
 class Config(Section):
     """The whole file."""
 
-    listen: Listen = Field(f"0.0.0.0:{DEFAULT_PORT}", description="HOST:PORT to serve /metrics and the rest on.")
-    health_listen: ListenOrOff = Field("", description=(
+    listen: Annotated[Listen, RESTART] = Field(f"0.0.0.0:{DEFAULT_PORT}", description=(
+        "HOST:PORT to serve /metrics and the rest on."))
+    health_listen: Annotated[ListenOrOff, RESTART] = Field("", description=(
         "A second HOST:PORT, without TLS or authentication, that serves only /healthz and "
         "/admission (for probes and load balancers when basic auth is on). Empty: off."))
     interval_seconds: PositiveSeconds = Field(5.0, description=(
         "Sampling interval (independent of the scrape interval)."))
     stale_after_seconds: Seconds = Field(0.0, description=(
         "/healthz turns 503 when no sample completed for this long; 0: three intervals."))
-    web_config_file: Annotated[Path, AfterValidator(_web_config)] = Field("", description=(
+    web_config_file: Annotated[Path, AfterValidator(_web_config), RESTART] = Field("", description=(
         "TLS and basic auth, in Prometheus exporter-toolkit's web config format (see below)."))
-    history: HistoryConfig = Field(default_factory=EMPTY, description="The samples kept for the detectors.")
+    history: Annotated[HistoryConfig, RESTART] = Field(default_factory=EMPTY, description=(
+        "The samples kept for the detectors."))
     gpu: GpuConfig = Field(default_factory=EMPTY, description=(
         "The GPU vendor's library. `nvml`, the section's old name, is still read (with a warning)."))
-    host: HostConfig = Field(default_factory=EMPTY, description="Processes and memory of the host.")
+    host: Annotated[HostConfig, RESTART] = Field(default_factory=EMPTY, description="Processes and memory of the host.")
     logs: LogsConfig = Field(default_factory=EMPTY, description="Server logs.")
     admission: AdmissionConfig = Field(default_factory=EMPTY, description="The admission signal, with hysteresis.")
-    recorder: RecorderConfig = Field(default_factory=EMPTY, description="The flight recorder.")
-    kubelet: KubeletConfig = Field(default_factory=EMPTY, description="Pod names for processes (Kubernetes).")
+    recorder: Annotated[RecorderConfig, RESTART] = Field(default_factory=EMPTY, description="The flight recorder.")
+    kubelet: Annotated[KubeletConfig, RESTART] = Field(default_factory=EMPTY, description=(
+        "Pod names for processes (Kubernetes)."))
     vllm: VllmConfig = Field(default_factory=EMPTY, description="vLLM servers.")
     allocator: AllocatorConfig = Field(default_factory=EMPTY, description=(
         "PyTorch allocator numbers from the probe inside vLLM's processes (opt-in)."))

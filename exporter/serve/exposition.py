@@ -14,7 +14,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
-from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, Snapshot, State
+from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
 
 GPU = ["gpu", "uuid"]
 PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
@@ -37,6 +37,8 @@ class StateCollector(Collector):
     def _families(self) -> Iterable[Metric]:
         state = self.get_state()
         yield from self._self_metrics(state)
+        if state.reload is not None:
+            yield from self._reload(state.reload)
         snap = state.snapshot
         if snap is None:
             return
@@ -335,6 +337,14 @@ class StateCollector(Collector):
             yield GaugeMetricFamily("gpumem_recorder_last_write_timestamp_seconds",
                                     "When the flight recorder last finished a trace file.",
                                     value=stats.last_write_timestamp)
+
+    def _reload(self, stats: ReloadStats) -> Iterator[Metric]:
+        yield GaugeMetricFamily("gpumem_exporter_config_last_reload_successful",
+                                "1 if the last configuration load (start or SIGHUP reload) succeeded.",
+                                value=1 if stats.successful else 0)
+        yield GaugeMetricFamily("gpumem_exporter_config_last_reload_success_timestamp_seconds",
+                                "When the configuration was last loaded successfully (start or reload).",
+                                value=stats.last_success_at)
 
     def _alloc_history(self, stats: AllocHistoryStats) -> Iterator[Metric]:
         requests = CounterMetricFamily(
