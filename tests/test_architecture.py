@@ -123,3 +123,12 @@ def test_the_live_tick_and_the_offline_tools_keep_apart():
     live = [line for prefix in ("exporter.daemon", "exporter.reactions")
             for line in _importers(prefix, "exporter.postmortem")]
     assert all(line.endswith(("exporter.postmortem.trace", "exporter.postmortem.atomic")) for line in live), live
+
+
+def test_the_command_line_only_turns_arguments_into_objects():
+    """cli.py holds no logic of its own (the daemon's assembly is service.py, its reload
+    reload.py): no function there is over 40 lines."""
+    tree = ast.parse((PACKAGE / "cli.py").read_text())
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 40}
+    assert long == {}
