@@ -51,7 +51,7 @@ class ProcessSample:
     """One process's use of one GPU, with its host-side identity."""
 
     pid: int
-    used_bytes: int | None  # None: NVML reported NVML_VALUE_NOT_AVAILABLE
+    used_bytes: int | None  # None: the GPU library gave no figure (NVML: NVML_VALUE_NOT_AVAILABLE)
     kind: str = "compute"  # compute | graphics
     name: str = ""  # comm, "" when the process vanished before we looked
     host_rss_bytes: int | None = None
