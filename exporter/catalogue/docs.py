@@ -39,7 +39,7 @@ Each family has a stability level:
 
 | stability | what it promises |
 |---|---|
-| stable | Its name, type, label names and meaning stay as described here. Changing any of them is a breaking change, listed as one in CHANGELOG.md. The shipped alert and recording rules read stable families only. |
+| stable | Its name, type, label names and meaning stay as described here. Changing any of them is a breaking change, listed as one in CHANGELOG.md. The expressions of the shipped alert and recording rules read stable families only. |
 | experimental | It may be renamed, relabelled, change meaning or go away in any release (with a line in CHANGELOG.md). Fine on a dashboard or in an investigation; do not page on it. |
 """  # noqa: E501
 
