@@ -19,6 +19,7 @@ from exporter.catalogue.family import UNITS, Stability, Type
 from exporter.model import AllocatorStats, AllocHistoryStats, KvCache
 from exporter.postmortem import promquery, trace
 from exporter.serve.exposition import StateCollector
+from helpers.dashboards import DASHBOARD_FILES, label_values_selector, load, queries, variable_queries
 from helpers.rules import PROMETHEUS_METRICS, load_groups, metric_names, recording_rules
 from helpers.state import make_state
 from helpers.tools import REPO
@@ -107,6 +108,39 @@ def test_the_shipped_rules_read_only_stable_families():
     used = set().union(*(metric_names(r["expr"]) for g in load_groups() for r in g["rules"]))
     unstable = sorted(n for n in used if n in BY_NAME and BY_NAME[n].stability is not Stability.STABLE)
     assert unstable == [], "an alert or recording rule reads an experimental family"
+
+
+SELECTOR = re.compile(r"(?<![\w:])(gpumem_\w+)\s*\{([^{}]*)\}")
+MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+TARGET_LABELS = {"instance", "job"}  # Prometheus adds them to every series it scrapes
+
+
+def unknown_labels(expr: str) -> set[str]:
+    """`family{label}` for each label matched in a selector of a declared family that the family
+    does not have."""
+    out = set()
+    for m in SELECTOR.finditer(expr):
+        family = BY_NAME.get(m.group(1))
+        matchers = re.sub(r'"(?:[^"\\]|\\.)*"', '""', m.group(2))  # label values hold anything
+        if family is not None:
+            out |= {f"{family.name}{{{label}}}" for label in MATCHER.findall(matchers)
+                    if label not in family.labels and label not in TARGET_LABELS}
+    return out
+
+
+def test_unknown_labels_reads_selectors():
+    assert unknown_labels('sum(gpumem_gpu_up{gpu="0", uuid=~"a|b}"}) + gpumem_admission_open{instance="x"}') == set()
+    assert unknown_labels('gpumem_admission_open{uuid="x", gpu!="1"}') == {"gpumem_admission_open{uuid}"}
+
+
+def test_rules_and_dashboards_select_only_labels_their_families_have():
+    exprs = [r["expr"] for g in load_groups() for r in g["rules"]]
+    exprs += [v for g in load_groups() for r in g["rules"] for v in (r.get("annotations") or {}).values()]
+    for path in DASHBOARD_FILES:
+        dashboard = load(path)
+        exprs += [e for _, e in queries(dashboard)]
+        exprs += [label_values_selector(q) for q in variable_queries(dashboard)]
+    assert set().union(*map(unknown_labels, exprs)) == set()
 
 
 def test_the_postmortem_readers_ask_prometheus_for_declared_series():

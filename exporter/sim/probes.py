@@ -87,7 +87,7 @@ class SimulatedProbes:
             probe_version=gpumem_probe.__version__, pid=own_pid, pid_ns=PID_NAMESPACE, start_ticks=None,
             start_time=start_time, written_at=written_at, interval=probe.interval, seq=seq,
             torch_version=TORCH_VERSION, backend="native",
-            alloc_conf={schema.ALLOC_CONF_VARS[0]: probe.alloc_conf} if probe.alloc_conf else {},
+            alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": probe.alloc_conf} if probe.alloc_conf else {},
             errors=dict.fromkeys(schema.ERROR_KINDS, 0), devices=devices, history=None)
 
     def _write(self, name: str, doc: dict[str, object]) -> None:

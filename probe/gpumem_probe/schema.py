@@ -20,7 +20,6 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 SCHEMA = 1  # the version this module writes
@@ -126,8 +125,7 @@ class Invalid(ValueError):
         self.kind = kind
 
 
-@dataclass(frozen=True)
-class History:
+class History(NamedTuple):
     """The last allocation-history request the probe acted on."""
 
     request_id: str
@@ -136,14 +134,12 @@ class History:
     bytes: int | None = None
 
 
-@dataclass(frozen=True)
-class Device:
+class Device(NamedTuple):
     uuid: str | None  # as written (CUDA's 8-4-4-4-12 hex), cut to MAX_UUID characters
     counts: dict[str, int | None]  # every COUNT_KEYS key
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     """A probe file, validated: only what a reader uses."""
 
     pid: int
@@ -223,11 +219,11 @@ def _history(value: object) -> History | None:
     if not isinstance(value, dict):
         raise Invalid("bad_schema", "history: not an object")
     request, state, name = value.get("request_id"), value.get("state"), value.get("file")
-    history = History(request_id=_text(request, 64) if request is not None else "",
-                      state=state if isinstance(state, str) and state in HISTORY_STATES else "")
-    if history.state == "done" and isinstance(name, str) and DUMP_NAME.fullmatch(name):
-        return History(history.request_id, history.state, name, _optional_count(value.get("bytes")))
-    return history
+    request_id = _text(request, 64) if request is not None else ""
+    state = state if isinstance(state, str) and state in HISTORY_STATES else ""
+    if state == "done" and isinstance(name, str) and DUMP_NAME.fullmatch(name):
+        return History(request_id, state, name, _optional_count(value.get("bytes")))
+    return History(request_id, state)
 
 
 def _device(entry: object) -> Device:
