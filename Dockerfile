@@ -4,7 +4,9 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY exporter ./exporter
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# The exporter depends on the probe's distribution (its file schema): built from ./probe here.
+COPY probe ./probe
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ./probe .
 
 FROM python:3.11-slim
 LABEL org.opencontainers.image.title="gpu-memory-exporter" \

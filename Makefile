@@ -12,17 +12,18 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PIP      = $(VENV)/bin/pip install -q
 LOGGED   = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 
-# The daemon alone for `make run`; the test and lint tools on top for `make test`.
-$(VENV)/.installed: pyproject.toml
+# The daemon alone for `make run`; the test and lint tools on top for `make test`. The exporter
+# depends on the probe's distribution (its file schema), installed from ./probe alongside.
+$(VENV)/.installed: pyproject.toml probe/pyproject.toml
 	@echo "creating $(VENV) and installing gpu-memory-exporter (first run only, ~10 s)..."
 	@python3 -m venv $(VENV)
 	@$(PIP) --upgrade pip $(LOGGED)
-	@$(PIP) -e . $(LOGGED)
+	@$(PIP) -e ./probe -e . $(LOGGED)
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	@echo "installing the test and lint tools into $(VENV) (first run only, ~20 s)..."
-	@$(PIP) -e '.[test,report]' $(LOGGED)
+	@$(PIP) -e ./probe -e '.[test,report]' $(LOGGED)
 	@touch $@
 
 # The integration tests run the real promtool, prometheus, alertmanager and amtool binaries,

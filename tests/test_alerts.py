@@ -16,7 +16,7 @@ import yaml
 from helpers.rules import (
     ALERTMANAGER_CONFIG,
     ALERTS_DIR,
-    PLANNED_METRICS,
+    DECLARED_METRICS,
     PROMETHEUS_METRICS,
     RULES,
     alert_rules,
@@ -240,7 +240,7 @@ def test_every_threshold_rule_is_used_by_an_alert():
 @pytest.mark.parametrize("rule", load_groups(), ids=[g["name"] for g in load_groups()])
 def test_rules_use_only_known_metrics(rule):
     recorded = {r["record"] for r in recording_rules()}
-    known = PLANNED_METRICS | PROMETHEUS_METRICS | recorded
+    known = DECLARED_METRICS | PROMETHEUS_METRICS | recorded
     used = set().union(*(metric_names(r["expr"]) for r in rule["rules"]))
     assert used - known == set()
 

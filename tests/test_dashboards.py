@@ -23,14 +23,14 @@ from helpers.dashboards import (
     variable_queries,
 )
 from helpers.dashboards import label_values_selector as _label_values_selector
-from helpers.rules import PLANNED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
+from helpers.rules import DECLARED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
 from helpers.tools import HANG, REPO, free_port, tool
 
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
 
 
 def known_metrics() -> frozenset[str]:
-    return PLANNED_METRICS | PROMETHEUS_METRICS | {r["record"] for r in recording_rules()}
+    return DECLARED_METRICS | PROMETHEUS_METRICS | {r["record"] for r in recording_rules()}
 
 
 @pytest.fixture(scope="module")

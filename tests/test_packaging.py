@@ -28,17 +28,28 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 
 
+def build_stage() -> str:
+    stages = re.split(r"^FROM ", DOCKERFILE.read_text(), flags=re.MULTILINE)[1:]
+    [build] = [s for s in stages if s.split("\n", 1)[0].endswith(" AS build")]
+    return build
+
+
 def build_stage_copies() -> list[tuple[str, str]]:
     """(source, destination) for each file or folder the Dockerfile's build stage copies from the
     repository, the destination relative to its WORKDIR."""
-    stages = re.split(r"^FROM ", DOCKERFILE.read_text(), flags=re.MULTILINE)[1:]
-    [build_stage] = [s for s in stages if s.split("\n", 1)[0].endswith(" AS build")]
     copies = []
-    for line in build_stage.splitlines():
+    for line in build_stage().splitlines():
         if line.startswith("COPY ") and "--from" not in line:
             *sources, dest = line.split()[1:]
             copies += [(s, str(Path(dest) / s) if dest.endswith("/") else dest) for s in sources]
     return copies
+
+
+def build_stage_wheel_targets() -> list[str]:
+    """What the build stage's `pip wheel` builds (paths relative to its WORKDIR), in its order."""
+    [line] = [line for line in build_stage().splitlines() if line.startswith("RUN pip wheel ")]
+    words = line.split()[3:]
+    return [w for i, w in enumerate(words) if not w.startswith("-") and words[i - 1] != "--wheel-dir"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +62,8 @@ def wheelhouse(tmp_path_factory) -> Path:
         path = REPO / source
         (shutil.copytree if path.is_dir() else shutil.copy2)(path, context / dest)
     wheels = tmp / "wheels"
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels), str(context)],
+    targets = [str(context / target) for target in build_stage_wheel_targets()]
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels), *targets],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return wheels
@@ -59,8 +71,10 @@ def wheelhouse(tmp_path_factory) -> Path:
 
 def test_the_build_stage_copies_what_the_package_needs():
     """pyproject.toml names README.md (readme) and LICENSE (license-files): without them the build
-    fails or the wheel ships without its licence."""
-    assert {"pyproject.toml", "README.md", "LICENSE", "exporter"} <= {s for s, _ in build_stage_copies()}
+    fails or the wheel ships without its licence. The exporter depends on the probe's distribution
+    (gpumem_probe.schema), which is not on an index: the build stage builds it from ./probe."""
+    assert {"pyproject.toml", "README.md", "LICENSE", "exporter", "probe"} <= {s for s, _ in build_stage_copies()}
+    assert build_stage_wheel_targets() == ["./probe", "."]
 
 
 @pytest.mark.slow

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from gpumem_probe.schema import control_name, request
+
 from ..model import AllocHistoryStats, ProcessSample, State
 from ..postmortem.atomic import atomic_file
 from .recorder import error_kind
@@ -35,11 +37,6 @@ log = logging.getLogger("exporter.reactions.alloc_history")
 KINDS = frozenset({"leak", "fragmentation"})  # findings that ask for a recording
 MAX_TRACKED = 4096  # processes remembered for the interval; requests pending an answer
 ANSWER_GRACE_SECONDS = 300.0  # after record_seconds, a control file nobody answered is removed
-
-
-def control_name(pid_ns: int, pid: int) -> str:
-    """The probe's control file (probe/gpumem_probe/history.py: the same name)."""
-    return f"gpumem-{pid_ns}-{pid}.control.json"
 
 
 @dataclass
@@ -111,8 +108,7 @@ class HistoryRequester:
         assert stats is not None and stats.probe_pid is not None
         request_id = f"{int(now)}-{p.pid}"
         name = control_name(stats.probe_pid_ns, stats.probe_pid)
-        body = {"request_id": request_id, "record_seconds": self.record_seconds,
-                "max_entries": self.max_entries, "reason": why}
+        body = request(request_id, self.record_seconds, self.max_entries, why)
         try:
             with atomic_file(os.path.join(self.directory, name), mode=0o644, encoding="utf-8") as fh:
                 fh.write(json.dumps(body))

@@ -1,28 +1,23 @@
 """Renders the last published State as Prometheus metric families at scrape time.
 
 A custom collector, not global metric objects: the series of a process that exited simply are
-not yielded any more, so they disappear from the next scrape. Every family here is described
-in docs/metrics.md (a test keeps the two in step).
+not yielded any more, so they disappear from the next scrape. Every family is created from its
+declaration in the catalogue (exporter/catalogue/families.py): its name, help and labels are
+written there and nowhere else. This module decides only the series and their values.
 """
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import __version__
+from ..catalogue import families as m
+from ..catalogue.family import Family
 from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
-
-GPU = ["gpu", "uuid"]
-PROCESS = ["gpu", "uuid", "pid", "process", "role", "container", "pod", "namespace"]
-TREND = ["gpu", "pid", "process", "role"]
-
-
-def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
 class StateCollector(Collector):
@@ -56,47 +51,35 @@ class StateCollector(Collector):
 
     # -- exporter health ------------------------------------------------------------------
     def _self_metrics(self, state: State) -> Iterator[Metric]:
-        info = _gauge("gpumem_exporter_build_info", "Build information; always 1.",
-                      ["version", "python", "driver_version"])
+        info = m.EXPORTER_BUILD_INFO.new()
         info.add_metric([__version__, platform.python_version(),
                          state.snapshot.driver_version if state.snapshot else ""], 1)
         yield info
-        up = _gauge("gpumem_exporter_source_up", "1 if the source worked in the last sample.", ["source"])
-        dur = _gauge("gpumem_exporter_source_duration_seconds",
-                     "Time the last sample spent in the source.", ["source"])
+        up = m.EXPORTER_SOURCE_UP.new()
+        dur = m.EXPORTER_SOURCE_DURATION_SECONDS.new()
         for s in state.snapshot.sources if state.snapshot is not None else ():
             up.add_metric([s.source], 1 if s.up else 0)
             dur.add_metric([s.source], s.duration_seconds)
         yield up
         yield dur
         if state.snapshot is not None:
-            yield GaugeMetricFamily("gpumem_exporter_sample_duration_seconds",
-                                    "Time the last tick took: every source and the analysis.",
-                                    value=state.sample_duration_seconds)
-        errors = CounterMetricFamily("gpumem_exporter_errors", "Faults seen by each source, by kind.",
-                                     labels=["source", "kind"])
+            yield m.EXPORTER_SAMPLE_DURATION_SECONDS.of(state.sample_duration_seconds)
+        errors = m.EXPORTER_ERRORS_TOTAL.new()
         for (source, kind), n in sorted(state.errors_total.items()):
             errors.add_metric([source, kind], n)
         yield errors
-        yield CounterMetricFamily("gpumem_exporter_samples", "Sampling ticks completed.",
-                                  value=state.samples_total)
+        yield m.EXPORTER_SAMPLES_TOTAL.of(state.samples_total)
         if state.last_sample_at is not None:
-            yield GaugeMetricFamily("gpumem_exporter_last_sample_timestamp_seconds",
-                                    "When the last sample completed (Unix seconds).",
-                                    value=state.last_sample_at)
-            yield GaugeMetricFamily("gpumem_exporter_sample_age_seconds",
-                                    "Age of the sample this scrape shows; grows when sampling is stuck.",
-                                    value=max(0.0, self.now() - state.last_sample_at))
+            yield m.EXPORTER_LAST_SAMPLE_TIMESTAMP_SECONDS.of(state.last_sample_at)
+            yield m.EXPORTER_SAMPLE_AGE_SECONDS.of(max(0.0, self.now() - state.last_sample_at))
 
     # -- GPUs and processes ---------------------------------------------------------------
     def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
-        info = _gauge("gpumem_gpu_info", "GPU identity; always 1.", ["gpu", "uuid", "name", "unified", "mig"])
-        up = _gauge("gpumem_gpu_up", "1 if the GPU answered NVML in the last sample.", GPU)
-        fams = {f: _gauge(f"gpumem_gpu_memory_{f}_bytes", doc, GPU) for f, doc in (
-            ("total", "Total GPU memory (host memory on unified-memory devices)."),
-            ("used", "GPU memory in use, as NVML reports it."),
-            ("free", "GPU memory free."),
-            ("reserved", "GPU memory reserved by the driver and firmware (NVML memory info v2)."))}
+        info = m.GPU_INFO.new()
+        up = m.GPU_UP.new()
+        fams = {f: family.new() for f, family in (
+            ("total", m.GPU_MEMORY_TOTAL_BYTES), ("used", m.GPU_MEMORY_USED_BYTES),
+            ("free", m.GPU_MEMORY_FREE_BYTES), ("reserved", m.GPU_MEMORY_RESERVED_BYTES))}
         for g in snap.gpus:
             labels = [g.index, g.uuid]
             info.add_metric([g.index, g.uuid, g.name, str(g.unified).lower(), str(g.mig).lower()], 1)
@@ -110,9 +93,8 @@ class StateCollector(Collector):
         yield from fams.values()
 
     def _processes(self, snap: Snapshot) -> Iterator[Metric]:
-        used = _gauge("gpumem_process_memory_used_bytes", "GPU memory used by a process on a GPU.", PROCESS)
-        rss = _gauge("gpumem_process_host_rss_bytes", "Host resident memory of a process using a GPU.",
-                     ["pid", "process", "role", "container", "pod", "namespace"])
+        used = m.PROCESS_MEMORY_USED_BYTES.new()
+        rss = m.PROCESS_HOST_RSS_BYTES.new()
         seen_rss: set[int] = set()
         for g in snap.gpus:
             for p in g.processes:
@@ -131,27 +113,13 @@ class StateCollector(Collector):
         """PyTorch's allocator in each probed process (docs/probe.md); a process without a
         probe, or a number its torch does not report, has no series (never a zero)."""
         fams: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[ProcessSample], int | None]]] = [
-            (_gauge("gpumem_process_torch_allocated_bytes",
-                    "GPU memory held by live PyTorch tensors in a process (allocator probe).", PROCESS),
-             lambda p: p.allocator.allocated_bytes if p.allocator else None),
-            (_gauge("gpumem_process_torch_reserved_bytes",
-                    "GPU memory PyTorch's caching allocator holds from the driver: allocated + cached.",
-                    PROCESS),
-             lambda p: p.allocator.reserved_bytes if p.allocator else None),
-            (_gauge("gpumem_process_torch_inactive_split_bytes",
-                    "PyTorch's cached memory in free pieces of split blocks (fragmentation).", PROCESS),
+            (m.PROCESS_TORCH_ALLOCATED_BYTES.new(), lambda p: p.allocator.allocated_bytes if p.allocator else None),
+            (m.PROCESS_TORCH_RESERVED_BYTES.new(), lambda p: p.allocator.reserved_bytes if p.allocator else None),
+            (m.PROCESS_TORCH_INACTIVE_SPLIT_BYTES.new(),
              lambda p: p.allocator.inactive_split_bytes if p.allocator else None),
-            (_gauge("gpumem_process_non_torch_bytes",
-                    "GPU memory of a process outside PyTorch's allocator: NVML used - torch reserved.",
-                    PROCESS),
-             lambda p: p.non_torch_bytes),
-            (CounterMetricFamily("gpumem_process_alloc_retries",
-                                 "Times PyTorch's allocator flushed its cache and retried cudaMalloc.",
-                                 labels=PROCESS),
-             lambda p: p.allocator.alloc_retries if p.allocator else None),
-            (CounterMetricFamily("gpumem_process_torch_ooms",
-                                 "Out-of-memory errors PyTorch's allocator raised in a process.", labels=PROCESS),
-             lambda p: p.allocator.ooms if p.allocator else None),
+            (m.PROCESS_NON_TORCH_BYTES.new(), lambda p: p.non_torch_bytes),
+            (m.PROCESS_ALLOC_RETRIES_TOTAL.new(), lambda p: p.allocator.alloc_retries if p.allocator else None),
+            (m.PROCESS_TORCH_OOMS_TOTAL.new(), lambda p: p.allocator.ooms if p.allocator else None),
         ]
         for g in snap.gpus:
             for p in g.processes:
@@ -169,48 +137,34 @@ class StateCollector(Collector):
         h = snap.host
         if h is None:
             return
-        yield GaugeMetricFamily("gpumem_host_memory_total_bytes", "Host memory (MemTotal).", value=h.total_bytes)
-        yield GaugeMetricFamily("gpumem_host_memory_available_bytes", "Host memory available (MemAvailable).",
-                                value=h.available_bytes)
+        yield m.HOST_MEMORY_TOTAL_BYTES.of(h.total_bytes)
+        yield m.HOST_MEMORY_AVAILABLE_BYTES.of(h.available_bytes)
         if h.psi_some_avg10 is not None:
-            yield GaugeMetricFamily("gpumem_host_memory_pressure_some_ratio",
-                                    "Share of time some task stalled on memory (PSI some avg10).",
-                                    value=h.psi_some_avg10 / 100.0)
+            yield m.HOST_MEMORY_PRESSURE_SOME_RATIO.of(h.psi_some_avg10 / 100.0)
         if h.oom_kills is not None:
-            yield CounterMetricFamily("gpumem_host_oom_kills", "Kernel OOM kills (/proc/vmstat oom_kill).",
-                                      value=h.oom_kills)
+            yield m.HOST_OOM_KILLS_TOTAL.of(h.oom_kills)
 
     # -- vLLM -----------------------------------------------------------------------------
     def _vllm(self, state: State) -> Iterator[Metric]:
-        up = _gauge("gpumem_vllm_up", "1 if the vLLM endpoint answered with valid metrics.", ["endpoint"])
-        dur = _gauge("gpumem_vllm_scrape_duration_seconds", "Time taken to scrape the vLLM endpoint.",
-                     ["endpoint"])
-        eng = ["endpoint", "model", "engine"]
-        kv = _gauge("gpumem_vllm_kv_cache_usage_ratio", "KV cache blocks in use (0-1).", eng)
-        running = _gauge("gpumem_vllm_requests_running", "Requests running on the engine.", eng)
-        waiting = _gauge("gpumem_vllm_requests_waiting", "Requests waiting to be scheduled.", eng)
+        up = m.VLLM_UP.new()
+        dur = m.VLLM_SCRAPE_DURATION_SECONDS.new()
+        kv = m.VLLM_KV_CACHE_USAGE_RATIO.new()
+        running = m.VLLM_REQUESTS_RUNNING.new()
+        waiting = m.VLLM_REQUESTS_WAITING.new()
         counters = {
-            "preemptions_total": CounterMetricFamily("gpumem_vllm_preemptions",
-                                                     "Requests preempted for lack of KV cache.", labels=eng),
-            "prefix_cache_queries_total": CounterMetricFamily("gpumem_vllm_prefix_cache_queries",
-                                                              "Prefix cache queries (tokens).", labels=eng),
-            "prefix_cache_hits_total": CounterMetricFamily("gpumem_vllm_prefix_cache_hits",
-                                                           "Prefix cache hits (tokens).", labels=eng),
+            "preemptions_total": m.VLLM_PREEMPTIONS_TOTAL.new(),
+            "prefix_cache_queries_total": m.VLLM_PREFIX_CACHE_QUERIES_TOTAL.new(),
+            "prefix_cache_hits_total": m.VLLM_PREFIX_CACHE_HITS_TOTAL.new(),
         }
-        budget = _gauge("gpumem_vllm_memory_budget_bytes",
-                        "What the server planned to use on the GPU: gpu_memory_utilization x total, or "
-                        "--kv-cache-memory plus its non-KV memory.", ["endpoint", *GPU])
-        budget_used = _gauge("gpumem_vllm_memory_used_bytes", "What the server's processes use on the GPU.",
-                             ["endpoint", *GPU])
+        budget = m.VLLM_MEMORY_BUDGET_BYTES.new()
+        budget_used = m.VLLM_MEMORY_USED_BYTES.new()
         for b in state.analysis.budgets if state.analysis is not None else ():
             if b.budget_bytes is not None:
                 budget.add_metric([b.endpoint, b.gpu, b.uuid], b.budget_bytes)
             if b.used_bytes is not None:  # None: NVML gave no per-process figure
                 budget_used.add_metric([b.endpoint, b.gpu, b.uuid], b.used_bytes)
-        profile = _gauge("gpumem_vllm_memory_profile_bytes",
-                         "The server's start-up memory profile from its log, by component.", ["endpoint", "component"])
-        cfg = _gauge("gpumem_vllm_cache_config_info", "The server's KV cache configuration; always 1.",
-                     ["endpoint", "block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks"])
+        profile = m.VLLM_MEMORY_PROFILE_BYTES.new()
+        cfg = m.VLLM_CACHE_CONFIG_INFO.new()
         for v in state.snapshot.vllm if state.snapshot is not None else ():
             up.add_metric([v.endpoint], 1 if v.up else 0)
             dur.add_metric([v.endpoint], v.scrape_duration_seconds)
@@ -230,13 +184,10 @@ class StateCollector(Collector):
             if c is not None:
                 cfg.add_metric([v.endpoint, _str(c.block_size), c.cache_dtype,
                                 _str(c.gpu_memory_utilization), _str(c.num_gpu_blocks)], 1)
-        errors = CounterMetricFamily("gpumem_vllm_scrape_errors", "Failed scrapes of a vLLM endpoint, by kind.",
-                                     labels=["endpoint", "kind"])
+        errors = m.VLLM_SCRAPE_ERRORS_TOTAL.new()
         for (endpoint, kind), n in sorted(state.vllm_errors_total.items()):
             errors.add_metric([endpoint, kind], n)
-        sleep = _gauge("gpumem_vllm_engine_sleep_state",
-                       "Sleep mode: 0 awake, 1 asleep at level 1 (weights offloaded), 2 at level 2 "
-                       "(weights discarded).", ["endpoint", "engine"])
+        sleep = m.VLLM_ENGINE_SLEEP_STATE.new()
         levels = {"awake": 0, "weights_offloaded": 1, "asleep": 1, "discard_all": 2}
         for v in state.snapshot.vllm if state.snapshot is not None else ():
             engine_levels: dict[str, int] = {}
@@ -249,16 +200,12 @@ class StateCollector(Collector):
                     sleep, *self._kv_caches(state.analysis), errors)
 
     def _kv_caches(self, analysis: Analysis | None) -> Iterator[Metric]:
-        eng = ["endpoint", "model", "engine"]
-        tokens = _gauge("gpumem_vllm_kv_cache_capacity_tokens", "Tokens the KV cache holds.", eng)
-        capacity = _gauge("gpumem_vllm_kv_cache_capacity_bytes",
-                          "The KV cache's memory on each of the engine's GPUs.", eng)
-        used_tokens = _gauge("gpumem_vllm_kv_cache_used_tokens", "KV cache in use, in tokens.", eng)
-        used = _gauge("gpumem_vllm_kv_cache_used_bytes",
-                      "KV cache in use on each of the engine's GPUs: usage ratio x capacity bytes.", eng)
-        max_len = _gauge("gpumem_vllm_max_model_len_tokens", "Tokens per request the server accepts.", eng)
-        fits = _gauge("gpumem_vllm_kv_cache_max_concurrency",
-                      "Requests of max_model_len tokens the KV cache holds at once.", eng)
+        tokens = m.VLLM_KV_CACHE_CAPACITY_TOKENS.new()
+        capacity = m.VLLM_KV_CACHE_CAPACITY_BYTES.new()
+        used_tokens = m.VLLM_KV_CACHE_USED_TOKENS.new()
+        used = m.VLLM_KV_CACHE_USED_BYTES.new()
+        max_len = m.VLLM_MAX_MODEL_LEN_TOKENS.new()
+        fits = m.VLLM_KV_CACHE_MAX_CONCURRENCY.new()
         for k in analysis.kv_caches if analysis is not None else ():
             labels = [k.endpoint, k.model, k.engine]
             for fam, value in ((tokens, k.capacity_tokens), (capacity, k.capacity_bytes),
@@ -269,24 +216,18 @@ class StateCollector(Collector):
         yield from (tokens, capacity, used_tokens, used, max_len, fits)
 
     def _oom_events(self, state: State) -> Iterator[Metric]:
-        ooms = CounterMetricFamily("gpumem_oom_events", "Out-of-memory events found in the watched logs.",
-                                   labels=["kind", "class"])
+        ooms = m.OOM_EVENTS_TOTAL.new()
         for (kind, klass), n in sorted(state.oom_events_total.items()):
             ooms.add_metric([kind, klass], n)
         yield ooms
 
     # -- analysis -------------------------------------------------------------------------
     def _analysis(self, analysis: Analysis) -> Iterator[Metric]:
-        util = _gauge("gpumem_gpu_memory_utilization_ratio", "Used over total GPU memory (0-1).", GPU)
-        beyond = _gauge("gpumem_gpu_memory_beyond_budget_bytes",
-                        "Used memory the vLLM servers did not budget for (all of it on a GPU without vLLM).", GPU)
-        unattributed = _gauge("gpumem_gpu_memory_unattributed_bytes",
-                              "GPU memory used that no live process accounts for.", GPU)
-        ttf = _gauge("gpumem_gpu_time_to_full_seconds",
-                     "Projected seconds until the GPU is full at its current growth; absent if not growing.", GPU)
-        admission = _gauge("gpumem_admission_open",
-                           "1 while the GPU has headroom for new requests (closes above, reopens below thresholds).",
-                           ["gpu"])
+        util = m.GPU_MEMORY_UTILIZATION_RATIO.new()
+        beyond = m.GPU_MEMORY_BEYOND_BUDGET_BYTES.new()
+        unattributed = m.GPU_MEMORY_UNATTRIBUTED_BYTES.new()
+        ttf = m.GPU_TIME_TO_FULL_SECONDS.new()
+        admission = m.ADMISSION_OPEN.new()
         for g in analysis.gpus:
             labels = [g.gpu, g.uuid]
             if g.utilization_ratio is not None:
@@ -300,9 +241,8 @@ class StateCollector(Collector):
             admission.add_metric([g.gpu], 1 if g.admission_open else 0)
         yield from (util, beyond, unattributed, ttf, admission)
 
-        leak = _gauge("gpumem_leak_suspected", "1 if the process's memory grows like a leak.", TREND)
-        growth = _gauge("gpumem_process_memory_growth_bytes_per_second",
-                        "Robust trend of the process's GPU memory.", TREND)
+        leak = m.LEAK_SUSPECTED.new()
+        growth = m.PROCESS_MEMORY_GROWTH_BYTES_PER_SECOND.new()
         for t in analysis.process_trends:
             labels = [t.gpu, str(t.pid), t.process, t.role]
             leak.add_metric(labels, 1 if t.leak_suspected else 0)
@@ -311,8 +251,7 @@ class StateCollector(Collector):
         yield leak
         yield growth
 
-        active = _gauge("gpumem_finding_active", "One series per active finding of the detectors.",
-                        ["kind", "severity", "gpu", "pid", "process", "role", "endpoint"])
+        active = m.FINDING_ACTIVE.new()
         for f in analysis.findings:
             active.add_metric([f.kind, f.severity, f.gpu or "", "" if f.pid is None else str(f.pid),
                                f.process, f.role, f.endpoint], 1)
@@ -320,46 +259,29 @@ class StateCollector(Collector):
 
 
     def _recorder(self, stats: RecorderStats) -> Iterator[Metric]:
-        yield CounterMetricFamily("gpumem_recorder_writes", "Trace files the flight recorder wrote.",
-                                  value=stats.writes_total)
-        for name, doc, label, counts in (
-                ("errors", "Flight recorder failures (disk full, permission, ...), by kind.", "kind",
-                 stats.errors_total),
-                ("triggers", "Events that made the flight recorder write, by trigger.", "trigger",
-                 stats.triggers_total),
-                ("debounced", "Triggers suppressed because the same kind wrote recently.", "trigger",
-                 stats.debounced_total)):
-            fam = CounterMetricFamily(f"gpumem_recorder_{name}", doc, labels=[label])
-            for key, n in sorted(counts.items()):
-                fam.add_metric([key], n)
-            yield fam
+        yield m.RECORDER_WRITES_TOTAL.of(stats.writes_total)
+        for family, counts in ((m.RECORDER_ERRORS_TOTAL, stats.errors_total),
+                               (m.RECORDER_TRIGGERS_TOTAL, stats.triggers_total),
+                               (m.RECORDER_DEBOUNCED_TOTAL, stats.debounced_total)):
+            yield _counted(family, counts)
         if stats.last_write_timestamp is not None:
-            yield GaugeMetricFamily("gpumem_recorder_last_write_timestamp_seconds",
-                                    "When the flight recorder last finished a trace file.",
-                                    value=stats.last_write_timestamp)
+            yield m.RECORDER_LAST_WRITE_TIMESTAMP_SECONDS.of(stats.last_write_timestamp)
 
     def _reload(self, stats: ReloadStats) -> Iterator[Metric]:
-        yield GaugeMetricFamily("gpumem_exporter_config_last_reload_successful",
-                                "1 if the last configuration load (start or SIGHUP reload) succeeded.",
-                                value=1 if stats.successful else 0)
-        yield GaugeMetricFamily("gpumem_exporter_config_last_reload_success_timestamp_seconds",
-                                "When the configuration was last loaded successfully (start or reload).",
-                                value=stats.last_success_at)
+        yield m.EXPORTER_CONFIG_LAST_RELOAD_SUCCESSFUL.of(1 if stats.successful else 0)
+        yield m.EXPORTER_CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS.of(stats.last_success_at)
 
     def _alloc_history(self, stats: AllocHistoryStats) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
-            "gpumem_allocator_history_requests",
-            "Allocation-history requests to probes, by result (written, rate_limited, or an error kind).",
-            labels=["result"])
-        for result, n in sorted(stats.requests_total.items()):
-            requests.add_metric([result], n)
-        yield requests
-        results = CounterMetricFamily(
-            "gpumem_allocator_history_results",
-            "The probes' answers to those requests: done, failed, unanswered.", labels=["state"])
-        for state, n in sorted(stats.results_total.items()):
-            results.add_metric([state], n)
-        yield results
+        yield _counted(m.ALLOCATOR_HISTORY_REQUESTS_TOTAL, stats.requests_total)
+        yield _counted(m.ALLOCATOR_HISTORY_RESULTS_TOTAL, stats.results_total)
+
+
+def _counted(family: Family, counts: Mapping[str, int]) -> Metric:
+    """A family with one label, one series per key of `counts`, in key order."""
+    metric = family.new()
+    for key, n in sorted(counts.items()):
+        metric.add_metric([key], n)
+    return metric
 
 
 def _str(value: object) -> str:

@@ -1,5 +1,6 @@
 """The allocator probes of a scenario's processes: the files the real probe (probe/, docs/probe.md)
-would write, in its format (schema 1), into a private directory the `allocator` source reads.
+would write, built by its own schema module (gpumem_probe.schema), into a private directory the
+`allocator` source reads.
 
 The real probe rewrites its file every GPUMEM_PROBE_INTERVAL seconds on its own thread; a
 simulated clock may run hundreds of times faster than that thread could keep up with, so here
@@ -14,25 +15,23 @@ have no real namespace to compare with, so the source matches them by PID and st
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+
+import gpumem_probe
+from gpumem_probe import schema
 
 from ..model import Snapshot
 from ..sources.source import Reading, Source
 from .scenario import Scenario, ScenarioClock
 from .scenario.state import ProcessState
 
-SCHEMA = 1
-PROBE_VERSION = "0.1.0"
 TORCH_VERSION = "2.6.0+cu124"
-ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal",
-               "control", "history", "history_unsupported")
 PID_NAMESPACE = 0  # unreadable, as far as the reader is concerned (see the module docstring)
 
 
 def file_name(pid: int) -> str:
-    return f"gpumem-{PID_NAMESPACE}-{pid}.json"
+    return schema.file_name(PID_NAMESPACE, pid)
 
 
 def _uuid(uuid: str) -> str:
@@ -78,30 +77,24 @@ class SimulatedProbes:
         start_time = self.clock.start + proc.start
         # The probe reads every interval: the numbers are from its last read, not this instant.
         written_at = max(start_time, math.floor(now / probe.interval) * probe.interval)
-        devices = []
-        for index, (key, numbers) in enumerate(probe.devices.items()):
-            devices.append({
-                "index": index, "uuid": _uuid(uuids[key]),
-                "allocated_bytes": numbers.allocated_bytes, "allocated_peak_bytes": None,
-                "reserved_bytes": numbers.reserved_bytes, "reserved_peak_bytes": None,
-                "active_bytes": numbers.allocated_bytes, "active_peak_bytes": None,
-                "inactive_split_bytes": numbers.inactive_split_bytes, "inactive_split_peak_bytes": None,
-                "alloc_retries": numbers.alloc_retries, "ooms": numbers.ooms,
-                "device_allocs": None, "device_frees": None, "cumem_bytes": None})
-        return {
-            "schema": SCHEMA, "probe_version": PROBE_VERSION,
-            "pid": own_pid, "pid_ns": PID_NAMESPACE, "start_ticks": None, "start_time": start_time,
-            "written_at": written_at, "interval": probe.interval, "seq": seq,
-            "torch_version": TORCH_VERSION, "backend": "native",
-            "alloc_conf": {"PYTORCH_CUDA_ALLOC_CONF": probe.alloc_conf} if probe.alloc_conf else {},
-            "errors": dict.fromkeys(ERROR_KINDS, 0), "devices": devices, "history": None,
-        }
+        # Peaks and the driver's alloc/free counts are not simulated: null, as an old torch writes them.
+        devices = [schema.device(index, _uuid(uuids[key]), {
+            "allocated_bytes": numbers.allocated_bytes, "reserved_bytes": numbers.reserved_bytes,
+            "active_bytes": numbers.allocated_bytes, "inactive_split_bytes": numbers.inactive_split_bytes,
+            "alloc_retries": numbers.alloc_retries, "ooms": numbers.ooms})
+            for index, (key, numbers) in enumerate(probe.devices.items())]
+        return schema.document(
+            probe_version=gpumem_probe.__version__, pid=own_pid, pid_ns=PID_NAMESPACE, start_ticks=None,
+            start_time=start_time, written_at=written_at, interval=probe.interval, seq=seq,
+            torch_version=TORCH_VERSION, backend="native",
+            alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": probe.alloc_conf} if probe.alloc_conf else {},
+            errors=dict.fromkeys(schema.ERROR_KINDS, 0), devices=devices, history=None)
 
     def _write(self, name: str, doc: dict[str, object]) -> None:
         path = os.path.join(self.directory, name)
-        temp = os.path.join(self.directory, f".{name}.tmp")
+        temp = os.path.join(self.directory, schema.temp_name(name))
         with open(temp, "wb") as fh:
-            fh.write(json.dumps(doc, separators=(",", ":")).encode())
+            fh.write(schema.encode(doc))
         os.replace(temp, path)
 
 

@@ -15,50 +15,31 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpumem_probe import schema
+
 from ..boundedio import read_head
 from ..model import AllocatorStats, GpuSample, ProcessSample, Snapshot, SourceError
 from .source import ALLOCATOR, GPUS, PROCESS_IDENTITY, Reading
 
 SOURCE = "allocator"
-SCHEMAS = frozenset({1})  # the probe file versions this reader understands
-FILE_NAME = re.compile(r"gpumem-(\d{1,20})-(\d{1,10})\.json")
 MAX_FILE_BYTES = 64 << 10  # a probe file is about 1 KiB per device
 MAX_ENTRIES = 8192  # directory entries looked at per tick: a flood of files cannot stall a tick
-MAX_DEVICES = 64
-MAX_TEXT = 512
 STALE_INTERVALS = 3
-MIN_INTERVAL, MAX_INTERVAL = 0.5, 300.0  # the probe's own bounds
 # Start times are btime + ticks/CLK_TCK on both sides; btime is whole seconds and follows clock
 # steps, so two readers can differ by up to a second. A reused PID differs by a whole lifetime.
 START_TOLERANCE_SECONDS = 1.0
-_STAT_FIELDS = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
-                "allocated_peak_bytes", "reserved_peak_bytes", "active_peak_bytes", "inactive_split_peak_bytes",
-                "alloc_retries", "ooms", "device_allocs", "device_frees", "cumem_bytes")
-_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _NS_LINK = re.compile(r"pid:\[(\d+)\]")
-# The probe's allocation-history dump (probe/gpumem_probe/history.py): a bare name, never a path.
-DUMP_NAME = re.compile(r"gpumem-\d{1,20}-\d{1,10}-[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.pickle")
-_HISTORY_STATES = frozenset({"recording", "done", "failed"})
-_MAX_COUNT = 1 << 63
-
-
-class _Invalid(Exception):
-    def __init__(self, kind: str, message: str = ""):
-        super().__init__(message or kind)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
 class ProbeReport:
-    """One probe file, validated."""
+    """One probe file, validated, with its devices' numbers as the Snapshot carries them."""
 
     pid: int  # in the process's own PID namespace
     pid_ns: int  # that namespace's inode; 0: the probe could not read it
@@ -74,89 +55,23 @@ def normalise_uuid(uuid: str) -> str:
     return text[4:] if text.startswith(("gpu-", "mig-")) else text
 
 
-# `type(x) is int` rather than isinstance: it refuses booleans too, and this runs ~15 times per
-# file per tick.
-def _count(value: object) -> int:
-    if type(value) is int and 0 <= value < _MAX_COUNT:
-        return value
-    raise _Invalid("bad_schema", f"not a count: {str(value)[:40]!r}")
-
-
-def _optional_count(value: object) -> int | None:
-    return None if value is None else _count(value)
-
-
-def _seconds(value: Any) -> float:  # Any: a decoded JSON value, checked here
-    if type(value) in (int, float) and 0 <= value < math.inf:  # NaN fails every comparison
-        return float(value)
-    raise _Invalid("bad_schema", f"not a time: {str(value)[:40]!r}")
-
-
-def _text(value: object, limit: int = MAX_TEXT) -> str:
-    if not isinstance(value, str):
-        raise _Invalid("bad_schema", "not a string")
-    return value[:limit]
-
-
 def parse(data: bytes) -> ProbeReport:
-    """A probe file's bytes, validated. Raises _Invalid with a stable kind."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _Invalid("bad_json", str(exc)[:200]) from None
-    if not isinstance(doc, dict):
-        raise _Invalid("bad_schema", "not an object")
-    if doc.get("schema") not in SCHEMAS:
-        raise _Invalid("unsupported_schema", f"schema {str(doc.get('schema'))[:20]!r}")
-    try:
-        devices = doc["devices"]
-        if not isinstance(devices, list) or len(devices) > MAX_DEVICES:
-            raise _Invalid("bad_schema", "devices: not a short list")
-        conf = doc.get("alloc_conf") or {}
-        errors = doc.get("errors") or {}
-        if not isinstance(conf, dict) or not isinstance(errors, dict) or len(errors) > 64:
-            raise _Invalid("bad_schema", "alloc_conf/errors: not small objects")
-        common: dict[str, Any] = dict(
-            backend=_text(doc.get("backend", ""), 32),
-            alloc_conf=tuple((name, _text(conf[name])) for name in _ALLOC_CONF_VARS if name in conf),
-            probe_errors=sum(_count(n) for n in errors.values()),
-            written_at=_seconds(doc["written_at"]),
-            probe_pid=_count(doc["pid"]), probe_pid_ns=_count(doc.get("pid_ns") or 0),
-            **_history(doc.get("history")))
-        return ProbeReport(
-            pid=common["probe_pid"], pid_ns=common["probe_pid_ns"],
-            start_time=_seconds(doc["start_time"]), written_at=common["written_at"],
-            interval=min(max(_seconds(doc["interval"]), MIN_INTERVAL), MAX_INTERVAL),
-            devices=tuple(_device(d, common) for d in devices))
-    except (KeyError, TypeError) as exc:
-        raise _Invalid("bad_schema", f"missing or mistyped {str(exc)[:60]}") from None
-
-
-def _history(value: object) -> dict[str, Any]:
-    """The probe's `history` object (absent or null: never asked). A value of an unknown
-    state or a file name that is not a dump's is dropped, never passed on."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _Invalid("bad_schema", "history: not an object")
-    request, state, name = value.get("request_id"), value.get("state"), value.get("file")
-    out: dict[str, Any] = {
-        "history_request": _text(request, 64) if request is not None else "",
-        "history_state": state if isinstance(state, str) and state in _HISTORY_STATES else ""}
-    if out["history_state"] == "done" and isinstance(name, str) and DUMP_NAME.fullmatch(name):
-        out["history_file"] = name
-        out["history_bytes"] = _optional_count(value.get("bytes"))
-    return out
-
-
-def _device(entry: object, common: dict[str, Any]) -> tuple[str | None, AllocatorStats]:
-    if not isinstance(entry, dict):
-        raise _Invalid("bad_schema", "device: not an object")
-    uuid = entry.get("uuid")
-    uuid = None if uuid is None else normalise_uuid(_text(uuid, 64))
-    counts: dict[str, Any] = {name: _optional_count(entry.get(name)) for name in _STAT_FIELDS}
-    stats = AllocatorStats(**counts, **common)
-    return uuid, stats
+    """A probe file's bytes, validated by the probe's own schema (gpumem_probe.schema). Raises
+    schema.Invalid with a stable kind."""
+    report = schema.parse(data)
+    history = report.history
+    common: dict[str, Any] = dict(
+        backend=report.backend, alloc_conf=report.alloc_conf, probe_errors=report.errors_total,
+        written_at=report.written_at, probe_pid=report.pid, probe_pid_ns=report.pid_ns)
+    if history is not None:
+        common.update(history_request=history.request_id, history_state=history.state,
+                      history_file=history.file, history_bytes=history.bytes)
+    devices = []
+    for d in report.devices:
+        counts: dict[str, Any] = d.counts
+        devices.append((None if d.uuid is None else normalise_uuid(d.uuid), AllocatorStats(**counts, **common)))
+    return ProbeReport(pid=report.pid, pid_ns=report.pid_ns, start_time=report.start_time,
+                       written_at=report.written_at, interval=report.interval, devices=tuple(devices))
 
 
 def _error_kind(exc: OSError) -> str:
@@ -231,7 +146,7 @@ class AllocatorSource:
                         errors.append(SourceError(SOURCE, "too_many_files",
                                                   f"{self.directory}: more than {self.max_entries} entries"))
                         break
-                    match = FILE_NAME.fullmatch(entry.name)
+                    match = schema.FILE_NAME.fullmatch(entry.name)
                     if match is None or int(match.group(2)) not in wanted:
                         continue  # not a probe file, or no GPU process of that pid: never opened
                     report = self._load(entry.name, dir_fd, now, errors)
@@ -257,7 +172,7 @@ class AllocatorSource:
             return None
         try:
             report = parse(data)
-        except _Invalid as exc:
+        except schema.Invalid as exc:
             errors.append(SourceError(SOURCE, exc.kind, f"{name}: {exc}"))
             return None
         window = STALE_INTERVALS * report.interval

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 from collections.abc import Callable
 
-_NAME = re.compile(r"\.?gpumem-(\d{1,20})-(\d{1,10})\.json(?:\.tmp)?")
+from .schema import LEFTOVER_NAME, temp_name
+
 MAX_SWEEP_ENTRIES = 4096
 PID_MAX_LIMIT = 1 << 22  # Linux's highest possible PID
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -24,7 +24,7 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0
 class ProbeFile:
     def __init__(self, directory: str, name: str):
         self.name = name
-        self._temp = f".{name}.tmp"
+        self._temp = temp_name(name)
         self._dir = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
 
     def write(self, data: bytes) -> None:
@@ -36,7 +36,7 @@ class ProbeFile:
         """Write another file of this directory the same way (temporary file created new, then
         renamed over `name`): `fill(fd)` writes the content. Returns its size. Whatever `fill`
         raises propagates, and the temporary file is removed."""
-        temp = f".{name}.tmp"
+        temp = temp_name(name)
         fd = self._create_temp(temp, mode)
         try:
             os.fchmod(fd, mode)
@@ -123,7 +123,7 @@ class ProbeFile:
             for i, entry in enumerate(entries):
                 if i >= MAX_SWEEP_ENTRIES:
                     break
-                match = _NAME.fullmatch(entry.name)
+                match = LEFTOVER_NAME.fullmatch(entry.name)
                 if not match or int(match.group(1)) != pid_ns:
                     continue
                 pid = int(match.group(2))

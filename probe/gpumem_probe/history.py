@@ -20,74 +20,22 @@ recording per MIN_GAP_SECONDS per process, whoever asks. The outcome is the prob
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import pickle
-import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from .files import ProbeFile
+from .schema import MAX_CONTROL_BYTES, Refused, Request, control_name, dump_name, parse_request
 
 ENV_HISTORY = "GPUMEM_PROBE_HISTORY"  # "0": refuse every request
-MAX_CONTROL_BYTES = 4096
-MAX_RECORD_SECONDS = 600.0
-MAX_ENTRIES = 1_000_000
 MIN_GAP_SECONDS = 900.0  # between the starts of two recordings of one process
 MAX_DUMP_BYTES = 1 << 30  # a dump that would be larger is abandoned
 KEEP_DUMPS = 2  # this process's own dumps kept; older ones are removed when a new one is written
-REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-STATES = ("recording", "done", "failed")
-
-
-def control_name(pid_ns: int, pid: int) -> str:
-    return f"gpumem-{pid_ns}-{pid}.control.json"
-
-
-def dump_name(pid_ns: int, pid: int, request_id: str) -> str:
-    return f"gpumem-{pid_ns}-{pid}-{request_id}.pickle"
 
 
 def enabled_from(text: str | None) -> bool:
     return (text or "").strip().lower() not in ("0", "false", "no", "off")
-
-
-class Request(NamedTuple):
-    request_id: str
-    record_seconds: float
-    max_entries: int
-
-
-class Refused(Exception):
-    """A control file that is not a valid request within the caps."""
-
-
-def _number(doc: dict[str, Any], key: str) -> float:
-    value = doc.get(key)
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise Refused(f"{key}: not a number")
-    return float(value)
-
-
-def parse_request(data: bytes) -> Request:
-    """A control file's bytes as a request; Refused unless valid and within the caps."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        raise Refused("not JSON") from None
-    if not isinstance(doc, dict):
-        raise Refused("not an object")
-    request_id = doc.get("request_id")
-    if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
-        raise Refused("request_id: 1-64 characters of [A-Za-z0-9_.-]")
-    seconds = _number(doc, "record_seconds")
-    if not 0 < seconds <= MAX_RECORD_SECONDS:
-        raise Refused(f"record_seconds: must be in (0, {MAX_RECORD_SECONDS:g}]")
-    entries = doc.get("max_entries")
-    if type(entries) is not int or not 0 < entries <= MAX_ENTRIES:
-        raise Refused(f"max_entries: an integer in [1, {MAX_ENTRIES}]")
-    return Request(request_id, seconds, entries)
 
 
 class _TooLarge(Exception):

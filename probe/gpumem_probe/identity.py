@@ -10,6 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .schema import file_name
+
 _NS_LINK = re.compile(r"pid:\[(\d+)\]")
 
 
@@ -23,10 +25,6 @@ class Identity:
     @property
     def file_name(self) -> str:
         return file_name(self.pid_ns, self.pid)
-
-
-def file_name(pid_ns: int, pid: int) -> str:
-    return f"gpumem-{pid_ns}-{pid}.json"
 
 
 def _read(path: str) -> str:

@@ -5,32 +5,26 @@ seconds, and removes the file when the process exits.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import __version__
+from . import __version__, schema
 from .files import ProbeFile
 from .history import ENV_HISTORY, History, enabled_from
 from .identity import Identity
 from .identity import current as current_identity
 from .stats import device_uuid, read_devices
 
-SCHEMA = 1  # the exporter reads files of the schema versions it knows (docs/probe.md)
 ENV_DIR = "GPUMEM_PROBE_DIR"
 ENV_INTERVAL = "GPUMEM_PROBE_INTERVAL"
 DEFAULT_INTERVAL = 5.0
-MIN_INTERVAL, MAX_INTERVAL = 0.5, 300.0
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-MAX_SETTING_CHARS = 512  # allocator settings are short; an odd value must not bloat the file
-ERROR_KINDS = ("device_count", "memory_stats", "device_properties", "cumem", "write", "sweep", "internal",
-               "control", "history", "history_unsupported")
+MAX_SETTING_CHARS = schema.MAX_TEXT  # allocator settings are short; an odd value must not bloat the file
 THREAD_NAME = "gpumem-probe"
 
 log = logging.getLogger("gpumem_probe")
@@ -41,14 +35,14 @@ def interval_from(text: str | None) -> float:
         value = float(text) if text is not None else DEFAULT_INTERVAL
     except ValueError:
         return DEFAULT_INTERVAL
-    return min(max(value, MIN_INTERVAL), MAX_INTERVAL) if math.isfinite(value) else DEFAULT_INTERVAL
+    return min(max(value, schema.MIN_INTERVAL), schema.MAX_INTERVAL) if math.isfinite(value) else DEFAULT_INTERVAL
 
 
-def allocator_settings(environ) -> dict[str, str]:
-    return {name: environ[name][:MAX_SETTING_CHARS] for name in ALLOC_CONF_VARS if name in environ}
+def allocator_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    return {name: environ[name][:MAX_SETTING_CHARS] for name in schema.ALLOC_CONF_VARS if name in environ}
 
 
-def initialised_cuda(modules: dict = sys.modules) -> Any:
+def initialised_cuda(modules: Mapping[str, Any] = sys.modules) -> Any:
     """`torch.cuda` if this process imported torch and initialised CUDA itself, else None.
     Never imports torch and never initialises CUDA: a process that does not use the GPU (vLLM's
     API server) stays exactly as it was. In a child forked after CUDA was initialised torch
@@ -63,14 +57,14 @@ def initialised_cuda(modules: dict = sys.modules) -> Any:
 class Probe:
     def __init__(self, directory: str, interval: float, settings: dict[str, str] | None = None,
                  cuda: Callable[[], Any] = initialised_cuda, clock: Callable[[], float] = time.time,
-                 modules: dict = sys.modules, proc: str = "/proc", history: bool = True):
+                 modules: Mapping[str, Any] = sys.modules, proc: str = "/proc", history: bool = True):
         self.directory = directory
         self.interval = interval
         self.settings = dict(settings or {})
         self.pid = os.getpid()
         self.polls = 0  # looks taken, whether or not CUDA was up
         self.writes = 0
-        self.errors = dict.fromkeys(ERROR_KINDS, 0)  # written into the file, never raised
+        self.errors = dict.fromkeys(schema.ERROR_KINDS, 0)  # written into the file, never raised
         self._cuda = cuda
         self._clock = clock
         self._modules = modules
@@ -117,7 +111,7 @@ class Probe:
                 self.errors["write"] += 1  # shows in the next file that does get written
                 return False
             self.history.step(self._file, me.pid_ns, me.pid, cuda)  # one lstat unless asked
-            data = json.dumps(self.document(cuda), separators=(",", ":")).encode()
+            data = schema.encode(self.document(cuda))
             try:
                 self._file.write(data)
             except OSError:
@@ -137,17 +131,15 @@ class Probe:
         except OSError:  # a directory we may write to but not list (mode 1733): not our business
             self.errors["sweep"] += 1
 
-    def document(self, cuda: Any) -> dict:
+    def document(self, cuda: Any) -> dict[str, Any]:
         me = self._me()
         devices = read_devices(cuda, lambda index: self._uuid(cuda, index), self.errors, self._modules)
-        return {
-            "schema": SCHEMA, "probe_version": __version__,
-            "pid": me.pid, "pid_ns": me.pid_ns, "start_ticks": me.start_ticks, "start_time": me.start_time,
-            "written_at": self._clock(), "interval": self.interval, "seq": self.writes + 1,
-            "torch_version": str(getattr(self._modules.get("torch"), "__version__", ""))[:64],
-            "backend": self._allocator_backend(cuda), "alloc_conf": self.settings,
-            "errors": dict(self.errors), "devices": devices, "history": self.history.state,
-        }
+        return schema.document(
+            probe_version=__version__, pid=me.pid, pid_ns=me.pid_ns, start_ticks=me.start_ticks,
+            start_time=me.start_time, written_at=self._clock(), interval=self.interval, seq=self.writes + 1,
+            torch_version=str(getattr(self._modules.get("torch"), "__version__", ""))[:schema.MAX_VERSION],
+            backend=self._allocator_backend(cuda), alloc_conf=self.settings, errors=self.errors,
+            devices=devices, history=self.history.state)
 
     def _uuid(self, cuda: Any, index: int) -> str | None:
         if index not in self._uuids:
@@ -161,7 +153,7 @@ class Probe:
     def _allocator_backend(self, cuda: Any) -> str:
         if self._backend is None:  # fixed once CUDA is initialised
             try:
-                self._backend = str(cuda.get_allocator_backend())[:32]
+                self._backend = str(cuda.get_allocator_backend())[:schema.MAX_BACKEND]
             except Exception:
                 self._backend = ""
         return self._backend
@@ -201,7 +193,7 @@ class _ThisProcess:
 _THIS_PROCESS = _ThisProcess()
 
 
-def start(environ=os.environ) -> Probe | None:
+def start(environ: Mapping[str, str] = os.environ) -> Probe | None:
     """The probe of this process, started on the first call; None when not opted in."""
     this = _THIS_PROCESS
     with this.lock:

@@ -7,26 +7,13 @@ from __future__ import annotations
 
 import sys
 import uuid as uuid_module
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-MAX_DEVICES = 64  # a bound on the file's size whatever torch reports
+from . import schema
 
-# Probe file key -> torch.cuda.memory_stats() key. A key an older torch lacks is written as null.
-STAT_KEYS = (
-    ("allocated_bytes", "allocated_bytes.all.current"),  # held by live tensors
-    ("allocated_peak_bytes", "allocated_bytes.all.peak"),
-    ("reserved_bytes", "reserved_bytes.all.current"),  # taken from the driver: allocated + cached
-    ("reserved_peak_bytes", "reserved_bytes.all.peak"),
-    ("active_bytes", "active_bytes.all.current"),  # allocated, or freed but still used by a stream
-    ("active_peak_bytes", "active_bytes.all.peak"),
-    ("inactive_split_bytes", "inactive_split_bytes.all.current"),  # free pieces of split blocks
-    ("inactive_split_peak_bytes", "inactive_split_bytes.all.peak"),
-    ("alloc_retries", "num_alloc_retries"),  # cache flushed and cudaMalloc retried
-    ("ooms", "num_ooms"),  # out-of-memory errors raised by the allocator
-    ("device_allocs", "num_device_alloc"),  # cudaMalloc calls (segments created)
-    ("device_frees", "num_device_free"),
-)
+# The file's counts read from torch.cuda.memory_stats(): (file key, memory_stats key).
+STAT_KEYS = tuple((key, torch_key) for key, torch_key in schema.COUNTS if torch_key is not None)
 
 CUMEM_MODULE = "vllm.device_allocator.cumem"
 
@@ -46,7 +33,7 @@ def device_uuid(props: Any) -> str | None:
     return str(raw)[:64]
 
 
-def cumem_bytes_by_device(modules: dict = sys.modules) -> dict[int, int]:
+def cumem_bytes_by_device(modules: Mapping[str, Any] = sys.modules) -> dict[int, int]:
     """Bytes in vLLM's sleep-mode pool (CuMemAllocator) per device, {} when it is not in use.
 
     The pool's segments are counted in memory_stats() like any other (they come through the
@@ -65,11 +52,11 @@ def cumem_bytes_by_device(modules: dict = sys.modules) -> dict[int, int]:
 
 
 def read_devices(cuda: Any, uuid_of: Callable[[int], str | None], errors: dict[str, int],
-                 modules: dict = sys.modules) -> list[dict]:
+                 modules: Mapping[str, Any] = sys.modules) -> list[dict[str, Any]]:
     """One entry per device this process uses: one it allocated on, or its current device.
     A failing call is counted in `errors` under a stable kind and the rest still reported."""
     try:
-        count = min(int(cuda.device_count()), MAX_DEVICES)
+        count = min(int(cuda.device_count()), schema.MAX_DEVICES)  # bounds the file whatever torch says
         current = int(cuda.current_device())
     except Exception:
         errors["device_count"] += 1
@@ -88,9 +75,6 @@ def read_devices(cuda: Any, uuid_of: Callable[[int], str | None], errors: dict[s
             continue
         if index != current and not stats.get("num_device_alloc") and not stats.get("reserved_bytes.all.current"):
             continue  # visible but never used by this process
-        entry: dict[str, Any] = {"index": index, "uuid": uuid_of(index)}
-        for key, torch_key in STAT_KEYS:
-            entry[key] = _count(stats.get(torch_key))
-        entry["cumem_bytes"] = cumem.get(index) if cumem else None
-        devices.append(entry)
+        counts = {key: _count(stats.get(torch_key)) for key, torch_key in STAT_KEYS}
+        devices.append(schema.device(index, uuid_of(index), {**counts, "cumem_bytes": cumem.get(index)}))
     return devices
