@@ -16,7 +16,7 @@ from prometheus_client.registry import CollectorRegistry
 from exporter.catalogue import docs
 from exporter.catalogue.families import BY_NAME, FAMILIES, SECTIONS
 from exporter.catalogue.family import UNITS, Stability, Type
-from exporter.model import AllocatorStats, AllocHistoryStats, KvCache
+from exporter.model import AllocatorStats, AllocHistoryStats, KvCache, ReloadStats
 from exporter.postmortem import promquery, trace
 from exporter.serve.exposition import StateCollector
 from helpers.dashboards import DASHBOARD_FILES, label_values_selector, load, queries, variable_queries
@@ -45,7 +45,8 @@ def full_state():
         state,
         snapshot=dataclasses.replace(snap, gpus=(gpu,), vllm=(server, *snap.vllm[1:])),
         analysis=dataclasses.replace(analysis, kv_caches=(kv,)),
-        alloc_history=AllocHistoryStats(requests_total={"written": 1}, results_total={"done": 1}))
+        alloc_history=AllocHistoryStats(requests_total={"written": 1}, results_total={"done": 1}),
+        reload=ReloadStats(successful=True, last_success_at=snap.timestamp))
 
 
 def served() -> dict[str, object]:
