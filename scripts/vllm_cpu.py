@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"building the tiny model in {model} ...", flush=True)
     build_model(str(python), model)
     url = f"http://127.0.0.1:{args.port}"
+    # Ctrl-C, and a plain `kill`, stop vLLM too: it runs in a session of its own, which the
+    # terminal's Ctrl-C does not reach (and a shell's background job starts with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(args.log, "wb") as log:
         server = subprocess.Popen(command(str(python), model, args.port), stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, env=environment(), start_new_session=True)

@@ -160,6 +160,10 @@ def test_every_exported_vllm_value_is_on_the_page_and_equals_it_at_rest(main_ser
     labels = one(page, "gpumem_vllm_cache_config_info", endpoint=ENDPOINT)[0]
     theirs = one(before, "vllm:cache_config_info", engine="0")[0]
     assert {k: labels[k] for k in CONFIG_LABELS} == {k: theirs[k] for k in CONFIG_LABELS}
+    # The status page says the same to a person.
+    capacity = int(FROM_THE_PAGE["gpumem_vllm_kv_cache_capacity_tokens"](before))
+    assert (f"<td>{ENDPOINT}</td><td><span class=\"ok\">up</span></td><td>{main_server.served_model_name}</td>"
+            f"<td>0% (0 of {capacity:,} tokens)</td><td>0</td><td>0</td>") in exporter.get("/").text
 
 
 def _load(server: real_vllm.Server, requests: int, max_tokens: int,
