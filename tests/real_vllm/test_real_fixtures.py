@@ -43,6 +43,12 @@ def test_older_fixtures_state_their_provenance():
             assert path.read_text().startswith("# Fixture: vLLM "), path.name
 
 
+# cache_config_info's labels the exporter reads: their values must match too. The others can
+# depend on the machine (the SSM cache dtype on the CPU's instruction set, say): names only.
+READ_CONFIG_LABELS = {"block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "kv_cache_memory_bytes",
+                      "kv_cache_size_tokens", "kv_cache_max_concurrency", "engine"}
+
+
 def vllm_series(text: str) -> tuple[set[tuple[str, tuple[tuple[str, str], ...]]], dict[str, tuple[str, str]]]:
     """The page's vLLM series (name and labels, values aside; `_created` times aside) and each
     vLLM family's type and help."""
@@ -50,8 +56,12 @@ def vllm_series(text: str) -> tuple[set[tuple[str, tuple[tuple[str, str], ...]]]
     for family in text_string_to_metric_families(text):
         if family.name.startswith("vllm:"):
             families[family.name] = (family.type, family.documentation)
-            series |= {(s.name, tuple(sorted(s.labels.items()))) for s in family.samples
-                       if not s.name.endswith("_created")}
+            for s in family.samples:
+                labels = s.labels
+                if s.name == "vllm:cache_config_info":
+                    labels = {k: v if k in READ_CONFIG_LABELS else "" for k, v in labels.items()}
+                if not s.name.endswith("_created"):
+                    series.add((s.name, tuple(sorted(labels.items()))))
     return series, families
 
 
