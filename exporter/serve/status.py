@@ -34,6 +34,33 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
+def _count(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
+
+
+def _kv_use(ratio: float | None, used_tokens: int | None, capacity_tokens: int | None) -> str:
+    if ratio is None:
+        return ""
+    tokens = f" ({used_tokens:,} of {capacity_tokens:,} tokens)" if used_tokens is not None and capacity_tokens else ""
+    return f"{ratio:.0%}{tokens}"
+
+
+def _vllm_rows(state: State) -> list[tuple[object, ...]]:
+    """One row per engine of each vLLM server: what fills its KV cache and what waits for it."""
+    caches = {(k.endpoint, k.model, k.engine): k for k in (state.analysis.kv_caches if state.analysis else ())}
+    rows: list[tuple[object, ...]] = []
+    for v in state.snapshot.vllm if state.snapshot else ():
+        if not v.engines:
+            rows.append((escape(v.endpoint), _updown(v.up, v.error_kind), "", "", "", "", ""))
+        for e in v.engines:
+            k = caches.get((v.endpoint, e.model, e.engine))
+            rows.append((escape(v.endpoint), _updown(v.up, v.error_kind), escape(e.model),
+                         escape(_kv_use(e.kv_cache_usage_ratio, k.used_tokens if k else None,
+                                        k.capacity_tokens if k else None)),
+                         _count(e.requests_running), _count(e.requests_waiting), _count(e.preemptions_total)))
+    return rows
+
+
 def _advice(advice: tuple[str, ...]) -> str:
     """On-call reads this page to decide what to do: the finding's advice, one item a line."""
     return "<br>".join(escape(a) for a in advice)
@@ -73,5 +100,8 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
                                       "full in", "processes"), gpus, "No GPU sampled yet.")
             + "<h2>Findings</h2>" + _table(("severity", "kind", "GPU", "process", "why", "what to change"), findings,
                                            "No active findings.")
+            + "<h2>vLLM servers</h2>" + _table(("endpoint", "state", "model", "KV cache in use", "running",
+                                                "waiting", "preempted (total)"), _vllm_rows(state),
+                                               "No vLLM endpoint configured.")
             + "<h2>Sources</h2>" + _table(("source", "state"), sources, "No source has reported yet.")
             + f"<h2>Endpoints</h2><ul>{links}</ul></body></html>\n")

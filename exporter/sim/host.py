@@ -3,6 +3,11 @@
 Processes, their parents, cgroups and RSS, listening ports and host memory all come from the
 scenario's state at the clock's time, so a process that a scenario stops disappears here at the
 same moment it disappears from the fake NVML module.
+
+A scenario server listens only on the socket its fake vLLM server really holds (alias_port),
+never on the port number the scenario file gives it: a real vLLM configured beside a simulation
+(`run --simulate steady --vllm-endpoint http://127.0.0.1:8000/metrics`, with the scenario's
+server on 8000 too) is never taken for the simulated one, and never given its processes.
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ class SimulatedHost:
         self._ports: dict[int, int] = {}  # port a fake vLLM server really bound -> the scenario's port
 
     def alias_port(self, bound: int, scenario_port: int) -> None:
-        """The fake vLLM server binds a free port; answer for it as for the scenario's port."""
+        """A fake vLLM server of this simulation holds the socket on `bound` and serves the
+        scenario's server(s) on `scenario_port`: the only port where this host says a scenario
+        server listens."""
         self._ports[bound] = scenario_port
 
     def _state(self) -> State:
@@ -58,9 +65,11 @@ class SimulatedHost:
         )
 
     def pid_listening_on(self, port: int) -> int | None:
-        port = self._ports.get(port, port)
+        scenario_port = self._ports.get(port)
+        if scenario_port is None:  # no socket of ours: a real server's port, or nobody's
+            return None
         for server in self._state().vllm:
-            if server.port == port and server.up:
+            if server.port == scenario_port and server.up:
                 return server.pid
         return None
 
