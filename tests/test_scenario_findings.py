@@ -1,13 +1,13 @@
 """Each built-in scenario, played through the whole live pipeline (simulated NVML, host and vLLM
-server → sampler → detectors), raises the finding it is named after and no false one."""
-import functools
+server → sampler → detectors), raises the finding it is named after and no false one, at the
+moments pinned in tests/golden/scenario-findings.json."""
+import json
+import os
 
 import pytest
 
-from exporter.cli import make_analyzer
-from exporter.config import build as build_config
-from exporter.runtime import build as build_runtime
 from exporter.sim.scenario import load
+from helpers.scenarios import FINDINGS_GOLDEN, played, render_golden
 
 EXPECTED = {
     "steady": set(),
@@ -21,19 +21,8 @@ EXPECTED = {
 }
 
 
-@functools.cache  # the leak scenario is played once for both tests
-def play(name, step=10.0):
-    config = build_config()
-    runtime = build_runtime(config, simulate=name, at=0.0)
-    analyzer = make_analyzer(config)
-    try:
-        duration = load(name).duration
-        while runtime.clock.elapsed() < duration:
-            analyzer.update(runtime.sampler.sample())
-            runtime.clock.advance(step)
-    finally:
-        runtime.close()
-    return analyzer, runtime.clock.start
+def play(name):
+    return played(name)  # each scenario is played once per session, for every test here
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -78,3 +67,14 @@ def test_leak_scenario_attributes_the_growth_to_memory_outside_torch():
     evidence = dict(gpu_leak.evidence)
     assert evidence["component"] == "non_torch"
     assert any("NCCL_CUMEM_ENABLE=0" in a for a in gpu_leak.advice)
+
+
+@pytest.mark.slow
+def test_every_scenario_raises_the_same_findings_at_the_same_times():
+    """Every built-in scenario's episodes (kind, where, worst severity, raised and cleared at, to
+    the sample) against the committed file: a change in what the detectors decide, or when,
+    shows up as a reviewable diff. UPDATE_GOLDEN=1 rewrites it (tests/golden/README.md)."""
+    text = render_golden()
+    if os.environ.get("UPDATE_GOLDEN"):
+        FINDINGS_GOLDEN.write_text(text)
+    assert json.loads(text) == json.loads(FINDINGS_GOLDEN.read_text())
