@@ -10,9 +10,9 @@ import pytest
 
 import exporter.analysis.stale as stale
 from exporter.analysis.contention import ContentionConfig
+from exporter.analysis.detector import DetectorSpec, FindingAlert, FindingKind
 from exporter.analysis.engine import AnalysisConfig, Analyzer
 from exporter.analysis.oom_findings import OomConfig
-from exporter.analysis.detector import DetectorSpec, FindingAlert, FindingKind
 from exporter.analysis.registry import DETECTORS
 from exporter.analysis.stale import StaleConfig
 from exporter.model import Finding, GpuSample, HostMemory, OomEvent

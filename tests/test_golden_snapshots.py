@@ -20,10 +20,13 @@ AT = {
     "contention": 5000,  # the notebook holds ~9 GiB beside vLLM: the card is over 95 % used
     "fleet-8x64": 600,  # 8 GPUs x 64 processes
     "fragmentation": 3000,  # KV cache full, preemptions climbing, 40 % of the card free
+    "kv-saturation": 1800,  # KV cache full, 30 requests waiting, no preemption counted
     "gpu-lost": 900,  # GPU 1 is lost: gpumem_gpu_up 0 and no memory series for it
     "leak": 18000,  # 5 h in: the EngineCore has grown ~1.1 GiB on the GPU, ~5.7 GiB of RSS
     "mig": 600,  # two MIG instances, one vLLM server on each
+    "oom": 1800,  # the moment the first out-of-memory error is logged
     "pressure": 1500,  # the embedder's second model: over 90 % used, admission closed
+    "sleep-leak": 3000,  # awake again after the first sleep, 1.5 GiB more than before it
     "stale-memory": 1500,  # 20 GiB held by no process; the restarted server at 0.6
     "steady": 3600,  # TP=2 vLLM at its plateau
     "unified-memory": 10300,  # GB10 after the OOM kill: no NVML memory info, PSI high, 1 kill

@@ -65,12 +65,13 @@ DETECTOR = DetectorSpec(
                      "(detectors.oom.hold_seconds) long enough for the rule to see it."),
             summary=("Out-of-memory in the logs watched on {{ $labels.instance }}{{ with $labels.gpu }} (GPU "
                      "{{ . }}){{ end }}."),
-            description=("The exporter on {{ $labels.instance }} found out-of-memory events in the logs it "
-                         "watches{{ with $labels.gpu }} for GPU {{ . }}{{ end }} (by kind and class in the last "
-                         '10 minutes:{{ range printf "increase(gpumem_oom_events_total{instance=%q}[10m]) '
-                         '> 0" $labels.instance | query }} {{ .Labels.kind }}/{{ .Labels.class }} '
-                         '{{ .Value | printf "%.0f" }};{{ end }}). Run `gpu-memory-exporter explain <log>` on the '
-                         "server's log for the requested, free and reserved bytes and the advice for this class. "
-                         "If the server died, VllmEndpointDown follows."))),),
+            description=(
+                "The exporter on {{ $labels.instance }} found out-of-memory events in the logs it watches"
+                "{{ with $labels.gpu }} for GPU {{ . }}{{ end }} in the last few minutes (counted so far, by "
+                'kind and class:{{ range printf "gpumem_oom_events_total{instance=%q} > 0" $labels.instance '
+                '| query }} {{ .Labels.kind }}/{{ .Labels.class }} {{ .Value | printf "%.0f" }};{{ end }}). '
+                "Run `gpu-memory-exporter explain <log>` on the server's log for the requested, free and "
+                "reserved bytes and the advice for its class. If the server died, VllmEndpointDown follows.")
+        )),),
     settings={"hold_seconds": ("An out-of-memory finding stays active this long after the last event, so an "
                               "alert sees it.")})

@@ -1,20 +1,24 @@
 """Built-in scenarios played through the whole live pipeline (simulated NVML, host and vLLM
-server → sampler → analysis → published State) on the scenario's virtual clock, and the episodes
-of findings they raise, in a form a golden file can pin down."""
+server → sampler → analysis → published State → exposition) on the scenario's virtual clock: the
+episodes of findings they raise, in a form a golden file can pin down, and the series the alert
+rules read, sample by sample, as Prometheus would have scraped them."""
 from __future__ import annotations
 
 import functools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.analysis.engine import Analyzer
 from exporter.cli import make_analyzer
 from exporter.config import build as build_config
 from exporter.daemon import Daemon
-from exporter.model import State
+from exporter.model import Finding, State
 from exporter.runtime import build as build_runtime
+from exporter.serve.exposition import build_registry
 from exporter.sim.scenario import builtin, load
+from helpers.rules import PROMETHEUS_METRICS, load_groups, metric_names, recording_rules
 
 STEP = 10.0  # seconds of scenario time between samples
 # The scenario's start in Unix seconds, the same on every run: the detectors' results depend on
@@ -22,6 +26,22 @@ STEP = 10.0  # seconds of scenario time between samples
 # `run --simulate` does) can move a finding by a few samples from one run to the next.
 START = 1_699_999_200.0  # a whole hour
 FINDINGS_GOLDEN = Path(__file__).parents[1] / "golden" / "scenario-findings.json"
+
+# Every family an alert or recording rule reads (what a replay keeps of each exposition).
+RULE_INPUTS = frozenset(set().union(*(metric_names(r["expr"]) for g in load_groups() for r in g["rules"]))
+                        - {r["record"] for r in recording_rules()} - PROMETHEUS_METRICS)
+
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted non-empty labels)
+
+
+@dataclass
+class Replay:
+    analyzer: Analyzer
+    start: float  # Unix seconds of the scenario's time 0
+    times: list[float] = field(default_factory=list)  # scenario seconds of each sample
+    active: list[tuple[Finding, ...]] = field(default_factory=list)  # findings after each sample
+    # The rules' input series, as scraped after each sample: key -> {sample index: value}.
+    series: dict[SeriesKey, dict[int, float]] = field(default_factory=dict)
 
 
 def play(name: str, step: float = STEP, on_tick: Callable[[State, float], None] | None = None
@@ -46,9 +66,27 @@ def play(name: str, step: float = STEP, on_tick: Callable[[State, float], None] 
     return analyzer, runtime.clock.start
 
 
-@functools.cache  # each scenario is played once per test session for the tests that only read it
-def played(name: str) -> tuple[Analyzer, float]:
-    return play(name)
+@functools.cache  # each scenario is played once per test session, for every test that reads it
+def played(name: str) -> Replay:
+    current: list[State] = []
+    registry = build_registry(lambda: current[-1], lambda: current[-1].last_sample_at or 0.0)
+    record = Replay(analyzer=None, start=START)  # type: ignore[arg-type]  # set below
+
+    def scrape(state: State, elapsed: float) -> None:
+        current.append(state)
+        del current[:-1]
+        i = len(record.times)
+        record.times.append(elapsed)
+        record.active.append(state.analysis.findings if state.analysis else ())
+        for family in registry.collect():
+            for s in family.samples:
+                if s.name in RULE_INPUTS:
+                    # Prometheus drops empty labels when it scrapes; so do we.
+                    key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v)))
+                    record.series.setdefault(key, {})[i] = s.value
+
+    record.analyzer, record.start = play(name, on_tick=scrape)
+    return record
 
 
 def episodes(analyzer: Analyzer, start: float) -> list[dict[str, object]]:
@@ -65,4 +103,5 @@ def scenario_names() -> list[str]:
 
 
 def render_golden() -> str:
-    return json.dumps({name: episodes(*played(name)) for name in scenario_names()}, indent=1) + "\n"
+    return json.dumps({name: episodes(played(name).analyzer, played(name).start) for name in scenario_names()},
+                      indent=1) + "\n"
