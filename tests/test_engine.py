@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
+import exporter.analysis.pressure as pressure
 import exporter.analysis.stale as stale
 from exporter.analysis.contention import ContentionConfig
 from exporter.analysis.detector import DetectorSpec, FindingAlert, FindingKind
@@ -18,6 +19,11 @@ from exporter.analysis.stale import StaleConfig
 from exporter.model import Finding, GpuSample, HostMemory, OomEvent
 from helpers.timeline import BASE, T0, GiB, MiB, gpu, leaking_server, proc, snap, vllm_proc
 
+# The lifecycle tests use the pressure detector as their vehicle: they run it (and what else they
+# are about) alone, so a detector added to the registry cannot change what they see.
+PRESSURE_ONLY = [pressure.DETECTOR]
+STALE_AND_PRESSURE = [stale.DETECTOR, pressure.DETECTOR]
+
 
 def utilisation_timeline(ratios, step=10):
     """One GPU whose single (non-vLLM) process makes utilisation follow `ratios` tick by tick."""
@@ -26,7 +32,7 @@ def utilisation_timeline(ratios, step=10):
 
 
 def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
-    analyzer = Analyzer()
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
     ratios = [0.5] * 3 + [0.9] * 6 + [0.5] * 3
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
         results = [analyzer.update(s) for s in utilisation_timeline(ratios)]
@@ -42,7 +48,7 @@ def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
 
 
 def test_severity_change_keeps_first_detection_and_records_the_worst_version():
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     results = [analyzer.update(s)
                for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.88, 0.5])]
     assert [r.findings[0].severity for r in results[:5]] == ["warning", "warning", "critical",
@@ -54,7 +60,7 @@ def test_severity_change_keeps_first_detection_and_records_the_worst_version():
 
 
 def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
-    analyzer = Analyzer()
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
         for s in utilisation_timeline([0.9, 0.5, 0.9]):
             analyzer.update(s)
@@ -133,7 +139,7 @@ def test_no_wall_clock_is_read(monkeypatch):
 
 
 def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypatch, caplog):
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=STALE_AND_PRESSURE)
     s0 = snap(T0, [gpu([proc(1, GiB)], used=6 * GiB)])
     analyzer.update(s0)
     calls = {"n": 0}
@@ -161,7 +167,7 @@ def test_active_findings_of_a_failed_detector_are_kept_not_cleared(monkeypatch):
 
 def test_all_findings_is_bounded():
     cfg = AnalysisConfig(max_recorded_findings=3)
-    analyzer = Analyzer(cfg, log_findings=False)
+    analyzer = Analyzer(cfg, log_findings=False, detectors=PRESSURE_ONLY)
     for i in range(10):  # ten separate pressure episodes
         analyzer.update(snap(T0 + 20 * i, [gpu([proc(1, 75 * GiB)])]))
         analyzer.update(snap(T0 + 20 * i + 10, [gpu([proc(1, GiB)])]))
@@ -198,7 +204,7 @@ def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
 
 
 def test_unified_memory_utilisation_comes_from_the_host():
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
     r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 8 * GiB)))
     assert r.gpus[0].utilization_ratio == pytest.approx(120 / 128)
