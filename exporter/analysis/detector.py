@@ -15,7 +15,7 @@ Each detector is registered once (registry.py) with a DetectorSpec that declares
 - its finding kinds, and for each the alert that fires on it (docs/runbooks/<alert>.md is the
   runbook) and the built-in scenario that shows it.
 
-The alert rules, the runbook index and docs/metrics.md's list of kinds are generated from these
+The alert rules and the runbook index (with the list of finding kinds) are generated from these
 declarations (alerts/generate.py), so adding a detector edits no engine code and no rule file.
 """
 from __future__ import annotations
