@@ -6,7 +6,7 @@ SPEED    ?= 1
 LISTEN   ?= 127.0.0.1:9842
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint deps system-deps vllm-env bench clean
+.PHONY: run test lint deps system-deps vllm-env bench clean generate
 
 # pip's output (build back-end notices included) is shown only when it fails.
 PIP      = $(VENV)/bin/pip install -q
@@ -94,6 +94,14 @@ lint: $(VENV)/.installed-test
 
 test: deps lint
 	$(PY) -m pytest -q
+
+# Every generated file, from its one declaration (tests fail while one is out of date).
+generate: $(VENV)/.installed-test
+	$(PY) -m exporter.config.docs > docs/configuration.md
+	$(PY) -m exporter.catalogue.docs > docs/metrics.md
+	$(PY) -m alerts.generate
+	$(PY) deploy/kubernetes/generate.py
+	$(PY) grafana/generate.py
 
 bench: $(VENV)/.installed
 	$(PY) bench/sampling.py

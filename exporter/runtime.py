@@ -22,6 +22,7 @@ from .sources.hostview import HostView
 from .sources.source import Source
 
 if TYPE_CHECKING:  # imported where used: only some hosts need them
+    from .sim.logs import SimulatedLogs
     from .sim.probes import SimulatedProbes
     from .sources.kubelet import KubeletPods
     from .sources.vllm import VllmEndpoint
@@ -44,6 +45,7 @@ class Host:
     simulated: bool = False
     sim_endpoints: tuple[VllmEndpoint, ...] = ()  # one per simulated vLLM server
     sim_probes: SimulatedProbes | None = None  # when a simulated process has the allocator probe
+    sim_logs: SimulatedLogs | None = None  # when a simulated server writes lines to its log as it runs
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
@@ -148,7 +150,7 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     stack.callback(fake.configure, None, None)
     view = SimulatedHost(scenario, clock)
     logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
-    endpoints = []
+    endpoints, logged = [], {}
     for i, spec in enumerate(scenario.vllm):
         server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
         view.alias_port(server.port, spec.port)
@@ -156,6 +158,8 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         with open(log_file, "w") as fh:
             fh.write(startup_log(scenario, i))
         endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}", log_file=log_file))
+        if spec.log_lines:
+            logged[i] = log_file
     probes = None
     if any(p.allocator is not None for p in scenario.processes):
         from .sim.probes import SimulatedProbes
@@ -164,8 +168,13 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         # a real host's and is not read while simulating).
         probes = SimulatedProbes(scenario, clock, stack.enter_context(
             tempfile.TemporaryDirectory(prefix="gpumem-sim-probe-")))
+    sim_logs = None
+    if logged:
+        from .sim.logs import SimulatedLogs
+
+        sim_logs = SimulatedLogs(scenario, clock, logged)
     return Host(gpu, fake, view, clock, simulated=True, sim_endpoints=tuple(endpoints), sim_probes=probes,
-                _cleanup=stack)
+                sim_logs=sim_logs, _cleanup=stack)
 
 
 def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
@@ -194,9 +203,15 @@ def make_sampler(config: Config, host: Host, one_shot: bool = False) -> Sampler:
         from .sources.vllm import VllmSource
         sources.append(VllmSource(endpoints, host=host.view))
     log_files = list(config.logs.files) + [ep.log_file for ep in config.vllm.endpoints if ep.log_file]
+    if host.sim_logs is not None:  # the simulated servers that write to their logs as they run
+        log_files += list(host.sim_logs.files.values())
     if log_files:
         from .sources.logs import LogSource
-        sources.append(LogSource(log_files))
+        logs: Source = LogSource(log_files)
+        if host.sim_logs is not None:
+            from .sim.logs import LoggedSource
+            logs = LoggedSource(host.sim_logs, logs)
+        sources.append(logs)
     return Sampler(sources, now=host.clock.now)
 
 

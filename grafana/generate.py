@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from exporter import thresholds
+from exporter.analysis.kv_cache import KvSaturationConfig
+
 JSON = dict[str, Any]  # one object of Grafana's dashboard model
 
 OUT = Path(__file__).resolve().parent / "dashboards"
@@ -101,8 +104,11 @@ def table(title: str, targets: list[JSON], w: int = 24, h: int = 8, description:
 
 def bargauge(title: str, targets: list[JSON], unit: str = "percentunit", w: int = 12, h: int = 8,
              description: str = "", max_: float | None = 1, steps: list[JSON] | None = None) -> JSON:
+    # Headroom: red below the near-full level's, orange below the page's (exporter/thresholds.py).
     defaults: JSON = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps or [
-        {"color": "red", "value": None}, {"color": "orange", "value": 0.05}, {"color": "green", "value": 0.15}]}}
+        {"color": "red", "value": None},
+        {"color": "orange", "value": round(1 - thresholds.MEMORY_NEAR_FULL.value, 6)},
+        {"color": "green", "value": round(1 - thresholds.MEMORY_HIGH.value, 6)}]}}
     if max_ is not None:
         defaults["max"] = max_
     return _panel("bargauge", title, targets, w, h, description,
@@ -411,9 +417,11 @@ def vllm() -> JSON:
     panels = [
         timeseries("KV cache usage", [
             target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}"),
-            target("gpumem:threshold_vllm_kv_cache_saturated:ratio", "saturation threshold")],
-            unit="percentunit", max_=1, overrides=[threshold_line("B", "saturation threshold")],
-            description="Share of KV cache blocks in use; full with a queue is saturation."),
+            # The exporter decides saturation (its kv_saturation finding); this draws its default level.
+            target(f"vector({KvSaturationConfig.usage_ratio:g})", "full (kv_saturation's default)")],
+            unit="percentunit", max_=1, overrides=[threshold_line("B", "full (kv_saturation's default)")],
+            description=("Share of KV cache blocks in use. Full with a growing queue is saturation: the "
+                         "exporter's kv_saturation finding (detectors.kv_saturation in its configuration).")),
         timeseries("GPU memory of the servers' GPUs", [
             target(f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}", "{{instance}} GPU {{gpu}}"),
             target("gpumem:threshold_memory_high:ratio", "page threshold")],
@@ -477,7 +485,8 @@ def fleet() -> JSON:
         stat("Fleet GPU memory in use",
              f"sum(gpumem_gpu_memory_used_bytes{{{gpu}}}) / sum(gpumem_gpu_memory_total_bytes{{{gpu}}})",
              unit="percentunit", description="Used / total over every GPU of the selected hosts.",
-             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.85}]),
+             thresholds=[{"color": "green", "value": None},
+                         {"color": "orange", "value": thresholds.MEMORY_HIGH.value}]),
         stat("GPUs above the page threshold",
              f"count({util} > on () group_left () gpumem:threshold_memory_high:ratio) or vector(0)",
              description="Plain utilisation above gpumem:threshold_memory_high:ratio.",

@@ -275,3 +275,66 @@ def test_compose_mounts_files_that_exist():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             assert (COMPOSE / source).exists(), f"compose mounts {source}, which does not exist"
+
+
+# -- one declaration: the rules file and its tables are generated ------------------------------
+def test_generated_rules_and_tables_are_up_to_date():
+    """alerts/gpu-memory-exporter.rules.yml and the tables in alerts/README.md and
+    docs/runbooks/README.md are written by `python -m alerts.generate`; a hand edit or a changed
+    declaration that was not regenerated fails here."""
+    from alerts.generate import outputs
+
+    stale = [str(path.relative_to(REPO)) for path, text in outputs().items() if path.read_text() != text]
+    assert stale == [], f"run `python -m alerts.generate`: {stale} differ from the declarations"
+
+
+def test_the_generator_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
+    import alerts.generate as generate
+
+    copy = tmp_path / "rules.yml"
+    copy.write_text(RULES.read_text().replace("for: 5m", "for: 6m", 1))
+    monkeypatch.setattr(generate, "RULES", copy)
+    assert generate.main(["--check"]) == 1
+    assert generate.main([]) == 0 and generate.main(["--check"]) == 0  # rewritten, then current
+    assert copy.read_text() == RULES.read_text()
+
+
+def test_every_finding_kind_has_an_alert_a_runbook_and_a_scenario():
+    """Issue 19: every kind the detectors raise reaches an alert (with its runbook and promtool
+    tests, checked per alert above) and has a built-in scenario that shows it."""
+    from exporter.analysis.registry import finding_kinds
+    from exporter.sim.scenario import builtin
+
+    scenarios = {name for name, _ in builtin()}
+    for kind in finding_kinds():
+        assert kind.alerts and set(kind.alerts) <= set(ALERT_NAMES), kind.name
+        assert kind.scenario in scenarios, f"{kind.name}: no scenario {kind.scenario}"
+
+
+def test_alerts_on_findings_fire_from_the_finding_alone():
+    """One decision per verdict: an alert declared for a finding kind reads only that finding;
+    its thresholds are the detector's."""
+    from alerts.generate import finding_expr
+    from exporter.analysis.registry import finding_kinds
+
+    by_name = {r["alert"]: r for r in alert_rules()}
+    declared = [k for k in finding_kinds() if k.alert is not None]
+    assert declared
+    for kind in declared:
+        rule = by_name[kind.alert.name]
+        assert rule["expr"] == finding_expr(kind.name)
+        assert rule["labels"]["severity"] == kind.alert.severity
+
+
+def test_a_raw_rule_and_the_daemon_read_the_same_thresholds():
+    """GpuMemoryHigh/NearFull judge the pressure finding's condition over raw series: their
+    recording rules carry the numbers the daemon's PressureConfig defaults to."""
+    from exporter import thresholds
+    from exporter.analysis.pressure import PressureConfig
+
+    records = {r["record"]: r["expr"] for r in recording_rules()}
+    config = PressureConfig()
+    for threshold, value in ((thresholds.MEMORY_HIGH, config.warning_ratio),
+                             (thresholds.MEMORY_NEAR_FULL, config.critical_ratio),
+                             (thresholds.VLLM_BUDGET_SLACK, config.budget_slack_ratio)):
+        assert records[threshold.record] == f"vector({value:g})"

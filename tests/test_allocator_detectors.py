@@ -241,18 +241,18 @@ def test_inactive_splits_short_lived_small_or_a_small_share_are_no_finding():
 
 
 def test_thresholds_are_configurable():
-    cfg = AnalysisConfig(fragmentation=FragmentationConfig(inactive_split_share=0.02,
-                                                           inactive_split_sustain_seconds=120))
+    cfg = AnalysisConfig(detectors={"fragmentation": FragmentationConfig(
+        inactive_split_share=0.02, inactive_split_sustain_seconds=120)})
     analyzer, _ = replay(split_server(lambda e: 3 * GiB, reserved=72 * GiB), cfg)
     assert of_kind(analyzer, "fragmentation", 10)
-    cfg = AnalysisConfig(fragmentation=FragmentationConfig(alloc_retries_min=20))
+    cfg = AnalysisConfig(detectors={"fragmentation": FragmentationConfig(alloc_retries_min=20)})
     analyzer, _ = replay(retrying_server(lambda e: max(0, (e - 1200) // 60)), cfg)
     assert of_kind(analyzer, "fragmentation") == []
     with pytest.raises(ValueError):
         FragmentationConfig(alloc_retries_min=0)
     with pytest.raises(ValueError, match="inactive_split_sustain_seconds"):
-        AnalysisConfig(history_raw_seconds=1000, fragmentation=FragmentationConfig(
-            inactive_split_sustain_seconds=1200))
+        AnalysisConfig(history_raw_seconds=1000, detectors={"fragmentation": FragmentationConfig(
+            inactive_split_sustain_seconds=1200)})
 
 
 def test_the_knob_depends_on_the_allocator_in_use():

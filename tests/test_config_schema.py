@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from pydantic import BaseModel
 
 from exporter.cli import main
-from exporter.config import Config, ConfigError, build, load
+from exporter.config import Config, ConfigError, build, file_form, load
 from exporter.config.docs import render
 from exporter.config.fields import Doc
 from exporter.config.web import WebConfig, load_web_config
@@ -144,7 +144,31 @@ def test_kubelet_files_are_checked_only_where_the_kubelet_uses_them(tmp_path):
 
 def test_the_detectors_own_needs_are_part_of_the_one_validation():
     assert problems({"history": {"raw_seconds": 600}}) == [
-        "history.raw_seconds: the detectors need: history.raw_seconds (600) must cover stale.lookback_seconds (900)"]
+        "history.raw_seconds: the detectors need: history.raw_seconds (600) must cover "
+        "detectors.stale_memory.lookback_seconds (900)"]
+    assert problems({"detectors": {"contention": {"window_seconds": 2000}}}) == [
+        "history.raw_seconds: the detectors need: history.raw_seconds (3600) must cover "
+        "2 x detectors.contention.window_seconds (4000)"]
+
+
+def test_each_detector_declares_its_section_and_checks_it_itself():
+    """The sections come from the detectors' declarations; a value that breaks a detector's own
+    rule across keys is reported at its section with the detector's words, unchanged."""
+    from exporter.analysis.registry import DETECTORS
+
+    config = build({"detectors": {"contention": {"min_bytes": "1GiB"}, "kv_saturation": {"min_waiting": 4}}})
+    analysis = config.analysis()
+    assert analysis.detectors["contention"].min_bytes == 1 << 30
+    assert analysis.detectors["kv_saturation"].min_waiting == 4
+    assert analysis.detectors["stale_memory"] == build().analysis().detectors["stale_memory"]  # defaults
+    assert set(file_form(config)["detectors"]) == {spec.name for spec in DETECTORS}
+    assert problems({"detectors": {"stale_memory": {"lookback_seconds": 100}}}) == [
+        "detectors.stale_memory: stale: lookback_seconds must cover seconds and exit_grace_seconds"]
+    assert problems({"detectors": {"kv_saturation": {"usage_ratio": 2, "nope": 1}}}) == [
+        "detectors.kv_saturation.usage_ratio: must be at most 1, got 2",
+        "detectors.kv_saturation.nope: unknown key (known keys: usage_ratio, window_seconds, min_waiting)"]
+    # Statistical constants a detector does not list stay out of the file.
+    assert problems({"detectors": {"leak": {"min_z": 2}}})[0].startswith("detectors.leak.min_z: unknown key")
 
 
 def test_web_config_reports_every_problem(tmp_path):

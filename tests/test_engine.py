@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import pytest
 
-import exporter.analysis.engine as engine
+import exporter.analysis.pressure as pressure
+import exporter.analysis.stale as stale
 from exporter.analysis.contention import ContentionConfig
+from exporter.analysis.detector import DetectorSpec, FindingAlert, FindingKind
 from exporter.analysis.engine import AnalysisConfig, Analyzer
+from exporter.analysis.oom_findings import OomConfig
+from exporter.analysis.registry import DETECTORS
 from exporter.analysis.stale import StaleConfig
-from exporter.model import GpuSample, HostMemory, OomEvent
+from exporter.model import Finding, GpuSample, HostMemory, OomEvent
 from helpers.timeline import BASE, T0, GiB, MiB, gpu, leaking_server, proc, snap, vllm_proc
+
+# The lifecycle tests use the pressure detector as their vehicle: they run it (and what else they
+# are about) alone, so a detector added to the registry cannot change what they see.
+PRESSURE_ONLY = [pressure.DETECTOR]
+STALE_AND_PRESSURE = [stale.DETECTOR, pressure.DETECTOR]
 
 
 def utilisation_timeline(ratios, step=10):
@@ -22,7 +32,7 @@ def utilisation_timeline(ratios, step=10):
 
 
 def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
-    analyzer = Analyzer()
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
     ratios = [0.5] * 3 + [0.9] * 6 + [0.5] * 3
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
         results = [analyzer.update(s) for s in utilisation_timeline(ratios)]
@@ -38,7 +48,7 @@ def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
 
 
 def test_severity_change_keeps_first_detection_and_records_the_worst_version():
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     results = [analyzer.update(s)
                for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.88, 0.5])]
     assert [r.findings[0].severity for r in results[:5]] == ["warning", "warning", "critical",
@@ -50,7 +60,7 @@ def test_severity_change_keeps_first_detection_and_records_the_worst_version():
 
 
 def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
-    analyzer = Analyzer()
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
         for s in utilisation_timeline([0.9, 0.5, 0.9]):
             analyzer.update(s)
@@ -100,7 +110,7 @@ def test_process_trend_for_every_live_process():
 
 
 def test_oom_event_becomes_a_finding_held_for_a_while():
-    cfg = AnalysisConfig(oom_hold_seconds=60)
+    cfg = AnalysisConfig(detectors={"oom": OomConfig(hold_seconds=60)})
     analyzer = Analyzer(cfg, log_findings=False)
     event = OomEvent(kind="torch_cuda_oom", klass="shortage", line=7, source="vllm.log", gpu="0",
                      requested_bytes=GiB, advice=("Lower --max-num-seqs.",))
@@ -129,7 +139,7 @@ def test_no_wall_clock_is_read(monkeypatch):
 
 
 def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypatch, caplog):
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=STALE_AND_PRESSURE)
     s0 = snap(T0, [gpu([proc(1, GiB)], used=6 * GiB)])
     analyzer.update(s0)
     calls = {"n": 0}
@@ -137,7 +147,7 @@ def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypat
     def broken(history, snapshot, config):
         calls["n"] += 1
         raise RuntimeError("bug")
-    monkeypatch.setattr(engine, "detect_stale", broken)
+    monkeypatch.setattr(stale, "detect_stale", broken)
     with caplog.at_level(logging.ERROR):
         r = analyzer.update(snap(T0 + 10, [gpu([proc(1, 76 * GiB)])]))
     assert calls["n"] == 1 and analyzer.detector_errors["stale_memory"] == 1
@@ -146,18 +156,18 @@ def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypat
 
 
 def test_active_findings_of_a_failed_detector_are_kept_not_cleared(monkeypatch):
-    cfg = AnalysisConfig(stale=StaleConfig(seconds=0))
+    cfg = AnalysisConfig(detectors={"stale_memory": StaleConfig(seconds=0)})
     analyzer = Analyzer(cfg, log_findings=False)
     r = analyzer.update(snap(T0, [gpu([proc(1, GiB)], used=6 * GiB)]))
     assert [f.kind for f in r.findings] == ["stale_memory"]
-    monkeypatch.setattr(engine, "detect_stale", lambda *a: 1 / 0)
+    monkeypatch.setattr(stale, "detect_stale", lambda *a: 1 / 0)
     r = analyzer.update(snap(T0 + 10, [gpu([proc(1, GiB)], used=6 * GiB)]))
     assert [(f.kind, f.first_detected_at) for f in r.findings] == [("stale_memory", T0)]
 
 
 def test_all_findings_is_bounded():
     cfg = AnalysisConfig(max_recorded_findings=3)
-    analyzer = Analyzer(cfg, log_findings=False)
+    analyzer = Analyzer(cfg, log_findings=False, detectors=PRESSURE_ONLY)
     for i in range(10):  # ten separate pressure episodes
         analyzer.update(snap(T0 + 20 * i, [gpu([proc(1, 75 * GiB)])]))
         analyzer.update(snap(T0 + 20 * i + 10, [gpu([proc(1, GiB)])]))
@@ -167,7 +177,7 @@ def test_all_findings_is_bounded():
 
 def test_history_stays_bounded_under_process_churn():
     cfg = AnalysisConfig(history_dead_grace_seconds=120, history_raw_seconds=1800,
-                         stale=StaleConfig(lookback_seconds=900))
+                         detectors={"stale_memory": StaleConfig(lookback_seconds=900)})
     analyzer = Analyzer(cfg, log_findings=False)
     for i in range(600):  # a new short-lived process every 10 s for 100 minutes
         analyzer.update(snap(T0 + 10 * i, [gpu([proc(1000 + i, GiB, start=T0 + 10 * i)])]))
@@ -178,13 +188,13 @@ def test_analysis_config_is_validated():
     with pytest.raises(ValueError, match="admission"):
         AnalysisConfig(admission_close_above=0.7, admission_open_below=0.8)
     with pytest.raises(ValueError, match="history_raw_seconds"):
-        AnalysisConfig(history_raw_seconds=600, contention=ContentionConfig(window_seconds=600))
+        AnalysisConfig(history_raw_seconds=600, detectors={"contention": ContentionConfig(window_seconds=600)})
     with pytest.raises(ValueError, match="max_recorded_findings"):
         AnalysisConfig(max_recorded_findings=0)
 
 
 def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
-    analyzer = Analyzer(AnalysisConfig(stale=StaleConfig(seconds=0, exit_grace_seconds=0)))
+    analyzer = Analyzer(AnalysisConfig(detectors={"stale_memory": StaleConfig(seconds=0, exit_grace_seconds=0)}))
     evil = vllm_proc(10, 20 * GiB)
     evil = type(evil)(**{**evil.__dict__, "name": "x\nfinding cleared: all"})
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
@@ -194,10 +204,59 @@ def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
 
 
 def test_unified_memory_utilisation_comes_from_the_host():
-    analyzer = Analyzer(log_findings=False)
+    analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
     r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 8 * GiB)))
     assert r.gpus[0].utilization_ratio == pytest.approx(120 / 128)
     assert r.gpus[0].admission_open is False
     assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
 
+
+
+@dataclass(frozen=True)
+class _EveryTenthConfig:
+    every: int = 10
+
+
+class _EveryTenth:
+    """A stateful detector: a finding on every `every`-th tick it sees."""
+
+    def __init__(self):
+        self.ticks = 0
+
+    def __call__(self, tick, config):
+        self.ticks += 1
+        if self.ticks % config.every:
+            return []
+        return [Finding(kind="tenth", severity="info", first_detected_at=tick.now, gpu=g.gpu, uuid=g.uuid,
+                        summary=f"tick {self.ticks}, {len(tick.active)} active before")
+                for g in tick.gpus]
+
+
+_TENTH = DetectorSpec(
+    name="tenth", help="test", config=_EveryTenthConfig, create=_EveryTenth,
+    kinds=(FindingKind("tenth", help="test", scenario="steady",
+                       alert=FindingAlert("Tenth", severity="ticket", for_="0s", summary="s", description="d")),))
+
+
+def test_the_engine_runs_whatever_is_registered():
+    """A detector is a spec: the engine calls it with the tick and its settings, keeps its state
+    in the object `create` made for this analyzer, and tracks its findings like any other's."""
+    analyzer = Analyzer(log_findings=False, detectors=[_TENTH])
+    results = [analyzer.update(s) for s in utilisation_timeline([0.5] * 21)]
+    assert [i for i, r in enumerate(results) if r.findings] == [9, 19]
+    assert [f.summary for f in analyzer.all_findings] == ["tick 10, 0 active before", "tick 20, 0 active before"]
+    assert results[0].process_trends == ()  # no detector here publishes trends
+    other = Analyzer(log_findings=False, detectors=[_TENTH])  # its own state
+    assert not other.update(utilisation_timeline([0.5])[0]).findings
+
+
+def test_every_registered_detector_has_a_unique_name_and_kinds():
+    names = [spec.name for spec in DETECTORS]
+    kinds = [k.name for spec in DETECTORS for k in spec.kinds]
+    assert len(set(names)) == len(names) and len(set(kinds)) == len(kinds)
+    assert set(AnalysisConfig().detectors) == set(names)
+    with pytest.raises(ValueError, match="no detector named nope"):
+        AnalysisConfig(detectors={"nope": StaleConfig()})
+    with pytest.raises(ValueError, match="StaleConfig"):
+        AnalysisConfig(detectors={"stale_memory": ContentionConfig()})

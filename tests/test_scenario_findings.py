@@ -1,13 +1,13 @@
 """Each built-in scenario, played through the whole live pipeline (simulated NVML, host and vLLM
-server → sampler → detectors), raises the finding it is named after and no false one."""
-import functools
+server → sampler → detectors), raises the finding it is named after and no false one, at the
+moments pinned in tests/golden/scenario-findings.json."""
+import json
+import os
 
 import pytest
 
-from exporter.cli import make_analyzer
-from exporter.config import build as build_config
-from exporter.runtime import build as build_runtime
 from exporter.sim.scenario import load
+from helpers.scenarios import FINDINGS_GOLDEN, played, render_golden
 
 EXPECTED = {
     "steady": set(),
@@ -18,22 +18,15 @@ EXPECTED = {
     "pressure": {"pressure", "contention"},  # the pressure comes from a second process
     "fragmentation": {"fragmentation"},
     "gpu-lost": set(),  # shown by gpumem_gpu_up, not a finding
+    "kv-saturation": {"kv_saturation"},  # vLLM counts no preemption: only the state shows it
+    "sleep-leak": {"sleep_leak"},  # the falls and rises of sleep are no leak and no stale memory
+    "oom": {"oom"},  # shortages, not fragmentation
 }
 
 
-@functools.cache  # the leak scenario is played once for both tests
-def play(name, step=10.0):
-    config = build_config()
-    runtime = build_runtime(config, simulate=name, at=0.0)
-    analyzer = make_analyzer(config)
-    try:
-        duration = load(name).duration
-        while runtime.clock.elapsed() < duration:
-            analyzer.update(runtime.sampler.sample())
-            runtime.clock.advance(step)
-    finally:
-        runtime.close()
-    return analyzer, runtime.clock.start
+def play(name):
+    replay = played(name)  # each scenario is played once per session, for every test that reads it
+    return replay.analyzer, replay.start
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -78,3 +71,24 @@ def test_leak_scenario_attributes_the_growth_to_memory_outside_torch():
     evidence = dict(gpu_leak.evidence)
     assert evidence["component"] == "non_torch"
     assert any("NCCL_CUMEM_ENABLE=0" in a for a in gpu_leak.advice)
+
+
+@pytest.mark.slow
+def test_every_scenario_raises_the_same_findings_at_the_same_times():
+    """Every built-in scenario's episodes (kind, where, worst severity, raised and cleared at, to
+    the sample) against the committed file: a change in what the detectors decide, or when,
+    shows up as a reviewable diff. UPDATE_GOLDEN=1 rewrites it (tests/golden/README.md)."""
+    text = render_golden()
+    if os.environ.get("UPDATE_GOLDEN"):
+        FINDINGS_GOLDEN.write_text(text)
+    assert json.loads(text) == json.loads(FINDINGS_GOLDEN.read_text())
+
+
+@pytest.mark.slow
+def test_every_finding_kind_is_shown_by_the_scenario_it_declares():
+    """Each detector names, for each kind it raises, the built-in scenario that shows it."""
+    from exporter.analysis.registry import finding_kinds
+
+    for kind in finding_kinds():
+        analyzer, _ = play(kind.scenario)
+        assert kind.name in {f.kind for f in analyzer.all_findings}, (kind.name, kind.scenario)

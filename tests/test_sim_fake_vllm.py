@@ -234,3 +234,27 @@ def test_keep_alive_like_uvicorn_and_stop_drops_open_connections():
         # A stopped server answers nobody, not even a client holding a kept-alive connection.
         with pytest.raises(requests.exceptions.ConnectionError):
             session.get(url, timeout=2)
+
+
+def test_sleep_mode_is_served_in_vllms_words_and_read_back():
+    """`sleep_level` in a scenario: vLLM's engine_sleep_state series, one 0/1 per state, which
+    the exporter's normaliser reads back as the engine's sleep state."""
+    from exporter.sources.vllm_normalise import normalise
+
+    doc = copy.deepcopy(DOC)
+    doc["vllm"][0]["sleep_level"] = [{"step": {"at": 800, "by": 1}}, {"step": {"at": 900, "by": 1}}]
+    clock = FixedClock(START, 700)
+    with FakeVllmServer(sc.from_dict(doc), clock) as server:
+        states = []
+        for at in (700, 850, 950):
+            clock.at = at
+            text = requests.get(server.url, timeout=HANG).text
+            flags = {s[0]["sleep_state"]: s[1] for s in parse(text)["vllm:engine_sleep_state"]}
+            assert sorted(flags.values()) == [0, 0, 1]
+            states.append([e.sleep_state for e in normalise(text).engines])
+    assert states == [["awake"], ["weights_offloaded"], ["discard_all"]]
+
+
+def test_no_sleep_metrics_without_sleep_mode(served):
+    server, _ = served
+    assert "vllm:engine_sleep_state" not in parse(requests.get(server.url, timeout=HANG).text)

@@ -488,3 +488,32 @@ def test_the_old_nvml_spelling_of_a_version_mismatch_is_read_with_a_warning(capl
     assert s.faults[0].error == "version_mismatch"
     assert any("faults[0].error: 'lib_rm_version_mismatch' is deprecated, say 'version_mismatch'" in r.getMessage()
                for r in caplog.records)
+def test_a_servers_log_lines_are_written_when_the_clock_passes_them(tmp_path):
+    """`vllm[].log`: lines the server writes while it runs, appended in time order just before
+    the `logs` source reads, each once."""
+    from exporter.sim.logs import SimulatedLogs
+
+    scenario = build(lambda d: d["vllm"][0].update(log=[{"at": "20m", "line": "second"},
+                                                       {"at": 600, "line": "first"}]))
+    path = tmp_path / "vllm-0.log"
+    path.write_text("start-up\n")
+    clock = FixedClock(1_700_000_000.0, 0)
+    logs = SimulatedLogs(scenario, clock, {0: str(path)})
+    seen = []
+    for at in (0, 599, 600, 601, 1199, 1200, 3000):
+        clock.at = at
+        logs.write()
+        seen.append(path.read_text().splitlines())
+    assert seen[0] == seen[1] == ["start-up"]
+    assert seen[2] == seen[3] == seen[4] == ["start-up", "first"]
+    assert seen[5] == seen[6] == ["start-up", "first", "second"]
+
+
+@pytest.mark.parametrize("log, message", [
+    ([{"at": 10, "line": "a\nb"}], "vllm[0].log[0].line: one line"),
+    ([{"at": 10}], "vllm[0].log[0]"),
+    ({"at": 10, "line": "x"}, "vllm[0].log"),
+])
+def test_bad_log_lines_name_the_key(log, message):
+    with pytest.raises(ScenarioError, match=re.escape(message)):
+        build(lambda d: d["vllm"][0].update(log=log))

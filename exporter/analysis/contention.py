@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import Finding, GpuSample, HostMemory, ProcessSample, Snapshot
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 
 if TYPE_CHECKING:
     from .history import History, Identity
@@ -186,3 +187,42 @@ def _rss_growers(snapshot: Snapshot, base: Snapshot,
     grown = sorted(((rss - before.get(ident, 0), p) for ident, (rss, p) in now.items()),
                    key=lambda gp: -gp[0])
     return [(g, p) for g, p in grown if g >= config.process_min_bytes][:config.top_processes]
+
+
+def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
+    return detect_contention(tick.history, tick.snapshot, config)
+
+
+DETECTOR = DetectorSpec(
+    name="contention", config=ContentionConfig, create=lambda: _detect,
+    help="Another process takes the memory a vLLM server needs (on unified memory: the host's).",
+    history_needed={"window_seconds": 2},
+    kinds=(FindingKind(
+        "contention", scenario="contention",
+        help="other processes took memory on a GPU within the window and left it nearly full",
+        alert=FindingAlert(
+            "GpuMemoryContention", severity="ticket", for_="5m",
+            summary=("Another process competes for GPU {{ $labels.gpu }} memory on "
+                     "{{ $labels.instance }}{{ with $labels.process }} ({{ . }}){{ end }}."),
+            description=("The exporter's contention detector finds memory on GPU {{ $labels.gpu }} of "
+                         "{{ $labels.instance }} taken by a process outside the vLLM "
+                         "server{{ with $labels.endpoint }} {{ . }}{{ end }}{{ with $labels.pid }}: "
+                         "{{ $labels.process }} (pid {{ . }}){{ end }}. Non-vLLM processes hold "
+                         '{{ with printf "instance_gpu:gpumem_other_process_memory:bytes{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
+                         "of the GPU, which is at "
+                         '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ . | first | value | "
+                         "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
+                         "run."))),),
+    settings={
+        "window_seconds": "Memory taken within this long counts (against the newest sample at least this old).",
+        "min_bytes": "Headroom lost, and memory the other processes took, must each reach this.",
+        "process_min_bytes": "A process that grew less than this is not named.",
+        "min_utilization_ratio": ("Memory taken matters only when it leaves the GPU at least this full "
+                                  "(used/total)."),
+        "critical_ratio": "At or above this utilisation the finding is critical.",
+        "host_available_low_ratio": "Unified memory: host MemAvailable below this share of its total ...",
+        "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as contention.",
+        "top_processes": "How many of the processes that took the most memory a finding names.",
+    })

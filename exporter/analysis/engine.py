@@ -1,12 +1,12 @@
 """The analysis engine: one `Analyzer.update(snapshot)` per sampling tick.
 
-A tick: compute the memory budgets once, feed the History, give the per-GPU verdicts, run every
-detector (pure functions over history + snapshot; leak and admission keep a little state of
-their own), then track episodes: the active findings are keyed by `Finding.key`, so a finding
-keeps its first_detected_at while it stays active and is logged once when raised (WARNING) and
-once when cleared (INFO) on the "exporter.findings" logger. The Analysis it returns carries
-everything downstream needs (findings, trends, GPU verdicts, budgets, the tick's transitions),
-so nothing after it recomputes any of it.
+A tick: compute the memory budgets and KV caches once, feed the History, give the per-GPU
+verdicts, run every registered detector (analysis.registry) over the same Tick, then track
+episodes: the active findings are keyed by `Finding.key`, so a finding keeps its
+first_detected_at while it stays active and is logged once when raised (WARNING) and once when
+cleared (INFO) on the "exporter.findings" logger. The Analysis it returns carries everything
+downstream needs (findings, trends, GPU verdicts, budgets, the tick's transitions), so nothing
+after it recomputes any of it.
 
 Time comes only from snapshot timestamps, never the wall clock, so a replay of a recorded trace
 raises the same findings at the same moments as the live daemon did.
@@ -15,24 +15,20 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
-from ..model import Analysis, Finding, OomEvent, Snapshot
+from .. import thresholds
+from ..model import Analysis, Finding, OomEvent, ProcessTrend, Snapshot
+from . import leak_detector, pressure
 from .budget import memory_budgets
-from .contention import ContentionConfig, detect_contention
-from .fragmentation import FragmentationConfig, detect_fragmentation
+from .detector import DetectorSpec, ReportsTrends, Tick
 from .gpu_verdicts import GpuVerdicts
 from .history import History
-from .kv_cache import KvSaturationConfig, detect_kv_saturation, kv_caches
-from .leak import LeakConfig
-from .leak_detector import LeakDetector
+from .kv_cache import kv_caches
 from .oom import classify
-from .oom_findings import detect_ooms
-from .pressure import PressureConfig, detect_pressure
-from .sleep import SleepConfig, detect_sleep_leaks
-from .stale import StaleConfig, detect_stale
+from .registry import DETECTORS
 from .transitions import transitions
 
 findings_log = logging.getLogger("exporter.findings")
@@ -40,52 +36,54 @@ log = logging.getLogger(__name__)
 
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 
-_T = TypeVar("_T")
+C = TypeVar("C")
 # Finding.key: (kind, gpu, pid, endpoint)
 FindingKey = tuple[object, ...]
 
 
 @dataclass(frozen=True)
 class AnalysisConfig:
-    admission_close_above: float = 0.90  # admission closes above this utilisation ...
-    admission_open_below: float = 0.80  # ... and reopens only below this one
+    admission_close_above: float = thresholds.ADMISSION_CLOSE_ABOVE  # admission closes above this ...
+    admission_open_below: float = thresholds.ADMISSION_OPEN_BELOW  # ... and reopens only below this
     history_raw_seconds: float = 3600.0
     history_retention_seconds: float = 6 * 3600.0
     history_dead_grace_seconds: float = 900.0
     history_max_raw_samples: int = 4096  # raw points per series (and snapshots) at most
     forecast_window_seconds: float = 3600.0  # GPU used trend window for time-to-full
-    leak_critical_seconds: float = 3600.0  # a leak that fills the GPU sooner is critical
-    oom_hold_seconds: float = 300.0  # an OOM finding stays active this long after the event
     max_recorded_findings: int = 10_000  # all_findings keeps at most this many (oldest go)
-    leak: LeakConfig = field(default_factory=LeakConfig)
-    pressure: PressureConfig = field(default_factory=PressureConfig)
-    stale: StaleConfig = field(default_factory=StaleConfig)
-    contention: ContentionConfig = field(default_factory=ContentionConfig)
-    fragmentation: FragmentationConfig = field(default_factory=FragmentationConfig)
-    sleep: SleepConfig = field(default_factory=SleepConfig)  # looks back as far as the history holds
-    kv_saturation: KvSaturationConfig = field(default_factory=KvSaturationConfig)
+    # Each registered detector's settings, by its name (DetectorSpec.name); one left out runs
+    # with its config's defaults. After construction every registered detector is present.
+    detectors: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.admission_open_below <= self.admission_close_above <= 1:
             raise ValueError("analysis: need 0 < admission_open_below <= admission_close_above <= 1")
         if self.max_recorded_findings < 1 or self.forecast_window_seconds <= 0:
             raise ValueError("analysis: max_recorded_findings >= 1, forecast_window_seconds > 0")
-        # Detectors look back through raw snapshots; the history must keep them that long.
-        needed = {
-            "stale.lookback_seconds": self.stale.lookback_seconds,
-            "2 x contention.window_seconds": 2 * self.contention.window_seconds,
-            "fragmentation.window_seconds": self.fragmentation.window_seconds,
-            "2 x fragmentation.budget_sustain_seconds":
-                2 * self.fragmentation.budget_sustain_seconds,
-            "fragmentation.inactive_split_sustain_seconds":
-                self.fragmentation.inactive_split_sustain_seconds,
-            "oom_hold_seconds": self.oom_hold_seconds,
-            "2 x kv_saturation.window_seconds": 2 * self.kv_saturation.window_seconds,
-        }
-        for name, seconds in needed.items():
-            if seconds > self.history_raw_seconds:
-                raise ValueError(f"analysis: history_raw_seconds ({self.history_raw_seconds:g}) "
-                                 f"must cover {name} ({seconds:g})")
+        known = {spec.name: spec for spec in DETECTORS}
+        unknown = sorted(set(self.detectors) - set(known))
+        if unknown:
+            raise ValueError(f"analysis: no detector named {', '.join(unknown)}")
+        sections = {}
+        for name, spec in known.items():
+            section = self.detectors.get(name)
+            if section is None:
+                section = spec.config()
+            elif not isinstance(section, spec.config):
+                raise ValueError(f"analysis: detectors[{name!r}] must be a {spec.config.__name__}")
+            sections[name] = section
+            # Detectors look back through raw snapshots; the history must keep them that long.
+            for key, factor, seconds in spec.history_needs(section):
+                if seconds > self.history_raw_seconds:
+                    times = f"{factor:g} x " if factor != 1 else ""
+                    raise ValueError(f"analysis: history_raw_seconds ({self.history_raw_seconds:g}) "
+                                     f"must cover {times}{name}.{key} ({seconds:g})")
+        object.__setattr__(self, "detectors", sections)
+
+    def section(self, spec: DetectorSpec[C]) -> C:
+        """The settings of one detector (its config's defaults where it is not registered)."""
+        section = self.detectors.get(spec.name)
+        return cast(C, section) if section is not None else spec.config()
 
 
 @dataclass
@@ -97,7 +95,8 @@ class _Episode:
 
 
 class Analyzer:
-    def __init__(self, config: AnalysisConfig | None = None, log_findings: bool = True):
+    def __init__(self, config: AnalysisConfig | None = None, log_findings: bool = True,
+                 detectors: Sequence[DetectorSpec[Any]] = DETECTORS):
         self.config = config or AnalysisConfig()
         self.history = History(raw_seconds=self.config.history_raw_seconds,
                                retention_seconds=self.config.history_retention_seconds,
@@ -110,7 +109,7 @@ class Analyzer:
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
         self._gpus = GpuVerdicts()
-        self._leak = LeakDetector()
+        self._detectors = [(spec, spec.create()) for spec in detectors]  # stateful ones keep theirs
         self._previous: Snapshot | None = None
 
     # ------------------------------------------------------------------ public
@@ -141,42 +140,35 @@ class Analyzer:
         kv = kv_caches(snapshot)
         history.update(snapshot, budgets)
         gpus = self._gpus.update(snapshot, budgets, history, cfg.admission_close_above,
-                                 cfg.admission_open_below, cfg.pressure.budget_slack_ratio,
-                                 cfg.forecast_window_seconds, cfg.leak)
-        raised = frozenset(f.uuid for _, f in self._active.values() if f.kind == "pressure" and f.uuid)
-        leak = self._run("leak", lambda: self._leak.detect(history, snapshot, budgets, cfg.leak,
-                                                          cfg.leak_critical_seconds))
-        detectors: list[tuple[str, Callable[[], list[Finding]]]] = [  # name = the findings' kind
-            ("fragmentation", lambda: detect_fragmentation(history, snapshot, cfg.fragmentation, budgets)),
-            ("contention", lambda: detect_contention(history, snapshot, cfg.contention)),
-            ("stale_memory", lambda: detect_stale(history, snapshot, cfg.stale)),
-            ("pressure", lambda: detect_pressure(snapshot.gpus, list(gpus), now, cfg.pressure, raised)),
-            ("oom", lambda: detect_ooms(history, snapshot, cfg.oom_hold_seconds)),
-            ("sleep_leak", lambda: detect_sleep_leaks(history, snapshot, cfg.sleep)),
-            ("kv_saturation", lambda: detect_kv_saturation(history, snapshot, cfg.kv_saturation, kv)),
-        ]
-        findings = list(leak.findings) if leak is not None else []
-        failed = set() if leak is not None else {"leak"}
-        for kind, run in detectors:
-            found = self._run(kind, run)
-            if found is None:
-                failed.add(kind)
-            else:
-                findings.extend(found)
+                                 cfg.admission_open_below, cfg.section(pressure.DETECTOR).budget_slack_ratio,
+                                 cfg.forecast_window_seconds, cfg.section(leak_detector.DETECTOR))
         before = tuple(f for _, f in self._active.values())
+        tick = Tick(snapshot=snapshot, history=history, budgets=budgets, kv_caches=kv, gpus=gpus,
+                    active=before)
+        findings: list[Finding] = []
+        trends: list[ProcessTrend] = []
+        failed: set[str] = set()  # kinds of the detectors that failed this tick
+        for spec, detector in self._detectors:
+            found = self._run(spec.name, detector, tick, cfg.section(spec))
+            if found is None:
+                failed.update(k.name for k in spec.kinds)
+                continue
+            findings.extend(found)
+            if isinstance(detector, ReportsTrends):
+                trends.extend(detector.process_trends)
         active = self._track(findings, failed, now)
         changed = transitions(self._previous, snapshot, before, active)
         self._previous = snapshot
         return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets, kv_caches=kv,
-                        process_trends=leak.trends if leak is not None else (),
-                        transitions=changed, oom_events=events)
+                        process_trends=tuple(trends), transitions=changed, oom_events=events)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, name: str, fn: Callable[[], _T]) -> _T | None:
+    def _run(self, name: str, detector: Callable[[Tick, Any], Sequence[Finding]], tick: Tick,
+             config: Any) -> Sequence[Finding] | None:
         """A bug in one detector must not silence the others; it is logged and counted, and
         None returned."""
         try:
-            return fn()
+            return detector(tick, config)
         except Exception:
             self.detector_errors[name] += 1
             log.exception("detector %s failed", name)

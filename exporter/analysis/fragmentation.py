@@ -24,6 +24,7 @@ from ..model import (
     VllmEngineStats,
 )
 from .budget import tensor_parallel_endpoints
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
 
 GIB = 1 << 30
@@ -410,3 +411,60 @@ def allocator_advice(a: AllocatorStats, retrying: bool, tensor_parallel: bool) -
         advice.append("With tensor parallelism set NCCL_CUMEM_ENABLE=0: NCCL's cuMem buffers "
                       "live outside PyTorch's allocator and add to fragmentation.")
     return tuple(advice)
+
+
+def _detect(tick: Tick, config: FragmentationConfig) -> list[Finding]:
+    return detect_fragmentation(tick.history, tick.snapshot, config, tick.budgets)
+
+
+DETECTOR = DetectorSpec(
+    name="fragmentation", config=FragmentationConfig, create=lambda: _detect,
+    help=("Allocations fail, or vLLM behaves as if memory were short, while memory is there: "
+          "out-of-memory events with memory free, preemptions with the KV cache not full, a "
+          "server far above its budget, the allocator probe's retries and inactive splits."),
+    history_needed={"window_seconds": 1, "budget_sustain_seconds": 2, "inactive_split_sustain_seconds": 1},
+    kinds=(FindingKind(
+        "fragmentation", scenario="fragmentation",
+        help="memory that is free or cached but cannot be used (docs/oom-diagnosis.md)",
+        alert=FindingAlert(
+            "GpuMemoryFragmentation", severity="ticket", for_="10m",
+            comment=("The detector reads the allocator probe's retry counter itself (alloc_retries_min "
+                     "retries within its window): the early sign, long before an out-of-memory error."),
+            summary=("GPU memory on GPU {{ $labels.gpu }} of {{ $labels.instance }} is "
+                     "fragmented{{ with $labels.process }} in {{ . }}{{ end }}."),
+            description=("{{ with $labels.pid }}{{ $labels.process }} (pid "
+                         "{{ . }}){{ else }}{{ with $labels.endpoint }}vLLM {{ . }}{{ else }}A "
+                         "process{{ end }}{{ end }} on GPU {{ $labels.gpu }} of {{ $labels.instance }} has had "
+                         "fragmented GPU memory for 10 minutes: "
+                         '{{ with printf "increase(gpumem_process_alloc_retries_total{instance=%q,gpu=%q,pid=%q}[15m]) '
+                         "> 0\" $labels.instance $labels.gpu $labels.pid | query }}PyTorch's allocator had to free "
+                         'its cache and retry cudaMalloc {{ . | first | value | printf "%.0f" }} times in 15 '
+                         "minutes{{ else }}the exporter's detector sees memory reserved but not allocatable in "
+                         "large enough blocks{{ end }}. Reserved but free in PyTorch's cache: "
+                         '{{ with printf "gpumem_process_torch_reserved_bytes{instance=%q,gpu=%q,pid=%q} '
+                         '- gpumem_process_torch_allocated_bytes{instance=%q,gpu=%q,pid=%q}" '
+                         "$labels.instance $labels.gpu $labels.pid $labels.instance $labels.gpu "
+                         "$labels.pid | query }}{{ . | first | value | humanize1024 }}B{{ else }}unknown (no "
+                         "allocator probe){{ end }}; the GPU is at "
+                         '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ . | first | value | "
+                         "humanizePercentage }}{{ end }}. Requests can fail with out-of-memory although enough "
+                         "memory is free in total."))),),
+    settings={
+        "window_seconds": "How long out-of-memory events, preemptions and allocator retries count.",
+        "reserved_unallocated_share": ("An out-of-memory event where PyTorch held at least this share of its "
+                                       "reserved memory unallocated is fragmentation."),
+        "free_ratio": ("A GPU with at least this share free makes an out-of-memory event or preemptions "
+                       "suspicious."),
+        "kv_low_ratio": "Preemptions while the KV cache's peak usage stayed below this are suspicious.",
+        "budget_excess_bytes": "A vLLM server above its budget by this much ...",
+        "budget_excess_ratio": "... and this share of the GPU's total ...",
+        "budget_sustain_seconds": "... for this long is using memory outside what it sized for.",
+        "alloc_retries_min": "Allocator probe: at least this many allocation retries within window_seconds ...",
+        "alloc_retries_min_rises": ("... the counter having risen at this many separate samples (one burst is no "
+                                    "trend)."),
+        "inactive_split_share": ("Allocator probe: inactive split blocks of at least this share of the process's "
+                                 "reserved memory ..."),
+        "inactive_split_min_bytes": "... and at least this many bytes ...",
+        "inactive_split_sustain_seconds": "... throughout this long.",
+    })

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model import Finding, KvCache, Snapshot, VllmEngineStats, VllmSample
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History
 
 GIB = 1 << 30
@@ -186,3 +187,38 @@ def _advice(server: VllmSample, kv: KvCache | None, running: float | None) -> tu
         advice.append(f"Give the KV cache more memory (--gpu-memory-utilization or "
                       f"--kv-cache-memory){more}, or add replicas.")
     return tuple(advice)
+
+
+def _detect(tick: Tick, config: KvSaturationConfig) -> list[Finding]:
+    return detect_kv_saturation(tick.history, tick.snapshot, config, tick.kv_caches)
+
+
+DETECTOR = DetectorSpec(
+    name="kv_saturation", config=KvSaturationConfig, create=lambda: _detect,
+    help="A vLLM KV cache full while requests queue up, whether or not vLLM counted a preemption.",
+    history_needed={"window_seconds": 2},
+    kinds=(FindingKind(
+        "kv_saturation", scenario="kv-saturation",
+        help=(f"a vLLM KV cache full (usage at least {KvSaturationConfig.usage_ratio:g}) for "
+              f"{KvSaturationConfig.window_seconds:g} s while the queue grows, whether or not vLLM has "
+              "counted a preemption yet"),
+        alert=FindingAlert(
+            "VllmKvCacheSaturated", severity="ticket", for_="5m",
+            summary=("vLLM {{ $labels.endpoint }} on {{ $labels.instance }} has a full KV cache and a growing "
+                     "queue."),
+            description=("The KV cache of {{ $labels.endpoint }} on {{ $labels.instance }} has stayed full while "
+                         "its queue grew: "
+                         '{{ with printf "max(gpumem_vllm_kv_cache_usage_ratio{instance=%q,endpoint=%q})" '
+                         "$labels.instance $labels.endpoint | query }}{{ . | first | value "
+                         "| humanizePercentage }}{{ end }} used, with "
+                         '{{ with printf "sum(gpumem_vllm_requests_waiting{instance=%q,endpoint=%q})" '
+                         "$labels.instance $labels.endpoint | query }}{{ . | first | value }}{{ end }} requests "
+                         'waiting and {{ with printf "sum(gpumem_vllm_requests_running{instance=%q,endpoint=%q})" '
+                         "$labels.instance $labels.endpoint | query }}{{ . | first | value }}{{ end }} running, "
+                         "whether or not vLLM has counted a preemption yet. Latency grows with the queue; the "
+                         "server needs more KV cache or less load."))),),
+    settings={
+        "usage_ratio": "KV cache usage at or above this is full ...",
+        "window_seconds": "... in every sample for this long ...",
+        "min_waiting": "... with at least this many requests waiting, more than when it filled.",
+    })

@@ -18,9 +18,24 @@ from dataclasses import dataclass
 from ..model import Budget, Finding, GpuSample, ProcessSample, ProcessTrend, Snapshot
 from .attribution import NO_PROBE, Attribution, attribute, component_advice, describe
 from .budget import tensor_parallel_endpoints
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, Identity
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
 from .sleep import quiet_endpoints
+
+
+@dataclass(frozen=True)
+class LeakDetectorConfig(LeakConfig):
+    """The statistics' settings (leak.LeakConfig) and what the findings make of them."""
+
+    critical_seconds: float = 3600.0  # a leak that fills the GPU (or host) sooner is critical
+
+    def __post_init__(self) -> None:
+        checks = getattr(super(), "__post_init__", None)  # LeakConfig's own, should it have any
+        if checks is not None:
+            checks()
+        if self.critical_seconds < 0:
+            raise ValueError("leak: critical_seconds must not be negative")
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,15 @@ class LeakDetector:
     def __init__(self) -> None:
         self._latch = LeakLatch()
         self._assess = LeakAssessor()
+        self.process_trends: tuple[ProcessTrend, ...] = ()  # of the last tick judged
+
+    def __call__(self, tick: Tick, config: LeakDetectorConfig) -> tuple[Finding, ...]:
+        """The detector interface (analysis.detector); the tick's per-process trends are left
+        in `process_trends` (none after a tick that failed)."""
+        self.process_trends = ()
+        result = self.detect(tick.history, tick.snapshot, tick.budgets, config, config.critical_seconds)
+        self.process_trends = result.trends
+        return result.findings
 
     def detect(self, history: History, snapshot: Snapshot, budgets: tuple[Budget, ...],
                config: LeakConfig, critical_seconds: float) -> LeakResult:
@@ -167,3 +191,39 @@ def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool,
         advice.append(f"At this rate memory runs out in about {left / 3600:.1f} h: plan a "
                       "restart of the process before then.")
     return tuple(advice)
+
+
+DETECTOR = DetectorSpec(
+    name="leak", config=LeakDetectorConfig, create=LeakDetector,
+    help=("GPU memory (and a serving process's host memory) that grows the way a leak grows; the "
+          "statistics are in exporter/analysis/leak.py."),
+    kinds=(FindingKind(
+        "leak", scenario="leak",
+        help="a process whose GPU memory (or a vLLM server's host memory) grows like a leak",
+        alert=FindingAlert(
+            "GpuMemoryLeakSuspected", severity="ticket", for_="5m",
+            comment=("The leak detector already demands sustained growth over its window; `for` only "
+                     "keeps a finding that flickers at its edge from opening and closing tickets."),
+            summary=("Process {{ $labels.process }} (pid {{ $labels.pid }}){{ with $labels.gpu }} on GPU "
+                     "{{ . }}{{ end }} of {{ $labels.instance }} looks like it leaks "
+                     "{{ if $labels.gpu }}GPU{{ else }}host{{ end }} memory."),
+            description=("The exporter's leak detector sees the {{ if $labels.gpu }}GPU{{ else }}host{{ end }} "
+                         "memory of {{ $labels.process }} (pid {{ $labels.pid }}, role "
+                         "{{ $labels.role }}){{ with $labels.gpu }} on GPU {{ . }}{{ end }} of "
+                         "{{ $labels.instance }} grow steadily{{ if $labels.gpu }}: "
+                         '{{ with printf "gpumem_process_memory_growth_bytes_per_second{instance=%q,gpu=%q,pid=%q} '
+                         '* 3600" $labels.instance $labels.gpu $labels.pid | query }}{{ '
+                         ". | first | value | humanize1024 }}B per hour{{ end }}; it now holds "
+                         '{{ with printf "gpumem_process_memory_used_bytes{instance=%q,gpu=%q,pid=%q}" '
+                         "$labels.instance $labels.gpu $labels.pid | query }}{{ . | first "
+                         "| value | humanize1024 }}B{{ end }}. "
+                         '{{ with printf "gpumem_gpu_time_to_full_seconds{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}At this pace the GPU is full in "
+                         "{{ . | first | value | humanizeDuration }}.{{ else }}The GPU as a whole is not "
+                         "growing.{{ end }}{{ else }}; its resident host memory is "
+                         '{{ with printf "max(gpumem_process_host_rss_bytes{instance=%q,pid=%q})" '
+                         "$labels.instance $labels.pid | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
+                         "(on unified memory that is GPU memory).{{ end }}"))),),
+    settings={"critical_seconds": (
+        "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "
+        "current rate is critical.")})

@@ -5,8 +5,20 @@ only gathers them per GPU.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..model import Finding, OomEvent, Snapshot
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
+
+
+@dataclass(frozen=True)
+class OomConfig:
+    hold_seconds: float = 300.0  # a finding stays active this long after the last event
+
+    def __post_init__(self) -> None:
+        if self.hold_seconds < 0:
+            raise ValueError("oom: hold_seconds must not be negative")
 
 
 def detect_ooms(history: History, snapshot: Snapshot, hold_seconds: float) -> list[Finding]:
@@ -34,3 +46,32 @@ def detect_ooms(history: History, snapshot: Snapshot, hold_seconds: float) -> li
             evidence=tuple(evidence),
             advice=advice or ("Run `gpu-memory-exporter explain` on the log for details.",)))
     return findings
+
+
+def _detect(tick: Tick, config: OomConfig) -> list[Finding]:
+    return detect_ooms(tick.history, tick.snapshot, config.hold_seconds)
+
+
+DETECTOR = DetectorSpec(
+    name="oom", config=OomConfig, create=lambda: _detect,
+    help="Out-of-memory events read from the watched logs, classified (docs/oom-diagnosis.md).",
+    history_needed={"hold_seconds": 1},
+    kinds=(FindingKind(
+        "oom", scenario="oom",
+        help="out-of-memory events read from the logs in the last few minutes, per GPU",
+        alert=FindingAlert(
+            "GpuOutOfMemoryEvent", severity="ticket", for_="0s",
+            comment=("A fact read from a log, no threshold: it fires at once, and the finding holds "
+                     "(detectors.oom.hold_seconds) long enough for the rule to see it."),
+            summary=("Out-of-memory in the logs watched on {{ $labels.instance }}{{ with $labels.gpu }} (GPU "
+                     "{{ . }}){{ end }}."),
+            description=(
+                "The exporter on {{ $labels.instance }} found out-of-memory events in the logs it watches"
+                "{{ with $labels.gpu }} for GPU {{ . }}{{ end }} in the last few minutes (counted so far, by "
+                'kind and class:{{ range printf "gpumem_oom_events_total{instance=%q} > 0" $labels.instance '
+                '| query }} {{ .Labels.kind }}/{{ .Labels.class }} {{ .Value | printf "%.0f" }};{{ end }}). '
+                "Run `gpu-memory-exporter explain <log>` on the server's log for the requested, free and "
+                "reserved bytes and the advice for its class. If the server died, VllmEndpointDown follows.")
+        )),),
+    settings={"hold_seconds": ("An out-of-memory finding stays active this long after the last event, so an "
+                              "alert sees it.")})

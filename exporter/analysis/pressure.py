@@ -10,7 +10,8 @@ sits near the configured fraction on a perfectly healthy server. Pressure theref
 both: utilisation above the threshold *and* more than a small slack of memory beyond the vLLM
 budgets (other processes, vLLM over its budget, stale memory). On a GPU with no vLLM server all
 used memory is beyond budget, so plain utilisation decides. The shipped alert rules
-(GpuMemoryHigh, GpuAdmissionClosed) use the same definition.
+(GpuMemoryHigh, GpuMemoryNearFull, GpuAdmissionClosed) use the same definition and the same
+numbers: both read them from exporter/thresholds.py.
 
 Admission is a gate a router or autoscaler can read (`/admission`, `gpumem_admission_open`):
 it closes when a GPU goes above the close threshold (0.90) and reopens only below the open
@@ -21,14 +22,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .. import thresholds
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory
+from .detector import DetectorSpec, FindingKind, Tick
 
 
 @dataclass(frozen=True)
 class PressureConfig:
-    warning_ratio: float = 0.85  # used/total that raises a warning (the paging threshold) ...
-    budget_slack_ratio: float = 0.02  # ... with more than this share of the GPU beyond vLLM's budgets
-    critical_ratio: float = 0.95  # absolute: at the out-of-memory cliff whoever owns the memory
+    # used/total that raises a warning (the paging threshold) ...
+    warning_ratio: float = thresholds.MEMORY_HIGH.value
+    # ... with more than this share of the GPU beyond vLLM's budgets
+    budget_slack_ratio: float = thresholds.VLLM_BUDGET_SLACK.value
+    # absolute: at the out-of-memory cliff whoever owns the memory
+    critical_ratio: float = thresholds.MEMORY_NEAR_FULL.value
     # A raised finding clears only this far below the warning ratio (or once the memory beyond
     # budget fell to half the slack): use hovering around 85 % must not raise it every tick.
     clear_margin_ratio: float = 0.02
@@ -128,3 +134,26 @@ def _advice(gpu: GpuSample | None) -> tuple[str, ...]:
         advice.append("This GPU shares memory with the host: host processes count against it; "
                       "check gpumem_host_memory_available_bytes.")
     return tuple(advice)
+
+
+def _detect(tick: Tick, config: PressureConfig) -> list[Finding]:
+    # A raised finding holds until use is clearly below the threshold (clear_margin_ratio).
+    raised = frozenset(f.uuid for f in tick.active if f.kind == "pressure" and f.uuid)
+    return detect_pressure(tick.snapshot.gpus, list(tick.gpus), tick.now, config, raised)
+
+
+DETECTOR = DetectorSpec(
+    name="pressure", config=PressureConfig, create=lambda: _detect,
+    help=("Memory pressure per GPU. Its thresholds (the utilisation that warns and the one that is "
+          "critical, the slack beyond the vLLM budgets) are shared with the GpuMemoryHigh and "
+          "GpuMemoryNearFull rules and set in exporter/thresholds.py, so the page and the finding "
+          "cannot disagree."),
+    kinds=(FindingKind(
+        "pressure", scenario="pressure", raw_alerts=("GpuMemoryHigh", "GpuMemoryNearFull"),
+        help=(f"a GPU at least {thresholds.MEMORY_HIGH.value:.0%} used with more than "
+              f"{thresholds.VLLM_BUDGET_SLACK.value:.0%} of it beyond the vLLM budgets (warning), or at "
+              f"least {thresholds.MEMORY_NEAR_FULL.value:.0%} used whoever holds it (critical)")),),
+    settings={"clear_margin_ratio": (
+        "A raised pressure finding clears only this far below the warning level (or once the "
+        "memory beyond budget fell to half the slack): use hovering at the threshold must not "
+        "raise it every tick.")})

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model import Finding, GpuSample, Snapshot, VllmSample
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History
 
 GIB = 1 << 30
@@ -249,3 +250,35 @@ _ADVICE = (
     "Upgrade vLLM and PyTorch: several sleep-mode leaks were fixed; until then restart the "
     "server before the GPU fills (gpumem_vllm_memory_used_bytes over the cycles).",
 )
+
+
+def _detect(tick: Tick, config: SleepConfig) -> list[Finding]:
+    return detect_sleep_leaks(tick.history, tick.snapshot, config)
+
+
+DETECTOR = DetectorSpec(
+    name="sleep_leak", config=SleepConfig, create=lambda: _detect,
+    help="vLLM sleep mode (--enable-sleep-mode): sleep/wake cycles that do not give memory back.",
+    kinds=(FindingKind(
+        "sleep_leak", scenario="sleep-leak",
+        help=("a vLLM sleep/wake cycle that did not give memory back, or a sleep that freed much "
+              "less than the KV cache and weights"),
+        alert=FindingAlert(
+            "VllmSleepModeLeak", severity="ticket", for_="5m",
+            summary=("vLLM {{ $labels.endpoint }} on {{ $labels.instance }} keeps memory across "
+                     "sleep{{ with $labels.gpu }} on GPU {{ . }}{{ end }}."),
+            description=("The exporter's sleep-mode detector finds that {{ $labels.endpoint }} on "
+                         "{{ $labels.instance }} did not give memory back over its last sleep/wake cycle, or "
+                         "freed much less than its KV cache and weights while asleep. Its processes now hold "
+                         '{{ with printf "sum(gpumem_vllm_memory_used_bytes{instance=%q,endpoint=%q})" '
+                         "$labels.instance $labels.endpoint | query }}{{ . | first | value "
+                         "| humanize1024 }}B{{ end }} of GPU memory. What each cycle keeps adds up until a wake "
+                         "or a request runs out of memory."))),),
+    settings={
+        "min_growth_bytes": "A cycle that kept more than this ...",
+        "min_growth_ratio": "... and this share of the GPU did not give its memory back.",
+        "settle_seconds": "After a sleep or a wake, the server's memory is judged only this much later.",
+        "min_freed_share": ("Asleep at level 1 or 2, a server must have freed at least this share of its KV cache "
+                            "and weights."),
+        "lookback_seconds": "Sleep/wake cycles are looked for this far back (as far as the history holds).",
+    })

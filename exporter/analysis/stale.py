@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import Finding, GpuSample, ProcessSample, Snapshot
+from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .sleep import quiet_endpoints
 
 if TYPE_CHECKING:
@@ -172,3 +173,37 @@ _ADVICE = (
     "keep memory NVML cannot attribute.",
     "If no process holds it, drain the GPU and reset it (`nvidia-smi -r`) or restart the node.",
 )
+
+
+def _detect(tick: Tick, config: StaleConfig) -> list[Finding]:
+    return detect_stale(tick.history, tick.snapshot, config)
+
+
+DETECTOR = DetectorSpec(
+    name="stale_memory", config=StaleConfig, create=lambda: _detect,
+    help="GPU memory that no live process accounts for (an exited server's memory that stayed).",
+    history_needed={"lookback_seconds": 1},
+    kinds=(FindingKind(
+        "stale_memory", scenario="stale-memory",
+        help="GPU memory held by no live process, for a while or after a serving process exited",
+        alert=FindingAlert(
+            "GpuMemoryStale", severity="ticket", for_="10m",
+            summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} holds memory that no live process accounts "
+                     "for."),
+            description=("For 10 minutes GPU {{ $labels.gpu }} of {{ $labels.instance }} has held "
+                         '{{ with printf "gpumem_gpu_memory_unattributed_bytes{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
+                         "that no live process accounts for{{ with $labels.pid }} (last seen with "
+                         "{{ $labels.process }}, pid {{ . }}){{ end }}: a process that exited without freeing it, "
+                         "a zombie, or a process in a container the exporter cannot see. That memory is lost to "
+                         "serving until it is released."))),),
+    settings={
+        "min_bytes": "Memory no live process accounts for must be at least this ...",
+        "min_ratio": "... and this share of the GPU's total ...",
+        "seconds": "... for this long.",
+        "exit_grace_seconds": "How long a serving process's memory gets to come back after it exits.",
+        "exit_min_bytes": "Exits of processes that held less than this are ignored.",
+        "exit_returned_share": ("\"Did not come back\": at least this share of the exited process's memory is still "
+                                "unowned."),
+        "lookback_seconds": "How far back exited processes are remembered (at most history.raw_seconds).",
+    })

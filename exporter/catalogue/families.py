@@ -203,10 +203,9 @@ FINDING_ACTIVE = gauge(
     "One series per active finding of the detectors.",
     ("kind", "severity", "gpu", "pid", "process", "role", "endpoint"),
     section=FINDINGS, doc=(
-        "One series (value 1) per active finding: `leak`, `fragmentation`, `contention`, `stale_memory`, "
-        "`pressure`, `oom`, `sleep_leak` (a vLLM sleep/wake cycle that did not give memory back, or a sleep "
-        "that freed much less than the KV cache and weights), `kv_saturation` (a vLLM KV cache full for 2 "
-        "minutes, usage ≥ 0.98, while the queue grows, whether or not vLLM has counted a preemption yet). "
+        "One series (value 1) per active finding of the detectors. Every `kind`, what it means, the alert it "
+        "raises and the scenario that shows it are listed in [runbooks/README.md](runbooks/README.md) "
+        "(generated from the detectors' declarations). "
         "Details at `/api/findings`."))
 OOM_EVENTS_TOTAL = counter(
     "gpumem_oom_events_total",

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from .. import units
+from .. import thresholds, units
+from ..analysis.registry import DETECTORS
 from ..boundedio import read_head
 from ..sources import gpu as gpu_backends
+from .detectors import DetectorsConfig, detector_settings
 from .fields import (
     DEFAULT_PORT,
     EMPTY,
@@ -188,9 +190,9 @@ class VllmConfig(Section):
 
 
 class AdmissionConfig(Section):
-    close_above: Ratio = Field(0.90, description=(
+    close_above: Ratio = Field(thresholds.ADMISSION_CLOSE_ABOVE, description=(
         "/admission and gpumem_admission_open close above this utilisation ..."))
-    open_below: Ratio = Field(0.80, description=(
+    open_below: Ratio = Field(thresholds.ADMISSION_OPEN_BELOW, description=(
         "... and reopen below this one. Memory vLLM reserves by design (gpu_memory_utilization) "
         "never closes it; see docs/metrics.md."))
 
@@ -311,6 +313,9 @@ class Config(Section):
     vllm: VllmConfig = Field(default_factory=EMPTY, description="vLLM servers.")
     allocator: AllocatorConfig = Field(default_factory=EMPTY, description=(
         "PyTorch allocator numbers from the probe inside vLLM's processes (opt-in)."))
+    detectors: DetectorsConfig = Field(default_factory=EMPTY, description=(
+        "The detectors' settings, one section per detector (each declares its own). The thresholds "
+        "the detectors share with the shipped alert rules are not here: see exporter/thresholds.py."))
 
     @property
     def effective_stale_after(self) -> float:
@@ -323,7 +328,8 @@ class Config(Section):
         return AnalysisConfig(admission_close_above=self.admission.close_above,
                               admission_open_below=self.admission.open_below,
                               history_raw_seconds=self.history.raw_seconds,
-                              history_retention_seconds=self.history.retention_seconds)
+                              history_retention_seconds=self.history.retention_seconds,
+                              detectors=detector_settings(self.detectors))
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.health_listen:
@@ -334,8 +340,11 @@ class Config(Section):
         if r.directory and r.window_seconds > self.history.raw_seconds:
             yield "recorder.window_seconds", (f"must be at most history.raw_seconds ({self.history.raw_seconds:g}), "
                                               "the full-resolution history kept")
-        try:
-            self.analysis()  # the detectors' own needs, e.g. how much raw history they look back
-        except ValueError as exc:
-            message = str(exc).removeprefix("analysis: ").replace("history_raw_seconds", "history.raw_seconds")
-            yield "history.raw_seconds" if "history.raw_seconds" in message else "", f"the detectors need: {message}"
+        # How much raw history each detector looks back, as it declares it (analysis.detector).
+        raw, settings = self.history.raw_seconds, detector_settings(self.detectors)
+        for spec in DETECTORS:
+            for key, factor, seconds in spec.history_needs(settings[spec.name]):
+                if seconds > raw:
+                    times = f"{factor:g} x " if factor != 1 else ""
+                    yield "history.raw_seconds", (f"the detectors need: history.raw_seconds ({raw:g}) must cover "
+                                                  f"{times}detectors.{spec.name}.{key} ({seconds:g})")

@@ -43,6 +43,7 @@ from prometheus_client.core import (
 )
 
 from .scenario import Scenario, ScenarioClock
+from .scenario.evaluate import SLEEP_STATES
 from .scenario.state import State, VllmState
 
 LABELS = ["model_name", "engine"]
@@ -206,6 +207,12 @@ def _serving(s: VllmState, created: float) -> Iterator[Metric]:
     yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                   s.prefix_cache_hits_total)
     yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions_total)
+    if s.sleep_state:  # sleep mode: one 0/1 series per state, as vLLM's V1 engine exports them
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state.",
+                                  labels=[*LABELS, "sleep_state"])
+        for state in SLEEP_STATES:
+            sleep.add_metric([*labels, state], 1 if state == s.sleep_state else 0)
+        yield sleep
     info = cache_config_labels(s)
     g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
     g.add_metric(list(info.values()), 1)

@@ -159,7 +159,15 @@ class Scenario:
             preemptions_total=int(max(v.preemptions(t), 0.0)) if up else 0,
             prefix_cache_queries_total=queries,
             prefix_cache_hits_total=int(queries * v.prefix_cache_hit_ratio),
-            cache_config=v.cache_config)
+            cache_config=v.cache_config,
+            sleep_state=_sleep_state(v.sleep_level(t)) if up and v.sleep_level is not None else "")
+
+
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's words, by sleep level
+
+
+def _sleep_state(level: float) -> str:
+    return SLEEP_STATES[min(max(round(level), 0), len(SLEEP_STATES) - 1)]
 
 
 def _probe_state(spec: AllocatorSpec, pt: float, gpu_bytes: Mapping[str, int]) -> ProbeState | None:

@@ -14,7 +14,11 @@ Top-level keys (sizes: 80GiB / bytes; times: seconds or "30m"; unknown keys are 
     stale_memory: [{gpu, bytes, at?, until?}]
     vllm:   [{port, pid (API server), model, kv_cache_usage?, running?, waiting?,
               preemptions? (cumulative), prefix_cache_queries? (cumulative),
-              prefix_cache_hit_ratio?, cache_config: {gpu_memory_utilization, num_gpu_blocks,
+              prefix_cache_hit_ratio?, sleep_level? (a curve: 0 awake, 1 weights_offloaded,
+              2 discard_all, i.e. --enable-sleep-mode; absent: no sleep metrics),
+              log? [{at, line}] (lines the server writes to its log at that moment, e.g. an
+              out-of-memory error; read like a real server's log),
+              cache_config: {gpu_memory_utilization, num_gpu_blocks,
               block_size?, cache_dtype?, enable_prefix_caching?, kv_cache_memory_bytes?}}]
     faults: [{kind: init_failure, error: library_not_found|driver_not_loaded|version_mismatch}
              {kind: gpu_lost|reset_required, gpu}
@@ -292,6 +296,26 @@ def _parse_stale(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> tuple[Stal
     return tuple(out)
 
 
+MAX_LOG_LINES = 1000
+MAX_LOG_LINE_CHARS = 8192
+
+
+def _parse_log_lines(value: Any, path: str) -> tuple[tuple[float, str], ...]:
+    out = []
+    items = listed(value, path)
+    if len(items) > MAX_LOG_LINES:
+        raise ScenarioError(f"{path}: at most {MAX_LOG_LINES} lines")
+    for j, item in enumerate(items):
+        n = Node(item, f"{path}[{j}]")
+        at = n.get("at", parse_duration)
+        line = n.get("line", string)
+        n.done()
+        if "\n" in line or "\r" in line or len(line) > MAX_LOG_LINE_CHARS:
+            raise ScenarioError(f"{n.sub('line')}: one line of at most {MAX_LOG_LINE_CHARS} characters")
+        out.append((at, line))
+    return tuple(sorted(out, key=lambda x: x[0]))
+
+
 def _parse_vllm(value: Any, path: str, processes: tuple[ProcessSpec, ...]) -> tuple[VllmSpec, ...]:
     out: list[VllmSpec] = []
     pids = {p.pid for p in processes}
@@ -324,6 +348,8 @@ def _parse_vllm(value: Any, path: str, processes: tuple[ProcessSpec, ...]) -> tu
         ratio = n.get("prefix_cache_hit_ratio", nonneg, 0.0)
         if ratio > 1:
             raise ScenarioError(f"{n.sub('prefix_cache_hit_ratio')}: must be between 0 and 1")
+        sleep_level = n.get("sleep_level", num, None)
+        log_lines = _parse_log_lines(n.raw("log", []), n.sub("log"))
         cn = Node(n.raw("cache_config", ...), n.sub("cache_config"))
         gmu = cn.get("gpu_memory_utilization", positive)
         if gmu > 1:
@@ -338,7 +364,8 @@ def _parse_vllm(value: Any, path: str, processes: tuple[ProcessSpec, ...]) -> tu
             kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes))
         cn.done()
         n.done()
-        out.append(VllmSpec(i, port, pid, model, kv, running, waiting, preemptions, queries, ratio, cache))
+        out.append(VllmSpec(i, port, pid, model, kv, running, waiting, preemptions, queries, ratio, cache,
+                            sleep_level, log_lines))
     return tuple(out)
 
 

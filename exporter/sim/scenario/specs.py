@@ -121,6 +121,8 @@ class VllmSpec:
     prefix_cache_queries: Curve
     prefix_cache_hit_ratio: float
     cache_config: CacheConfigSpec
+    sleep_level: Curve | None = None  # 0 awake, 1 weights_offloaded, 2 discard_all (sleep mode)
+    log_lines: tuple[tuple[float, str], ...] = ()  # (scenario seconds, line) the server logs, in time order
 
 
 @dataclass(frozen=True)

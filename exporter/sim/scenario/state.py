@@ -102,6 +102,7 @@ class VllmState:
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     cache_config: CacheConfigSpec
+    sleep_state: str = ""  # vllm:engine_sleep_state's: awake, weights_offloaded, discard_all; "" if none
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,29 @@
+"""Every detector the engine runs, in the order it runs them, registered in this one place.
+
+Each module declares itself (analysis.detector.DetectorSpec: its config section, its finding
+kinds, the alert each kind raises); the engine, the configuration schema and the alert rules
+generator (alerts/generate.py) read this list and nothing else. A new detector is a module with
+a DETECTOR and a line here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import contention, fragmentation, kv_cache, leak_detector, oom_findings, pressure, sleep, stale
+from .detector import DetectorSpec, FindingKind
+
+DETECTORS: tuple[DetectorSpec[Any], ...] = (
+    leak_detector.DETECTOR,
+    fragmentation.DETECTOR,
+    contention.DETECTOR,
+    stale.DETECTOR,
+    pressure.DETECTOR,
+    oom_findings.DETECTOR,
+    sleep.DETECTOR,
+    kv_cache.DETECTOR,
+)
+
+
+def finding_kinds() -> tuple[FindingKind, ...]:
+    """Every finding kind a detector declares, in the detectors' order."""
+    return tuple(k for spec in DETECTORS for k in spec.kinds)

@@ -1,0 +1,107 @@
+"""Built-in scenarios played through the whole live pipeline (simulated NVML, host and vLLM
+server → sampler → analysis → published State → exposition) on the scenario's virtual clock: the
+episodes of findings they raise, in a form a golden file can pin down, and the series the alert
+rules read, sample by sample, as Prometheus would have scraped them."""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exporter.analysis.engine import Analyzer
+from exporter.cli import make_analyzer
+from exporter.config import build as build_config
+from exporter.daemon import Daemon
+from exporter.model import Finding, State
+from exporter.runtime import build as build_runtime
+from exporter.serve.exposition import build_registry
+from exporter.sim.scenario import builtin, load
+from helpers.rules import PROMETHEUS_METRICS, load_groups, metric_names, recording_rules
+
+STEP = 10.0  # seconds of scenario time between samples
+# The scenario's start in Unix seconds, the same on every run: the detectors' results depend on
+# where the history's downsampling boundaries fall, so a start taken from the wall clock (as
+# `run --simulate` does) can move a finding by a few samples from one run to the next.
+START = 1_699_999_200.0  # a whole hour
+FINDINGS_GOLDEN = Path(__file__).parents[1] / "golden" / "scenario-findings.json"
+
+# Every family an alert or recording rule reads (what a replay keeps of each exposition).
+RULE_INPUTS = frozenset(set().union(*(metric_names(r["expr"]) for g in load_groups() for r in g["rules"]))
+                        - {r["record"] for r in recording_rules()} - PROMETHEUS_METRICS)
+
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted non-empty labels)
+
+
+@dataclass
+class Replay:
+    analyzer: Analyzer
+    start: float  # Unix seconds of the scenario's time 0
+    times: list[float] = field(default_factory=list)  # scenario seconds of each sample
+    active: list[tuple[Finding, ...]] = field(default_factory=list)  # findings after each sample
+    # The rules' input series, as scraped after each sample: key -> {sample index: value}.
+    series: dict[SeriesKey, dict[int, float]] = field(default_factory=dict)
+
+
+def play(name: str, step: float = STEP, on_tick: Callable[[State, float], None] | None = None
+         ) -> tuple[Analyzer, float]:
+    """Sample and analyse every `step` seconds for the scenario's duration, as the daemon does;
+    `on_tick(state, elapsed)` sees each published State. Returns the analyzer and the clock's
+    start (Unix seconds)."""
+    config = build_config()
+    runtime = build_runtime(config, simulate=name, at=0.0)
+    runtime.clock.start = START  # type: ignore[attr-defined]  # a FixedClock: nothing sampled yet
+    analyzer = make_analyzer(config)
+    daemon = Daemon(runtime.sampler, runtime.clock, config.interval_seconds, analyzer=analyzer)
+    try:
+        duration = load(name).duration
+        while (elapsed := runtime.clock.elapsed()) < duration:
+            state = daemon.tick()
+            if on_tick is not None:
+                on_tick(state, elapsed)
+            runtime.clock.advance(step)
+    finally:
+        runtime.close()
+    return analyzer, runtime.clock.start
+
+
+@functools.cache  # each scenario is played once per test session, for every test that reads it
+def played(name: str) -> Replay:
+    current: list[State] = []
+    registry = build_registry(lambda: current[-1], lambda: current[-1].last_sample_at or 0.0)
+    record = Replay(analyzer=None, start=START)  # type: ignore[arg-type]  # set below
+
+    def scrape(state: State, elapsed: float) -> None:
+        current.append(state)
+        del current[:-1]
+        i = len(record.times)
+        record.times.append(elapsed)
+        record.active.append(state.analysis.findings if state.analysis else ())
+        for family in registry.collect():
+            for s in family.samples:
+                if s.name in RULE_INPUTS:
+                    # Prometheus drops empty labels when it scrapes; so do we.
+                    key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v)))
+                    record.series.setdefault(key, {})[i] = s.value
+
+    record.analyzer, record.start = play(name, on_tick=scrape)
+    return record
+
+
+def episodes(analyzer: Analyzer, start: float) -> list[dict[str, object]]:
+    """Every finding raised, in the order raised: what, where, its worst severity, and when it was
+    raised and cleared (seconds after the scenario's start; cleared None while still active)."""
+    return [{"kind": f.kind, "severity": f.severity, "gpu": f.gpu, "pid": f.pid,
+             "endpoint": f.endpoint, "raised_at": round(f.first_detected_at - start, 3),
+             "cleared_at": None if cleared is None else round(cleared - start, 3)}
+            for f, cleared in analyzer.episodes()]
+
+
+def scenario_names() -> list[str]:
+    return sorted(name for name, _ in builtin())
+
+
+def render_golden() -> str:
+    return json.dumps({name: episodes(played(name).analyzer, played(name).start) for name in scenario_names()},
+                      indent=1) + "\n"
