@@ -128,7 +128,8 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         runtime.close()
     if state.snapshot is None:
         _fail("sampling failed; see the log above")
-    if not simulate and state.snapshot.source_up(runtime.host.gpu.name) is False:
+    no_gpu = state.snapshot.source_up(runtime.host.gpu.name) is False or not state.snapshot.gpus
+    if no_gpu and not simulate:
         click.echo("No GPU could be read on this host. To see what the exporter reports, sample "
                    "a simulated one: gpu-memory-exporter snapshot --simulate steady "
                    "(`gpu-memory-exporter scenarios` lists them all).", err=True)
@@ -138,6 +139,8 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         click.echo(json.dumps(out, indent=2, default=str))
     else:
         click.echo(generate_latest(build_registry(lambda: state, runtime.clock.now)).decode(), nl=False)
+    if no_gpu:  # what was read is printed, but a script must not take it for a GPU's sample
+        sys.exit(1)
 
 
 @main.command()
