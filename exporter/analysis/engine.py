@@ -23,7 +23,7 @@ from ..model import Analysis, Finding, OomEvent, Snapshot
 from .budget import memory_budgets
 from .contention import ContentionConfig, detect_contention
 from .fragmentation import FragmentationConfig, detect_fragmentation
-from .gpu_verdicts import GpuVerdicts
+from .gpu_verdicts import GpuVerdicts, detect_unavailable
 from .history import History
 from .kv_cache import KvSaturationConfig, detect_kv_saturation, kv_caches
 from .leak import LeakConfig
@@ -150,10 +150,12 @@ class Analyzer:
             ("fragmentation", lambda: detect_fragmentation(history, snapshot, cfg.fragmentation, budgets)),
             ("contention", lambda: detect_contention(history, snapshot, cfg.contention)),
             ("stale_memory", lambda: detect_stale(history, snapshot, cfg.stale)),
-            ("pressure", lambda: detect_pressure(snapshot.gpus, list(gpus), now, cfg.pressure, raised)),
+            ("pressure", lambda: detect_pressure(snapshot.gpus, list(gpus), now, cfg.pressure, raised,
+                                                 snapshot.host_processes)),
             ("oom", lambda: detect_ooms(history, snapshot, cfg.oom_hold_seconds)),
             ("sleep_leak", lambda: detect_sleep_leaks(history, snapshot, cfg.sleep)),
             ("kv_saturation", lambda: detect_kv_saturation(history, snapshot, cfg.kv_saturation, kv)),
+            ("gpu_unavailable", lambda: detect_unavailable(snapshot)),
         ]
         findings = list(leak.findings) if leak is not None else []
         failed = set() if leak is not None else {"leak"}

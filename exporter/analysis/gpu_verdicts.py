@@ -2,7 +2,7 @@
 its hysteresis, the one thing here that outlives a tick), time to full, unattributed memory."""
 from __future__ import annotations
 
-from ..model import Budget, GpuAnalysis, GpuSample, Snapshot
+from ..model import Budget, Finding, GpuAnalysis, GpuSample, Snapshot
 from .history import History
 from .leak import LeakConfig, time_to_full
 from .pressure import admission_open, beyond_budget_bytes, memory_ratio
@@ -39,6 +39,35 @@ class GpuVerdicts:
                                                    forecast_window_seconds, leak),
                 unattributed_bytes=unattributed_bytes(gpu) if gpu.up else None))
         return tuple(out)
+
+
+def detect_unavailable(snapshot: Snapshot) -> list[Finding]:
+    """A GPU that does not answer (lost, needing a reset, gone from the bus) serves nothing: a
+    critical finding per GPU for as long as it stays down."""
+    return [Finding(
+        kind="gpu_unavailable", severity="critical", first_detected_at=snapshot.timestamp,
+        gpu=g.index, uuid=g.uuid,
+        summary=(f"GPU {g.index}{f' ({g.name})' if g.name else ''} does not answer "
+                 f"({g.error or 'unknown error'}): its memory and processes cannot be read, the "
+                 "servers on it fail their requests, and its admission is closed"),
+        evidence=(("error", g.error), ("uuid", g.uuid)),
+        advice=_UNAVAILABLE_ADVICE.get(g.error, ()) + _UNAVAILABLE_COMMON)
+        for g in snapshot.gpus if not g.up]
+
+
+_UNAVAILABLE_ADVICE = {
+    "gpu_is_lost": ("The GPU fell off the bus: look for Xid 79 in `dmesg` / `journalctl -k`. It "
+                    "comes back only after a reset (`nvidia-smi -r -i N`, with every process on it "
+                    "stopped) or a reboot; if it recurs, check power, cooling and the PCIe slot.",),
+    "reset_required": ("The GPU needs a reset: stop the processes on it, then `nvidia-smi -r -i N`, "
+                       "or reboot the node.",),
+}
+_UNAVAILABLE_COMMON = (
+    "Take the servers on this GPU out of the load balancer (/admission?gpu=N says closed) and "
+    "drain the node; a tensor-parallel server on it fails on every GPU it spans.",
+    "Look for Xid errors in `dmesg` and the GPU's state in `nvidia-smi -q`; see "
+    "docs/runbooks/GpuUnavailable.md.",
+)
 
 
 def _time_to_full(gpu: GpuSample, now: float, history: History, window_seconds: float,
