@@ -215,6 +215,22 @@ def test_stale_memory_silent_when_memory_returns_after_exit_and_for_short_lived_
     assert not any(run_detector(detect_stale, timeline(900, 10, make), cfg))
 
 
+def test_stale_memory_says_how_long_it_has_lasted_beyond_the_raw_window():
+    """4.5 h in it says 4.3 h, not the 15 minutes the detector looks back through (#19 item 1);
+    beyond what the history keeps it says "at least"."""
+    cfg = StaleConfig()
+
+    def make(e):
+        return snap(T0 + e, [gpu([vllm_proc(10, 40 * GiB)], extra=BASE + (20 * GiB if e >= 600 else 0))])
+    per_tick = run_detector(detect_stale, timeline(4.5 * 3600, 60, make), cfg)
+    last = per_tick[-1][0]
+    assert last.summary.endswith("20.4 GiB in use by no live process for 4.3 h"), last.summary  # + BASE
+    assert dict(last.evidence)["for_seconds"] == pytest.approx(4.5 * 3600 - 600, abs=120)
+    # From the exporter's start on: as far back as it knows, and it says so.
+    always = run_detector(detect_stale, timeline(2 * 3600, 60, lambda e: make(e + 600)), cfg)
+    assert always[-1][0].summary.endswith("for at least 2.0 h"), always[-1][0].summary
+
+
 # ------------------------------------------------------------------ contention
 
 def test_contention_names_other_process_taking_memory_from_a_serving_gpu():
