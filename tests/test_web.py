@@ -299,6 +299,18 @@ def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fin
     assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.7 GiB" in gpus
 
 
+def test_status_page_says_a_vllm_server_is_still_loading():
+    """`steady` starts with its server loading: the GPUs at a few % while vLLM is up is not a
+    mystery on the page (#19 item 6)."""
+    from exporter.serve import status
+    page = status.render(played("steady", 30, step=10), "simulated: scenario steady", 1.0, 15.0)
+    gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
+    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.7 GiB budget so far" in gpus
+    assert '<span class="ok">up</span> loading' in page
+    page = status.render(played("steady", 300), "simulated: scenario steady", 1.0, 15.0)
+    assert "loading" not in page
+
+
 def test_status_page_names_the_findings_that_put_a_gpu_in_trouble_and_a_gpu_down():
     from exporter.serve import status
     page = status.render(played("contention", 2400), "simulated: scenario contention", 1.0, 15.0)

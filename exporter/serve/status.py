@@ -6,7 +6,7 @@ from __future__ import annotations
 from html import escape
 
 from .. import __version__
-from ..model import Budget, Finding, GpuAnalysis, GpuSample, State
+from ..model import Budget, Finding, GpuAnalysis, GpuSample, Snapshot, State
 from ..units import format_bytes
 
 _STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}"
@@ -43,7 +43,20 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def _verdict(g: GpuSample, a: GpuAnalysis | None, budgets: list[Budget], findings: list[Finding]) -> str:
+LOADING_SHARE = 0.5  # a server holding less of its budget than this, awake, is still loading
+
+
+def _loading(budgets: list[Budget], snap: Snapshot | None) -> list[Budget]:
+    """The budgets whose server is still loading: it takes its whole budget up front (weights,
+    then the KV cache), so awake and holding well under it, it has not finished starting."""
+    asleep = {v.endpoint for v in (snap.vllm if snap else ())
+              if any(e.sleep_state not in ("", "awake") for e in v.engines)}
+    return [b for b in budgets if b.budget_bytes and b.endpoint not in asleep
+            and (b.used_bytes or 0) < LOADING_SHARE * b.budget_bytes]
+
+
+def _verdict(g: GpuSample, a: GpuAnalysis | None, budgets: list[Budget], findings: list[Finding],
+             snap: Snapshot | None) -> str:
     """Why the GPU is in trouble (its findings), or why not, in its numbers: a vLLM server takes
     its whole budget up front, so a GPU far above 80 % used can be exactly as planned."""
     if findings:
@@ -60,6 +73,11 @@ def _verdict(g: GpuSample, a: GpuAnalysis | None, budgets: list[Budget], finding
         return escape(f"no finding: {used}, no vLLM server on this GPU")
     if not planned:
         return escape(f"no finding: {used}; the vLLM budget is not known yet, so all of it counts as planned")
+    loading = _loading(planned, snap)
+    if loading:
+        return escape(f"no finding: {used}; loading: " + ", ".join(
+            f"vLLM {b.endpoint} holds {_gib(b.used_bytes)} of its {_gib(b.budget_bytes)} budget so far"
+            for b in loading))
     within = sum(min(b.used_bytes or 0, b.budget_bytes or 0) for b in planned)
     budget = sum(b.budget_bytes or 0 for b in planned)
     beyond = a.beyond_budget_bytes
@@ -94,7 +112,8 @@ def _servers(state: State) -> list[tuple[object, ...]]:
             for k in caches) or "?"
         running = sum(e.requests_running or 0 for e in v.engines)
         waiting = sum(e.requests_waiting or 0 for e in v.engines)
-        rows.append((escape(v.endpoint), escape(models), _updown(v.up, v.error_kind), escape(budget),
+        state_ = _updown(v.up, v.error_kind) + (" loading" if v.up and _loading(budgets, snap) else "")
+        rows.append((escape(v.endpoint), escape(models), state_, escape(budget),
                      escape(kv), escape(f"{running:.0f} running, {waiting:.0f} waiting") if v.up else ""))
     return rows
 
@@ -120,7 +139,7 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
         gpus.append((escape(g.index), escape(g.name), _updown(g.up, g.error),
                      escape(use) if g.up else "", escape(format_bytes(g.free_bytes)) if g.up else "",
                      admission, escape(_duration(a.time_to_full_seconds)) if a and g.up else "", len(g.processes),
-                     _verdict(g, a, budgets, on_gpu)))
+                     _verdict(g, a, budgets, on_gpu, snap)))
     findings: list[tuple[object, ...]] = [(escape(f.severity), escape(f.kind), escape(f.gpu or ""),
                  escape(f"{f.pid} {f.process}" if f.pid is not None else f.process), escape(f.summary),
                  _advice(f.advice))
