@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import signal
@@ -196,6 +197,10 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
             trace = load_traces(list(traces))
             snapshots, triggers = trace.snapshots, trace.triggers
         events = read_log_events(log_files, snapshots[-1].timestamp if snapshots else None)
+        if report_path and importlib.util.find_spec("matplotlib") is None:
+            # The command that fits the Python running this, whatever installed it (.venv, pipx).
+            click.echo("The report's plots are left out: matplotlib is not installed. To draw them: "
+                       f"{sys.executable} -m pip install 'matplotlib>=3.7'", err=True)
         click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events,
                                      triggers=triggers), nl=False)
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
