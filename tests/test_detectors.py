@@ -319,6 +319,22 @@ def test_contention_at_start_names_a_process_already_holding_the_memory():
     assert "in 5 min" not in per_tick[0][0].summary
 
 
+def test_contention_holds_while_the_host_hovers_at_the_threshold():
+    """Memory PSI hovering at 10 % (9.7, 10.3, ...) raised and cleared the finding every tick:
+    short of memory within the last two minutes counts as short now."""
+    cfg = ContentionConfig()
+
+    def make(e):
+        g = GpuSample(index="0", uuid="u", unified=True, total_bytes=128 * GiB,
+                      processes=(vllm_proc(11, 59 * GiB, host_rss_bytes=GiB),))
+        psi = 5.0 if e < 300 else 10.3 if (e // 10) % 2 else 9.7
+        return Snapshot(timestamp=T0 + e, gpus=(g,), host=HostMemory(128 * GiB, 40 * GiB, psi),
+                        host_processes=(proc(7300, None, name="chrome", host_rss_bytes=20 * GiB),))
+    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    first = next(i for i, found in enumerate(per_tick) if found)
+    assert all(per_tick[first:])
+
+
 def test_contention_names_nobody_on_a_gpu_without_a_serving_process():
     cfg = ContentionConfig()
     make = lambda e: snap(T0 + e, [gpu([proc(20, 40 * GiB), proc(21, 35 * GiB)])])  # noqa: E731

@@ -13,7 +13,9 @@
   named (the host source reads the largest processes on such hosts, GPU processes or not),
   with their growth.
 
-A GPU with no serving process has no budget to take from: what fills it is pressure's to say.
+Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
+GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
+take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is).
 """
@@ -48,6 +50,9 @@ class ContentionConfig:
     host_available_low_ratio: float = 0.15  # unified: MemAvailable under this share ...
     psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) at least this
     top_processes: int = 8  # named in the summary and the evidence, the largest first
+    # Short of room at any sample this recent counts as short now: a GPU or host hovering at a
+    # threshold (PSI noise, a sawtooth) keeps one finding instead of raising it every other tick.
+    hold_seconds: float = 120.0
 
     def __post_init__(self) -> None:
         if self.window_seconds <= 0 or self.min_bytes < 0 or self.process_min_bytes < 0:
@@ -55,8 +60,8 @@ class ContentionConfig:
         if not all(0 <= r <= 1 for r in (self.min_utilization_ratio, self.host_available_low_ratio,
                                          self.min_spare_ratio, self.critical_ratio)):
             raise ValueError("contention: ratios must be within 0-1")
-        if self.top_processes < 1:
-            raise ValueError("contention: top_processes must be >= 1")
+        if self.top_processes < 1 or self.hold_seconds < 0:
+            raise ValueError("contention: top_processes must be >= 1, hold_seconds >= 0")
 
 
 def _baseline(history: History, now: float, window: float) -> Snapshot | None:
@@ -82,19 +87,52 @@ def detect_contention(history: History, snapshot: Snapshot,
     now = snapshot.timestamp
     base = _baseline(history, now, config.window_seconds)
     budgets = _budgets(history, snapshot)
+    recent = [f for f in history.recent_frames(now - config.hold_seconds) if f[0] is not snapshot]
+    recent.append((snapshot, budgets))
     findings = []
     for gpu in snapshot.gpus:
         if not gpu.up:
             continue
         old = next((g for g in base.gpus if g.uuid == gpu.uuid), None) if base is not None else None
         if gpu.unified:
-            finding = _unified(gpu, snapshot, base, config)
+            short = any(s.host is not None and _host_short(s.host, config) for s, _ in recent)
+            finding = _unified(gpu, snapshot, base, short, config)
         else:
+            short = any(_room_short(g, tuple(b for b in bs if b.uuid == gpu.uuid), config)
+                        for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up)
             finding = _discrete(gpu, old, base is not None,
-                                tuple(b for b in budgets if b.uuid == gpu.uuid), now, config)
+                                tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config)
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _room_short(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionConfig) -> bool:
+    """Discrete: too little left beside the vLLM budgets and everything else on the GPU (or,
+    budgets unknown, the GPU nearly full)."""
+    spare = _spare(gpu, budgets)
+    if spare is not None:
+        return spare < config.min_spare_ratio * (gpu.total_bytes or 0)
+    return (gpu.used_bytes is not None and bool(gpu.total_bytes)
+            and gpu.used_bytes / (gpu.total_bytes or 1) >= config.min_utilization_ratio)
+
+
+def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
+    """What is left of the GPU once the vLLM budgets are held in full beside what the other
+    processes (and memory no live process holds, driver context) take; None where a budget is
+    not known."""
+    if gpu.used_bytes is None or not gpu.total_bytes or not budgets \
+            or any(b.budget_bytes is None for b in budgets):
+        return None
+    planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
+    serving = sum(p.used_bytes or 0 for p in gpu.processes if p.role == "vllm")
+    return gpu.total_bytes - planned - max(0, gpu.used_bytes - serving)
+
+
+def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
+    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high."""
+    low = host.total_bytes > 0 and host.available_bytes / host.total_bytes < config.host_available_low_ratio
+    return low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
 
 
 def describe(p: ProcessSample) -> str:
@@ -140,7 +178,7 @@ def _named(held: list[tuple[int, int | None, ProcessSample]], config: Contention
 
 
 def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budgets: tuple[Budget, ...],
-              now: float, config: ContentionConfig) -> Finding | None:
+              short: bool, now: float, config: ContentionConfig) -> Finding | None:
     if gpu.used_bytes is None or not gpu.total_bytes or not any(p.role == "vllm" for p in gpu.processes):
         return None  # no serving process here: nothing of its budget to take
     others = [p for p in gpu.processes if p.role != "vllm"]
@@ -151,22 +189,15 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
                     else (None if not have_baseline else p.used_bytes or 0), p)
                    for p in others if (p.used_bytes or 0) >= config.process_min_bytes),
                   key=lambda bgp: (-bgp[0], bgp[2].pid))
-    if not held or held_all < config.min_bytes:
+    if not held or held_all < config.min_bytes or not short:
         return None
     ratio = gpu.used_bytes / gpu.total_bytes
-    serving_used = sum(p.used_bytes or 0 for p in gpu.processes if p.role == "vllm")
-    known = bool(budgets) and all(b.budget_bytes is not None for b in budgets)
+    spare = _spare(gpu, budgets)
     evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
                           ("free_bytes", max(0, gpu.total_bytes - gpu.used_bytes))]
     names, named_evidence = _named(held, config)
-    if known:
+    if spare is not None:
         planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
-        # Everything on the GPU that is neither the serving processes nor the others counts too
-        # (memory no live process holds, driver context): it is not there for the budget either.
-        unowned = max(0, gpu.used_bytes - serving_used - held_all)
-        spare = gpu.total_bytes - planned - held_all - unowned
-        if spare >= config.min_spare_ratio * gpu.total_bytes:
-            return None
         critical = spare < 0 or ratio >= config.critical_ratio
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
         budget = "budgets" if len(budgets) > 1 else "budget"
@@ -177,8 +208,6 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
             why = (f"beside the vLLM {budget} ({_gib(planned)}) only {_gib(spare)} "
                    f"({spare / gpu.total_bytes:.0%}) is left")
     else:
-        if ratio < config.min_utilization_ratio:
-            return None
         critical = ratio >= config.critical_ratio
         why = f"the GPU is {ratio:.0%} used and the vLLM budget is not known"
     evidence += [("window_seconds", config.window_seconds), *named_evidence]
@@ -204,17 +233,16 @@ def _serving_pids(snapshot: Snapshot) -> set[int]:
     return pids
 
 
-def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None,
+def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: bool,
              config: ContentionConfig) -> Finding | None:
     host = snapshot.host
     if host is None or host.total_bytes <= 0:
         return None
     old_host = base.host if base is not None else None
-    low = host.available_bytes / host.total_bytes < config.host_available_low_ratio
     stalled = (host.psi_some_avg10 is not None
                and host.psi_some_avg10 >= config.psi_some_threshold)
     kills = _oom_kills(old_host, host) if old_host is not None else 0
-    if not (kills > 0 or low or stalled):
+    if not (kills > 0 or short):
         return None
     held = _rss_holders(snapshot, base, config)
     if not held or (sum(b for b, _, _ in held) < config.min_bytes and not kills):
