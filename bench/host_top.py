@@ -37,7 +37,7 @@ def main() -> None:
         sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(extra)]
         try:
             clock = [0.0]
-            host = LocalHost(monotonic=lambda: clock[0])
+            host = LocalHost(monotonic=lambda clock=clock: clock[0])
             walks, ticks = [], []
             for _ in range(args.rounds):
                 clock[0] += TOP_RESCAN_SECONDS  # due for a walk

@@ -151,7 +151,7 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     endpoints = []
     # One endpoint per port: servers the scenario starts on the same port one after the other
     # are one server restarted, with one log that grows with each start.
-    first_on_port = {}
+    first_on_port: dict[int, int] = {}
     for i, spec in enumerate(scenario.vllm):
         first_on_port.setdefault(spec.port, i)
     for n, i in enumerate(first_on_port.values()):

@@ -3,13 +3,14 @@ its hysteresis, the one thing here that outlives a tick), time to full, unattrib
 from __future__ import annotations
 
 import bisect
+import itertools
 
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, Snapshot
 from .history import History, SeriesView
 from .leak import LeakConfig, time_to_full
-from .trend import median, theil_sen_interval
 from .pressure import admission_open, beyond_budget_bytes, memory_ratio
 from .stale import unattributed_bytes
+from .trend import median, theil_sen_interval
 
 MAX_GPUS_REMEMBERED = 4096  # GPUs come and go rarely; bound the admission memory anyway
 
@@ -109,7 +110,7 @@ def _last_step(values: tuple[float, ...], min_bytes: float) -> int:
     """Index of the first point after the last step up or down (0 when there is none)."""
     if len(values) < 3:
         return 0
-    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
+    diffs = [abs(b - a) for a, b in itertools.pairwise(values)]
     threshold = max(min_bytes, STEP_NOISE_FACTOR * median(diffs))
     for i in range(len(diffs) - 1, -1, -1):
         if diffs[i] >= threshold:

@@ -128,8 +128,8 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         if a.time_to_full_seconds is not None:
             evidence.append(("time_to_full_seconds", round(a.time_to_full_seconds, 1)))
         evidence.append(("admission_open", int(a.admission_open)))
-        held = holders(gpu, host_processes)
-        for i, (b, p) in enumerate(held, 1):
+        holding = holders(gpu, host_processes)
+        for i, (b, p) in enumerate(holding, 1):
             evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
                          (f"process_{i}_role", p.role), (f"process_{i}_bytes", b)]
         summary = f"GPU {a.gpu} memory {ratio:.0%} used"
@@ -137,8 +137,8 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             summary += f", {beyond:.0%} of it beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
             summary += f", full in about {_duration(a.time_to_full_seconds)} at the current rate"
-        if held:
-            summary += "; held by " + ", ".join(f"{_who(p)} {b / GIB:.1f} GiB" for b, p in held)
+        if holding:
+            summary += "; held by " + ", ".join(f"{_who(p)} {b / GIB:.1f} GiB" for b, p in holding)
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,

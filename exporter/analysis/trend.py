@@ -125,8 +125,8 @@ def theil_sen_interval(times: Sequence[float], values: Sequence[float],
     if count < 2 or variance <= 0:
         return None
     spread = z * math.sqrt(variance)
-    lower = int(round((count - spread) / 2))
-    upper = int(round((count + spread) / 2)) + 1
+    lower = round((count - spread) / 2)
+    upper = round((count + spread) / 2) + 1
     if lower < 1 or upper > count:
         return None  # the interval reaches past the slopes there are
     return slopes[lower - 1], slopes[upper - 1]

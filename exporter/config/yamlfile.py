@@ -43,6 +43,10 @@ class _AliasLoader(_Loader):
     allow_aliases = True
 
 
+def _where(source: str, mark: yaml.Mark | None) -> str:
+    return f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+
+
 def _clip(text: str) -> str:
     return text if len(text) <= 40 else text[:40] + "..."
 
@@ -51,7 +55,7 @@ def _short(text: str) -> str:
     return repr(_clip(text))
 
 
-def _duplicate_keys(node: yaml.Node, path: str, out: list[tuple[str, yaml.Mark]]) -> None:
+def _duplicate_keys(node: yaml.Node, path: str, out: list[tuple[str, yaml.Mark | None]]) -> None:
     """Every key a mapping gives twice, with its key path (`vllm.endpoints[0].url`) and where
     the second one is. Recursion ends with the document (aliases, where allowed, are walked
     once: `_expanded_size` bounds them first)."""
@@ -109,15 +113,14 @@ def parse_yaml(text: str, source: str, *, allow_aliases: bool = False,
             return None
         if allow_aliases and _expanded_size(node, {}, max_nodes) > max_nodes:
             raise YamlError(f"{source}: expands to more than {max_nodes} values through its aliases")
-        found: list[tuple[str, yaml.Mark]] = []
+        found: list[tuple[str, yaml.Mark | None]] = []
         _duplicate_keys(node, "", found)
         if found and duplicates is None:
             key, mark = found[0]
-            raise YamlError(f"{source}:{mark.line + 1}:{mark.column + 1}: not valid YAML: duplicate key "
-                            f"{_short(key.rsplit('.', 1)[-1])}")
+            raise YamlError(f"{_where(source, mark)}: not valid YAML: duplicate key {_short(key.rsplit('.', 1)[-1])}")
         if duplicates is not None:
-            duplicates += [f"{_clip(key)}: given twice in the file (again at {source}:{mark.line + 1}:"
-                           f"{mark.column + 1}); give each key once" for key, mark in found]
+            duplicates += [f"{_clip(key)}: given twice in the file (again at {_where(source, mark)}); "
+                           "give each key once" for key, mark in found]
         return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
