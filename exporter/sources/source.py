@@ -25,7 +25,7 @@ log = logging.getLogger("exporter.sources")
 
 # The parts of a Snapshot that sources fill and read (a source's `gives` and `needs`).
 GPUS = "gpus"  # each GPU, its memory and the PIDs using it, with their GPU memory: a GPU-memory source
-HOST_MEMORY = "host_memory"  # the host's memory
+HOST_MEMORY = "host_memory"  # the host's memory (and, on unified memory, its largest processes)
 PROCESS_IDENTITY = "process_identity"  # each GPU process's name, start time, parent, cgroup, NSpid
 POD_NAMES = "pod_names"  # the pod and namespace of a GPU process in Kubernetes
 ALLOCATOR = "allocator"  # PyTorch's allocator numbers of a probed GPU process
