@@ -12,13 +12,14 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PIP      = $(VENV)/bin/pip install -q
 LOGGED   = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 
-# The daemon alone for `make run`; the test and lint tools on top for `make test`. The exporter
-# depends on the probe's distribution (its file schema), installed from ./probe alongside.
+# The daemon (with the `report` extra, so `analyze --report` draws its plots) for `make run`;
+# the test and lint tools on top for `make test`. The exporter depends on the probe's
+# distribution (its file schema), installed from ./probe alongside.
 $(VENV)/.installed: pyproject.toml probe/pyproject.toml
-	@echo "creating $(VENV) and installing gpu-memory-exporter (first run only, ~10 s)..."
+	@echo "creating $(VENV) and installing gpu-memory-exporter (first run only, ~30 s)..."
 	@python3 -m venv $(VENV)
 	@$(PIP) --upgrade pip $(LOGGED)
-	@$(PIP) -e ./probe -e . $(LOGGED)
+	@$(PIP) -e ./probe -e '.[report]' $(LOGGED)
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -82,7 +83,7 @@ run: $(VENV)/.installed
 	else \
 	  [ -n "$(SCENARIO)" ] || echo "no NVIDIA driver here: running a simulated host instead"; \
 	  echo "simulated host, scenario '$${SCENARIO:-steady}' at $(SPEED)x; status page http://$(LISTEN)/, metrics /metrics" \
-	    "(make run SCENARIO=leak SPEED=60 for another; gpu-memory-exporter scenarios lists them)"; \
+	    "(make run SCENARIO=leak SPEED=60 for another; $(VENV)/bin/gpu-memory-exporter scenarios lists them)"; \
 	  exec $(VENV)/bin/gpu-memory-exporter run --simulate $${SCENARIO:-steady} --speed $(SPEED) --listen $(LISTEN); \
 	fi
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import signal
@@ -128,7 +129,8 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         runtime.close()
     if state.snapshot is None:
         _fail("sampling failed; see the log above")
-    if not simulate and state.snapshot.source_up(runtime.host.gpu.name) is False:
+    no_gpu = state.snapshot.source_up(runtime.host.gpu.name) is False or not state.snapshot.gpus
+    if no_gpu and not simulate:
         click.echo("No GPU could be read on this host. To see what the exporter reports, sample "
                    "a simulated one: gpu-memory-exporter snapshot --simulate steady "
                    "(`gpu-memory-exporter scenarios` lists them all).", err=True)
@@ -138,6 +140,8 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         click.echo(json.dumps(out, indent=2, default=str))
     else:
         click.echo(generate_latest(build_registry(lambda: state, runtime.clock.now)).decode(), nl=False)
+    if no_gpu:  # what was read is printed, but a script must not take it for a GPU's sample
+        sys.exit(1)
 
 
 @main.command()
@@ -193,6 +197,10 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
             trace = load_traces(list(traces))
             snapshots, triggers = trace.snapshots, trace.triggers
         events = read_log_events(log_files, snapshots[-1].timestamp if snapshots else None)
+        if report_path and importlib.util.find_spec("matplotlib") is None:
+            # The command that fits the Python running this, whatever installed it (.venv, pipx).
+            click.echo("The report's plots are left out: matplotlib is not installed. To draw them: "
+                       f"{sys.executable} -m pip install 'matplotlib>=3.7'", err=True)
         click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events,
                                      triggers=triggers), nl=False)
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError

@@ -255,6 +255,10 @@ class Snapshot:
     driver_version: str = ""
     # Out-of-memory messages read from logs this tick, as parsed; the analysis classifies them.
     log_events: tuple[OomMessage, ...] = ()
+    # The host processes holding the most resident memory, largest first, GPU processes or not
+    # (used_bytes None): read where a GPU shares the host's memory (unified memory), since
+    # there any process takes from the GPU. Empty elsewhere.
+    host_processes: tuple[ProcessSample, ...] = ()
 
     def source_up(self, source: str) -> bool | None:
         for s in self.sources:

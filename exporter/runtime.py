@@ -131,7 +131,7 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     import tempfile
     import time
 
-    from .sim.fake_vllm import FakeVllmServer, startup_log
+    from .sim.fake_vllm import FakeVllmServer
     from .sim.host import SimulatedHost
     from .sim.scenario import load as load_scenario
     from .sources.vllm import VllmEndpoint
@@ -150,16 +150,21 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     stack.callback(fake.configure, None, None)
     view = SimulatedHost(scenario, clock)
     logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
-    endpoints, logged = [], {}
+    endpoints = []
+    # One endpoint per port: servers the scenario starts on the same port one after the other
+    # are one server restarted, with one log that grows with each start.
+    first_on_port: dict[int, int] = {}
     for i, spec in enumerate(scenario.vllm):
-        server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i))
-        view.alias_port(server.port, spec.port)
-        log_file = f"{logs}/vllm-{i}.log"  # what a real server logs at start-up about its memory
-        with open(log_file, "w") as fh:
-            fh.write(startup_log(scenario, i))
-        endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{i}", log_file=log_file))
-        if spec.log_lines:
-            logged[i] = log_file
+        first_on_port.setdefault(spec.port, i)
+    log_on_port: dict[int, str] = {}
+    for n, i in enumerate(first_on_port.values()):
+        log_file = f"{logs}/vllm-{n}.log"  # what a real server logs at start-up about its memory
+        server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i, log_file=log_file))
+        view.alias_port(server.port, scenario.vllm[i].port)
+        endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{n}", log_file=log_file))
+        log_on_port[scenario.vllm[i].port] = log_file
+    # The lines servers write while they run go to their port's log, as a restart's would.
+    logged = {i: log_on_port[spec.port] for i, spec in enumerate(scenario.vllm) if spec.log_lines}
     probes = None
     if any(p.allocator is not None for p in scenario.processes):
         from .sim.probes import SimulatedProbes

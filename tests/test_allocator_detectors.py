@@ -293,8 +293,8 @@ def test_history_keeps_allocator_series_bounded_and_per_process():
     assert len(h.process_allocator("alloc_retries", "GPU-0", ident, since=now - 60)) == 13
     # The process gone for longer than dead_grace_seconds: all its series dropped.
     assert all(len(h.process_allocator(n, "GPU-0", (11, T0))) == 0 for n in ALLOCATOR_SERIES)
-    # The GPU's used series, the live process's memory series and its allocator series.
-    assert h.series_count() == 1 + 1 + len(ALLOCATOR_SERIES)
+    # The GPU's used and unowned series, the live process's memory series and its allocator series.
+    assert h.series_count() == 2 + 1 + len(ALLOCATOR_SERIES)
     with pytest.raises(ValueError):
         h.process_allocator("bogus", "GPU-0", ident)
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.sim.scenario import load
+from exporter.sim.scenario import SCENARIO_DIR, load
 from helpers.daemon import Daemon
 from helpers.tools import HANG
 
@@ -108,9 +108,22 @@ def test_snapshot_without_a_gpu_suggests_the_simulator():
     proc = cli("snapshot", check=False)
     if "NVML unavailable" not in proc.stderr:
         pytest.skip("this host has a working NVML")
-    assert proc.returncode == 0 and "gpumem_exporter_source_up" in proc.stdout
+    assert proc.returncode == 1 and "gpumem_exporter_source_up" in proc.stdout
     assert "snapshot --simulate steady" in proc.stderr
     assert "retrying" not in proc.stderr  # one sample: there is no retry to announce
+
+
+@pytest.mark.integration
+def test_snapshot_exits_non_zero_when_no_gpu_could_be_read(tmp_path):
+    """A script running `snapshot` must not take a sample without a GPU for one (#19 item 5):
+    what was read is printed, and the exit status says it failed."""
+    scenario = (SCENARIO_DIR / "steady.yaml").read_text() + (
+        "faults:\n  - {kind: init_failure, error: driver_not_loaded, at: 0, until: 60}\n")
+    (tmp_path / "no-driver.yaml").write_text(scenario)
+    proc = cli("snapshot", "--simulate", str(tmp_path / "no-driver.yaml"), check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert 'gpumem_exporter_source_up{source="nvml"} 0.0' in proc.stdout
+    assert cli("snapshot", "--simulate", "steady").returncode == 0
 
 
 @pytest.mark.integration

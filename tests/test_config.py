@@ -127,3 +127,21 @@ def test_the_nvml_section_is_read_as_gpu_with_a_warning_and_printed_with_its_new
     assert result.exit_code == 0, result.output
     printed = yaml.safe_load(result.stdout)
     assert "nvml" not in printed and printed["gpu"]["retry_max_seconds"] == 60
+
+
+def test_check_config_reports_duplicate_keys_with_every_other_problem(tmp_path):
+    """A key given twice is one problem among the others, each with its key path (#19 item 5):
+    the README promises every problem at once."""
+    path = write(tmp_path, "listen: 0.0.0.0:9842\ninterval_seconds: -1\nlisten: 127.0.0.1:9000\n"
+                           "vllm:\n  endpoints:\n    - url: http://a:1/metrics\n      url: http://b:1/metrics\n"
+                           "      nme: x\n")
+    result = CliRunner().invoke(main, ["check-config", path])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert any(line.strip().startswith("listen: given twice") and "config.yml:3:1" in line for line in lines)
+    assert any(line.strip().startswith("vllm.endpoints[0].url: given twice") for line in lines)
+    assert any(line.strip().startswith("interval_seconds: must be positive") for line in lines)
+    assert any("vllm.endpoints[0].nme: unknown key" in line for line in lines)
+    with pytest.raises(ConfigError) as err:  # run and a reload read the file the same way
+        load(path)
+    assert len(err.value.problems) == 4

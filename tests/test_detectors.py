@@ -17,6 +17,7 @@ from exporter.model import (
     GpuSample,
     HostMemory,
     OomEvent,
+    Snapshot,
 )
 from helpers.timeline import (
     BASE,
@@ -92,6 +93,25 @@ def test_pressure_ignores_what_vllm_budgeted_but_not_the_cliff():
     found = {f.gpu: f for f in detect_pressure(gpus, analyses, T0, cfg)}
     assert found["1"].severity == "warning" and "0" not in found
     assert found["2"].severity == "critical"  # >= 95 % is the cliff whoever owns the memory
+
+
+def test_pressure_names_the_processes_that_fill_the_gpu():
+    """On-call should not have to look up who holds the memory: the exporter knows (#19 item 1)."""
+    cfg = PressureConfig()
+    g = gpu([vllm_proc(10, 67 * GiB), proc(555, 9 * GiB, name="python3"), proc(20, 200 * MiB, name="dcgm")])
+    analysis = GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, False, None, 0, 9 * GiB)
+    [f] = detect_pressure((g,), [analysis], T0, cfg)
+    assert "held by pid 10 (VLLM::EngineCor, vLLM http://127.0.0.1:8000) 67.0 GiB, pid 555 (python3) 9.0 GiB" \
+        in f.summary
+    ev = dict(f.evidence)
+    assert (ev["process_1_pid"], ev["process_2_pid"], ev["process_2_bytes"]) == (10, 555, 9 * GiB)
+    # On unified memory a host process that is no GPU process fills it too.
+    u = GpuSample(index="0", uuid="u", unified=True, total_bytes=128 * GiB, used_bytes=120 * GiB,
+                  processes=(vllm_proc(10, 59 * GiB),))
+    chrome = proc(7300, None, name="chrome", host_rss_bytes=50 * GiB)
+    [f] = detect_pressure((u,), [GpuAnalysis("0", "u", 0.94, False, None, None, 61 * GiB)], T0, cfg,
+                          host_processes=(chrome,))
+    assert "pid 7300 (chrome) 50.0 GiB" in f.summary
 
 
 def test_a_raised_pressure_finding_holds_until_use_is_clearly_lower():
@@ -195,6 +215,22 @@ def test_stale_memory_silent_when_memory_returns_after_exit_and_for_short_lived_
     assert not any(run_detector(detect_stale, timeline(900, 10, make), cfg))
 
 
+def test_stale_memory_says_how_long_it_has_lasted_beyond_the_raw_window():
+    """4.5 h in it says 4.3 h, not the 15 minutes the detector looks back through (#19 item 1);
+    beyond what the history keeps it says "at least"."""
+    cfg = StaleConfig()
+
+    def make(e):
+        return snap(T0 + e, [gpu([vllm_proc(10, 40 * GiB)], extra=BASE + (20 * GiB if e >= 600 else 0))])
+    per_tick = run_detector(detect_stale, timeline(4.5 * 3600, 60, make), cfg)
+    last = per_tick[-1][0]
+    assert last.summary.endswith("20.4 GiB in use by no live process for 4.3 h"), last.summary  # + BASE
+    assert dict(last.evidence)["for_seconds"] == pytest.approx(4.5 * 3600 - 600, abs=120)
+    # From the exporter's start on: as far back as it knows, and it says so.
+    always = run_detector(detect_stale, timeline(2 * 3600, 60, lambda e: make(e + 600)), cfg)
+    assert always[-1][0].summary.endswith("for at least 2.0 h"), always[-1][0].summary
+
+
 # ------------------------------------------------------------------ contention
 
 def test_contention_names_other_process_taking_memory_from_a_serving_gpu():
@@ -215,7 +251,7 @@ def test_contention_names_other_process_taking_memory_from_a_serving_gpu():
     assert "pid 555" in f.summary and "research/jupyter-alice" in f.summary
     ev = dict(f.evidence)
     assert ev["process_1_pid"] == 555 and ev["process_1_pod"] == "jupyter-alice"
-    assert ev["taken_by_others_bytes"] >= 10 * GiB
+    assert ev["held_by_others_bytes"] >= 10 * GiB and ev["process_1_bytes"] >= 10 * GiB
 
 
 def test_contention_silent_when_the_gpu_keeps_ample_headroom():
@@ -239,11 +275,96 @@ def test_contention_silent_during_vllm_startup_and_for_small_or_vllm_growth():
     assert not any(run_detector(detect_contention, timeline(1500, 10, make), cfg))
 
 
-def test_contention_silent_until_history_covers_the_window():
-    """At exporter start every process looks new; that is not contention."""
+def budgeted(e, others, vllm_used=67 * GiB):
+    """A vLLM server budgeted at 0.9 of an 80 GiB GPU (72 GiB), using `vllm_used`, beside `others`."""
+    return snap(T0 + e, [gpu([vllm_proc(10, vllm_used), *others(e)])], vllm=[vllm_server(0, 0.4, util=0.9)])
+
+
+def test_contention_lasts_while_the_other_process_holds_the_memory():
+    """The notebook takes 9 GiB at 10 min and keeps it: the finding names it, with its bytes, for
+    as long as it holds them, not just for the window after it grew (#19 item 1)."""
     cfg = ContentionConfig(window_seconds=300)
-    make = lambda e: snap(T0 + e, [gpu([vllm_proc(10, 60 * GiB), proc(20, 10 * GiB)])])  # noqa
-    assert not any(run_detector(detect_contention, timeline(600, 10, make), cfg))
+    notebook = lambda e: [proc(555, 9 * GiB, name="python3")] if e >= 600 else []  # noqa: E731
+    per_tick = run_detector(detect_contention, timeline(3 * 3600, 30, lambda e: budgeted(e, notebook)), cfg)
+    assert not any(per_tick[:20])
+    held = per_tick[20:]
+    assert all(len(f) == 1 for f in held)  # raised at once and never cleared while it holds
+    first, last = held[0][0], held[-1][0]
+    assert first.severity == last.severity == "critical"  # 72 + 9 + 0.4 GiB > 80 GiB
+    assert "pid 555 (python3) 9.0 GiB" in last.summary and "cannot be had" in last.summary
+    assert dict(first.evidence)["process_1_grew_bytes"] == 9 * GiB
+    assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
+
+
+def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
+    cfg = ContentionConfig()
+
+    def verdict(other_bytes):
+        findings = run_detector(detect_contention, timeline(
+            600, 30, lambda e: budgeted(e, lambda _: [proc(555, other_bytes, name="embedder")])), cfg)[-1]
+        return findings[0].severity if findings else None
+    assert verdict(2 * GiB) is None  # 72 + 2 + 0.4 of 80 GiB: 5.6 GiB spare, room to spare
+    assert verdict(6 * GiB) == "warning"  # 1.6 GiB spare: under 5 % of the GPU
+    assert verdict(9 * GiB) == "critical"  # the budget cannot be had
+
+
+def test_contention_at_start_names_a_process_already_holding_the_memory():
+    """An exporter (re)started while a notebook holds the headroom raises at its first tick;
+    growth is not known yet and is not made up."""
+    cfg = ContentionConfig(window_seconds=300)
+    per_tick = run_detector(detect_contention, timeline(
+        120, 10, lambda e: budgeted(e, lambda _: [proc(555, 9 * GiB)])), cfg)
+    assert all(per_tick)
+    assert "process_1_grew_bytes" not in dict(per_tick[0][0].evidence)
+    assert "in 5 min" not in per_tick[0][0].summary
+
+
+def test_contention_holds_while_the_host_hovers_at_the_threshold():
+    """Memory PSI hovering at 10 % (9.7, 10.3, ...) raised and cleared the finding every tick:
+    short of memory within the last two minutes counts as short now."""
+    cfg = ContentionConfig()
+
+    def make(e):
+        g = GpuSample(index="0", uuid="u", unified=True, total_bytes=128 * GiB,
+                      processes=(vllm_proc(11, 59 * GiB, host_rss_bytes=GiB),))
+        psi = 5.0 if e < 300 else 10.3 if (e // 10) % 2 else 9.7
+        return Snapshot(timestamp=T0 + e, gpus=(g,), host=HostMemory(128 * GiB, 40 * GiB, psi),
+                        host_processes=(proc(7300, None, name="chrome", host_rss_bytes=20 * GiB),))
+    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    first = next(i for i, found in enumerate(per_tick) if found)
+    assert all(per_tick[first:])
+
+
+def test_contention_names_nobody_on_a_gpu_without_a_serving_process():
+    cfg = ContentionConfig()
+    make = lambda e: snap(T0 + e, [gpu([proc(20, 40 * GiB), proc(21, 35 * GiB)])])  # noqa: E731
+    assert not any(run_detector(detect_contention, timeline(900, 30, make), cfg))
+
+
+def test_contention_on_unified_memory_names_the_host_process_that_holds_it():
+    """On unified memory a browser that is no GPU process eats the GPU's memory: the host
+    source lists the largest processes, and the finding names it with its growth (#19 item 1);
+    the vLLM API server (a root process of the server) is not named."""
+    cfg = ContentionConfig(window_seconds=300)
+    total = 128 * GiB
+
+    def make(e):
+        chrome_rss = int(1.5 * GiB + e / 60 * 300 * MiB)
+        g = GpuSample(index="0", uuid="GPU-gb10", unified=True, total_bytes=total,
+                      processes=(vllm_proc(11, 59 * GiB, host_rss_bytes=int(1.5 * GiB), ppid=10),))
+        hosts = (proc(7300, None, name="chrome", host_rss_bytes=chrome_rss, start=T0 - 60, ppid=1),
+                 proc(10, None, name="vllm", host_rss_bytes=2 * GiB, ppid=1),
+                 proc(11, None, name="VLLM::EngineCor", host_rss_bytes=int(1.5 * GiB), ppid=10))
+        host = HostMemory(total_bytes=total, available_bytes=int(60 * GiB) - chrome_rss,
+                          psi_some_avg10=12.0)
+        return Snapshot(timestamp=T0 + e, gpus=(g,), host=host, host_processes=hosts,
+                        vllm=(vllm_server(0, 0.3, util=0.5, pids=(10,)),))
+    per_tick = run_detector(detect_contention, timeline(900, 30, make), cfg)
+    f = per_tick[-1][0]
+    assert "pid 7300 (chrome)" in f.summary and "pid 10 " not in f.summary and "VLLM" not in f.summary
+    ev = dict(f.evidence)
+    assert ev["process_1_pid"] == 7300 and "process_2_pid" not in ev
+    assert ev["process_1_rss_grew_bytes"] == pytest.approx(1500 * MiB, rel=0.01)  # 300 MiB/min for 5 min
 
 
 def test_contention_on_unified_memory_names_rss_growers_and_counts_oom_kills():

@@ -195,6 +195,50 @@ def test_processes_not_asked_about_are_forgotten(fake_proc):
     assert host.process(6000) is None
 
 
+def test_the_largest_processes_are_found_by_a_walk_now_and_then(fake_proc):
+    """Unified memory: any host process takes from the GPU, so the largest are read (#19 item 1).
+    One walk of /proc at most every TOP_RESCAN_SECONDS; in between, only their RSS is read."""
+    from exporter.sources.host import TOP_RESCAN_SECONDS
+    proc, host, clock = fake_proc
+    page = os.sysconf("SC_PAGE_SIZE")
+    for pid, name, pages in ((100, "sshd", 300), (200, "chrome", 5000), (300, "vllm", 4000), (400, "cron", 10)):
+        proc.put(pid, name, starttime=pid, rss_pages=pages)
+    (proc.root / "500").mkdir()  # a kernel thread: an empty statm
+    (proc.root / "500" / "statm").write_text("0 0 0 0 0 0 0\n")
+    assert [(i.name, i.rss_bytes) for i in host.top_processes(2)] == [("chrome", 5000 * page), ("vllm", 4000 * page)]
+    proc.put(100, "sshd", starttime=100, rss_pages=9000)  # grows past both
+    proc.put(200, "chrome", starttime=200, rss_pages=6000)
+    assert [(i.name, i.rss_bytes) for i in host.top_processes(2)] == [("chrome", 6000 * page), ("vllm", 4000 * page)]
+    clock[0] += TOP_RESCAN_SECONDS
+    assert [i.name for i in host.top_processes(2)] == ["sshd", "chrome"]
+
+
+def test_the_host_source_reads_the_largest_processes_only_where_a_gpu_shares_host_memory():
+    from exporter.model import Snapshot
+    from exporter.sources.host import HostSource
+
+    class Host:
+        asked = 0
+
+        def memory(self):
+            return None
+
+        def process(self, pid, with_cmdline=False):
+            return None
+
+        def top_processes(self, limit):
+            Host.asked += 1
+            from exporter.sources.hostview import ProcessInfo
+            return (ProcessInfo(pid=7300, name="chrome", rss_bytes=5 << 30, start_time=1.0, ppid=1),)
+
+    source = HostSource(Host())
+    discrete = source.collect(Snapshot(0.0, gpus=(GpuSample(index="0", uuid="a"),))).snapshot
+    assert discrete.host_processes == () and Host.asked == 0
+    unified = source.collect(Snapshot(0.0, gpus=(GpuSample(index="0", uuid="b", unified=True),))).snapshot
+    [chrome] = unified.host_processes
+    assert (chrome.pid, chrome.name, chrome.host_rss_bytes, chrome.used_bytes) == (7300, "chrome", 5 << 30, None)
+
+
 # -- which process listens on a port ----------------------------------------------------------
 LISTENER = """
 import socket, sys

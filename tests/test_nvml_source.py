@@ -118,6 +118,23 @@ def test_lost_gpu_is_down_while_the_other_reports(make):
     assert sample(source).gpus[1].up
 
 
+def test_a_lost_gpu_is_logged_once_and_the_source_state_says_which(make, caplog):
+    """The library answers, one GPU does not: the source stays up, its state (the status page's
+    "sources" table) names the GPU, and the log says so once, then once when it is back (#19)."""
+    from exporter.sources.source import collect
+    source, clock = make("faults:\n  - {kind: gpu_lost, gpu: 1, at: 10, until: 30}\n")
+    states = []
+    with caplog.at_level("INFO", logger="exporter.nvml"):
+        for _ in range(4):
+            [status] = collect(source, Snapshot(timestamp=clock.now())).sources
+            states.append((status.up, status.error))
+            clock.advance(10)
+    assert states == [(True, ""), (True, "GPU 1 down: gpu_is_lost"), (True, "GPU 1 down: gpu_is_lost"), (True, "")]
+    lost = [r for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].levelname == "ERROR" and "GPU 1" in lost[0].getMessage()
+    assert sum("GPU 1 answers again" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_reset_required(make):
     source, _ = make("faults:\n  - {kind: reset_required, gpu: 0, at: 0}\n")
     r = sample(source)

@@ -3,6 +3,7 @@ server → sampler → detectors), raises the finding it is named after and no f
 moments pinned in tests/golden/scenario-findings.json."""
 import json
 import os
+import re
 
 import pytest
 
@@ -17,7 +18,7 @@ EXPECTED = {
     "stale-memory": {"stale_memory"},
     "pressure": {"pressure", "contention"},  # the pressure comes from a second process
     "fragmentation": {"fragmentation"},
-    "gpu-lost": set(),  # shown by gpumem_gpu_up, not a finding
+    "gpu-lost": {"gpu_unavailable"},  # GPU 1 lost from 10 to 20 min
     "kv-saturation": {"kv_saturation"},  # vLLM counts no preemption: only the state shows it
     "sleep-leak": {"sleep_leak"},  # the falls and rises of sleep are no leak and no stale memory
     "oom": {"oom"},  # shortages, not fragmentation
@@ -92,3 +93,37 @@ def test_every_finding_kind_is_shown_by_the_scenario_it_declares():
     for kind in finding_kinds():
         analyzer, _ = play(kind.scenario)
         assert kind.name in {f.kind for f in analyzer.all_findings}, (kind.name, kind.scenario)
+
+
+@pytest.mark.slow
+def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
+    """The notebook takes the headroom at 32 min and holds 8.6 GiB to the end: one contention
+    episode, never cleared, naming it; pressure names it too (#19 item 1)."""
+    analyzer, start = play("contention")
+    episodes = [(f, cleared) for f, cleared in analyzer.episodes() if f.kind == "contention"]
+    assert [cleared for _, cleared in episodes] == [None]
+    finding = episodes[0][0]
+    assert "pid 5230 (python3) 8.6 GiB" in finding.summary and finding.severity == "critical"
+    assert 30 * 60 < finding.first_detected_at - start < 40 * 60
+    [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
+    assert "pid 5230 (python3)" in pressure.summary
+
+
+@pytest.mark.slow
+def test_unified_memory_names_the_browser_that_eats_the_gpu_memory():
+    """chrome is no GPU process, yet on a GB10 it eats the GPU's memory at 300 MiB/min: the
+    contention and pressure findings name it, with its growth (#19 item 1)."""
+    analyzer, _ = play("unified-memory")
+    [contention] = [f for f in analyzer.all_findings if f.kind == "contention"]
+    assert re.search(r"pid 7300 \(chrome\) \d+\.\d GiB resident, \+1\.[45] GiB in 5 min", contention.summary)
+    [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
+    assert "pid 7300 (chrome)" in pressure.summary
+
+
+@pytest.mark.slow
+def test_a_lost_gpu_is_a_critical_finding_while_it_stays_lost(caplog):
+    analyzer, start = play("gpu-lost")
+    [(lost, cleared)] = [(f, c) for f, c in analyzer.episodes() if f.kind == "gpu_unavailable"]
+    assert (lost.gpu, lost.severity) == ("1", "critical") and "gpu_is_lost" in lost.summary
+    assert lost.first_detected_at - start == 600 and cleared - start == 1200
+    assert any("Xid" in a for a in lost.advice)

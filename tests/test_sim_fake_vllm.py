@@ -258,3 +258,21 @@ def test_sleep_mode_is_served_in_vllms_words_and_read_back():
 def test_no_sleep_metrics_without_sleep_mode(served):
     server, _ = served
     assert "vllm:engine_sleep_state" not in parse(requests.get(server.url, timeout=HANG).text)
+
+
+def test_a_server_restarted_on_its_port_is_one_endpoint_whose_log_grows_with_each_start():
+    """stale-memory restarts its server on port 8000 at 15 min with a smaller KV cache: one
+    endpoint, whose start-up log gains the second start when it happens (the exporter then reads
+    the latest start's figures), not two endpoints answering the same thing from the start."""
+    from exporter.config import build as build_config
+    from exporter.runtime import build as build_runtime
+    runtime = build_runtime(build_config(), simulate="stale-memory", at=300)
+    try:
+        def kv_profile():
+            [server] = runtime.sampler.sample().vllm
+            return dict(server.memory_profile)["kv_cache"]
+        assert kv_profile() == pytest.approx(51.5 * 2**30, rel=0.01)
+        runtime.clock.advance(900)  # the replacement is up since 905 s
+        assert kv_profile() == pytest.approx(27 * 2**30, rel=0.01)
+    finally:
+        runtime.close()

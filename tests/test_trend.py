@@ -87,3 +87,17 @@ def test_theil_sen_on_noisy_line_with_large_timestamps():
     values = [7e10 + 1000.0 * (t - t0) + rng.gauss(0, 2e4) for t in times]
     assert theil_sen(times, values) == pytest.approx(1000.0, rel=0.05)
 
+
+
+def test_sen_interval_holds_the_slope_and_narrows_with_more_points():
+    from exporter.analysis.trend import theil_sen, theil_sen_interval
+    times = [float(t) for t in range(40)]
+    line = [3.0 * t + 7 for t in times]
+    assert theil_sen_interval(times, line) == (3.0, 3.0)
+    noise = random.Random(1)
+    wobble = [v + noise.gauss(0, 6) for v in line]
+    lo, hi = theil_sen_interval(times, wobble)
+    assert lo <= theil_sen(times, wobble) <= hi and lo < hi and lo > 2 and hi < 4
+    lo10, hi10 = theil_sen_interval(times[:10], wobble[:10])
+    assert hi10 - lo10 > hi - lo
+    assert theil_sen_interval(times[:3], line[:3]) is None  # too few points for a 95 % interval

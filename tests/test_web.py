@@ -268,6 +268,62 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     assert "<script" not in page  # no script needed
 
 
+def played(scenario, until, step=30.0):
+    """The State a daemon would publish after playing `scenario` up to `until` seconds."""
+    from exporter.cli import make_analyzer
+    from exporter.config import build as build_config
+    from exporter.model import State
+    from exporter.runtime import build as build_runtime
+    config = build_config()
+    runtime = build_runtime(config, simulate=scenario, at=0.0)
+    analyzer = make_analyzer(config)
+    try:
+        while True:
+            snap = runtime.sampler.sample()
+            analysis = analyzer.update(snap)
+            if runtime.clock.elapsed() >= until:
+                return State(snapshot=snap, analysis=analysis, samples_total=1, last_sample_at=snap.timestamp)
+            runtime.clock.advance(step)
+    finally:
+        runtime.close()
+
+
+def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fine():
+    """86 % used and no finding: the page says why (vLLM takes its budget up front), and shows
+    each server's budget, KV cache use and requests (#19 item 6)."""
+    from exporter.serve import status
+    page = status.render(played("steady", 900), "simulated: scenario steady", 1.0, 15.0)
+    assert "<h2>vLLM servers</h2>" in page
+    row = page[page.index("<h2>vLLM servers</h2>"):page.index("<h2>Findings</h2>")]
+    assert "Qwen/Qwen2.5-32B-Instruct" in row
+    assert re.search(r"GPU 0: 6\d\.\d GiB of 71\.7 GiB; GPU 1: 6\d\.\d GiB of 71\.7 GiB \(0\.9 of the GPU\)", row)
+    assert re.search(r"\d+% of 299,008 tokens \(36\.5 GiB per GPU\)", row) and " running, " in row
+    gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
+    assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.7 GiB" in gpus
+
+
+def test_status_page_says_a_vllm_server_is_still_loading():
+    """`steady` starts with its server loading: the GPUs at a few % while vLLM is up is not a
+    mystery on the page (#19 item 6)."""
+    from exporter.serve import status
+    page = status.render(played("steady", 30, step=10), "simulated: scenario steady", 1.0, 15.0)
+    gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
+    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.7 GiB budget so far" in gpus
+    assert '<span class="ok">up</span> loading' in page
+    page = status.render(played("steady", 300), "simulated: scenario steady", 1.0, 15.0)
+    assert "loading" not in page
+
+
+def test_status_page_names_the_findings_that_put_a_gpu_in_trouble_and_a_gpu_down():
+    from exporter.serve import status
+    page = status.render(played("contention", 2400), "simulated: scenario contention", 1.0, 15.0)
+    gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
+    assert '<span class="bad">contention (warning), pressure (warning)</span>: see Findings' in gpus
+    page = status.render(played("gpu-lost", 900, step=60), "simulated: scenario gpu-lost", 1.0, 15.0)
+    assert '<td>nvml</td><td><span class="ok">up</span> <span class="bad">GPU 1 down: gpu_is_lost</span>' in page
+    assert "gpu_unavailable (critical)" in page
+
+
 def test_status_page_escapes_text_from_the_host(clock):
     from exporter.serve import status
     page = status.render(hostile_state(), "simulated: scenario <b>x</b>", 1.0, 15.0)

@@ -1,21 +1,31 @@
-"""Contention: something other than the serving stack is taking the memory it needs.
+"""Contention: processes outside the serving stack hold memory that its budget needs.
 
-- Discrete GPU: processes with role "other" appeared or grew on the GPU within the window
-  while its headroom shrank, leaving it at least `min_utilization_ratio` full. They are
-  named (pid, process, container, pod).
-- Unified memory (GB10, Grace Hopper): the GPU's memory *is* host memory, so host
-  MemAvailable falling / memory PSI rising is contention; the processes whose RSS grew the
-  most are named and kernel OOM kills in the window are counted.
+- Discrete GPU: the vLLM servers on a GPU planned to hold their budgets (analysis.budget); the
+  other processes on it hold memory too. When what is left beside the budgets and the others
+  (and memory no live process holds) falls under `min_spare_ratio` of the GPU, the others are
+  named, every one of them, with what each holds and how much it grew within the window; when
+  nothing is left the budget itself cannot be had (critical). Where a server's budget is not
+  known, the GPU being `min_utilization_ratio` full decides instead. The finding lasts as long
+  as the others hold the memory, however long ago they took it.
+- Unified memory (GB10, Grace Hopper): the GPU's memory *is* host memory, so while the host is
+  short of it (MemAvailable low, memory PSI high, or the kernel OOM killer ran within the
+  window) the host processes outside the serving stack holding the most resident memory are
+  named (the host source reads the largest processes on such hosts, GPU processes or not),
+  with their growth.
 
-The baseline is the latest raw snapshot at least `window_seconds` old; until the history
-reaches that far back the detector says nothing (everything would look "new" at start-up).
+Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
+GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
+take from: what fills it is pressure's to say.
+Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
+history reaches that far back it is not given (the memory held still is).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model import Finding, GpuSample, HostMemory, ProcessSample, Snapshot
+from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
+from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 
 if TYPE_CHECKING:
@@ -24,26 +34,35 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 MIB = 1 << 20
 
+Evidence = list[tuple[str, float | int | str]]
+
 
 @dataclass(frozen=True)
 class ContentionConfig:
-    window_seconds: float = 300.0
-    min_bytes: int = 512 * MIB  # headroom lost and memory taken by others must reach this
-    process_min_bytes: int = 64 * MIB  # a process that grew less is not named
-    # Memory taken matters only when it leaves the GPU this full (used/total).
+    window_seconds: float = 300.0  # growth of the named processes is measured over this window
+    min_bytes: int = 512 * MIB  # the other processes must hold at least this in all
+    process_min_bytes: int = 64 * MIB  # a process holding less is not named
+    # Budgets known: contention when the memory left beside the vLLM budgets and everything else
+    # on the GPU is under this share of it (no room left for what the others do next) ...
+    min_spare_ratio: float = 0.05
+    # ... budgets unknown: when the GPU is at least this full (used/total).
     min_utilization_ratio: float = 0.80
     critical_ratio: float = 0.95
     host_available_low_ratio: float = 0.15  # unified: MemAvailable under this share ...
     psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) at least this
-    top_processes: int = 3
+    top_processes: int = 8  # named in the summary and the evidence, the largest first
+    # Short of room at any sample this recent counts as short now: a GPU or host hovering at a
+    # threshold (PSI noise, a sawtooth) keeps one finding instead of raising it every other tick.
+    hold_seconds: float = 120.0
 
     def __post_init__(self) -> None:
         if self.window_seconds <= 0 or self.min_bytes < 0 or self.process_min_bytes < 0:
             raise ValueError("contention: window_seconds > 0 and byte thresholds >= 0")
-        if not 0 <= self.min_utilization_ratio <= 1 or not 0 <= self.host_available_low_ratio <= 1:
+        if not all(0 <= r <= 1 for r in (self.min_utilization_ratio, self.host_available_low_ratio,
+                                         self.min_spare_ratio, self.critical_ratio)):
             raise ValueError("contention: ratios must be within 0-1")
-        if self.top_processes < 1:
-            raise ValueError("contention: top_processes must be >= 1")
+        if self.top_processes < 1 or self.hold_seconds < 0:
+            raise ValueError("contention: top_processes must be >= 1, hold_seconds >= 0")
 
 
 def _baseline(history: History, now: float, window: float) -> Snapshot | None:
@@ -56,24 +75,65 @@ def _baseline(history: History, now: float, window: float) -> Snapshot | None:
     return base
 
 
+def _budgets(history: History, snapshot: Snapshot) -> tuple[Budget, ...]:
+    """The tick's budgets as the engine computed them (kept with the snapshot in the history)."""
+    frames = history.recent_frames(snapshot.timestamp)
+    if frames and frames[-1][0] is snapshot:
+        return frames[-1][1]
+    return memory_budgets(snapshot)
+
+
 def detect_contention(history: History, snapshot: Snapshot,
                       config: ContentionConfig) -> list[Finding]:
     now = snapshot.timestamp
     base = _baseline(history, now, config.window_seconds)
-    if base is None:
-        return []
+    budgets = _budgets(history, snapshot)
+    recent = [f for f in history.recent_frames(now - config.hold_seconds) if f[0] is not snapshot]
+    recent.append((snapshot, budgets))
     findings = []
     for gpu in snapshot.gpus:
-        old = next((g for g in base.gpus if g.uuid == gpu.uuid), None)
+        if not gpu.up:
+            continue
+        old = next((g for g in base.gpus if g.uuid == gpu.uuid), None) if base is not None else None
         if gpu.unified:
-            finding = _unified(gpu, snapshot, base, config)
-        elif old is not None:
-            finding = _discrete(gpu, old, now, config)
+            short = any(s.host is not None and _host_short(s.host, config) for s, _ in recent)
+            finding = _unified(gpu, snapshot, base, short, config)
         else:
-            finding = None
+            short = any(_room_short(g, tuple(b for b in bs if b.uuid == gpu.uuid), config)
+                        for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up)
+            finding = _discrete(gpu, old, base is not None,
+                                tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config)
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _room_short(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionConfig) -> bool:
+    """Discrete: too little left beside the vLLM budgets and everything else on the GPU (or,
+    budgets unknown, the GPU nearly full)."""
+    spare = _spare(gpu, budgets)
+    if spare is not None:
+        return spare < config.min_spare_ratio * (gpu.total_bytes or 0)
+    return (gpu.used_bytes is not None and bool(gpu.total_bytes)
+            and gpu.used_bytes / (gpu.total_bytes or 1) >= config.min_utilization_ratio)
+
+
+def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
+    """What is left of the GPU once the vLLM budgets are held in full beside what the other
+    processes (and memory no live process holds, driver context) take; None where a budget is
+    not known."""
+    if gpu.used_bytes is None or not gpu.total_bytes or not budgets \
+            or any(b.budget_bytes is None for b in budgets):
+        return None
+    planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
+    serving = sum(p.used_bytes or 0 for p in gpu.processes if p.role == "vllm")
+    return gpu.total_bytes - planned - max(0, gpu.used_bytes - serving)
+
+
+def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
+    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high."""
+    low = host.total_bytes > 0 and host.available_bytes / host.total_bytes < config.host_available_low_ratio
+    return low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
 
 
 def describe(p: ProcessSample) -> str:
@@ -86,35 +146,76 @@ def describe(p: ProcessSample) -> str:
     return " ".join(parts)
 
 
-def _discrete(gpu: GpuSample, old: GpuSample, now: float,
-              config: ContentionConfig) -> Finding | None:
-    if gpu.used_bytes is None or old.used_bytes is None or not gpu.total_bytes:
-        return None
-    headroom_lost = gpu.used_bytes - old.used_bytes
-    before = {p.identity: p.used_bytes or 0 for p in old.processes}
-    grown = sorted((((p.used_bytes or 0) - before.get(p.identity, 0), p)
-                    for p in gpu.processes if p.role != "vllm"), key=lambda gp: -gp[0])
-    offenders = [(g, p) for g, p in grown if g >= config.process_min_bytes]
-    taken = sum(g for g, _ in offenders)
-    ratio = gpu.used_bytes / gpu.total_bytes
-    if (headroom_lost < config.min_bytes or taken < config.min_bytes
-            or ratio < config.min_utilization_ratio):
-        return None  # a newcomer on a GPU with room to spare takes nothing anyone needs
-    named = offenders[:config.top_processes]
-    names = ", ".join(f"{describe(p)} +{g / GIB:.1f} GiB" for g, p in named)
-    evidence: list[tuple[str, float | int | str]] = [
-        ("headroom_lost_bytes", headroom_lost), ("taken_by_others_bytes", taken),
-        ("free_bytes", max(0, gpu.total_bytes - gpu.used_bytes)),
-        ("utilization_ratio", round(ratio, 4)), ("window_seconds", config.window_seconds)]
-    for i, (g, p) in enumerate(named, 1):
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _growth(grew: int | None, window: float) -> str:
+    if grew is None:
+        return ""
+    if abs(grew) < GIB / 20:
+        return f", steady for {window / 60:.0f} min"
+    sign = "+" if grew >= 0 else "-"
+    return f", {sign}{abs(grew) / GIB:.1f} GiB in {window / 60:.0f} min"
+
+
+def _named(held: list[tuple[int, int | None, ProcessSample]], config: ContentionConfig,
+           rss: bool = False) -> tuple[str, Evidence]:
+    """The summary's list of processes (bytes, growth) and their evidence, largest first."""
+    shown = held[:config.top_processes]
+    text = "; ".join(f"{describe(p)} {_gib(b)}{' resident' if rss else ''}{_growth(g, config.window_seconds)}"
+                     for b, g, p in shown)
+    rest = held[config.top_processes:]
+    if rest:
+        text += f"; and {len(rest)} more ({_gib(sum(b for b, _, _ in rest))})"
+    evidence: Evidence = []
+    for i, (b, g, p) in enumerate(shown, 1):
         evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
                      (f"process_{i}_container", p.container), (f"process_{i}_pod", p.pod),
-                     (f"process_{i}_grew_bytes", g)]
+                     (f"process_{i}_{'rss_' if rss else ''}bytes", b)]
+        if g is not None:
+            evidence.append((f"process_{i}_{'rss_' if rss else ''}grew_bytes", g))
+    return text, evidence
+
+
+def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budgets: tuple[Budget, ...],
+              short: bool, now: float, config: ContentionConfig) -> Finding | None:
+    if gpu.used_bytes is None or not gpu.total_bytes or not any(p.role == "vllm" for p in gpu.processes):
+        return None  # no serving process here: nothing of its budget to take
+    others = [p for p in gpu.processes if p.role != "vllm"]
+    held_all = sum(p.used_bytes or 0 for p in others)
+    before = {p.identity: p.used_bytes or 0 for p in old.processes} if old is not None else None
+    held = sorted(((p.used_bytes or 0,
+                    (p.used_bytes or 0) - before.get(p.identity, 0) if before is not None
+                    else (None if not have_baseline else p.used_bytes or 0), p)
+                   for p in others if (p.used_bytes or 0) >= config.process_min_bytes),
+                  key=lambda bgp: (-bgp[0], bgp[2].pid))
+    if not held or held_all < config.min_bytes or not short:
+        return None
+    ratio = gpu.used_bytes / gpu.total_bytes
+    spare = _spare(gpu, budgets)
+    evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
+                          ("free_bytes", max(0, gpu.total_bytes - gpu.used_bytes))]
+    names, named_evidence = _named(held, config)
+    if spare is not None:
+        planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
+        critical = spare < 0 or ratio >= config.critical_ratio
+        evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
+        budget = "budgets" if len(budgets) > 1 else "budget"
+        if spare < 0:
+            why = (f"{_gib(-spare)} of the vLLM {budget} ({_gib(planned)}) cannot be had while they "
+                   "hold it")
+        else:
+            why = (f"beside the vLLM {budget} ({_gib(planned)}) only {_gib(spare)} "
+                   f"({spare / gpu.total_bytes:.0%}) is left")
+    else:
+        critical = ratio >= config.critical_ratio
+        why = f"the GPU is {ratio:.0%} used and the vLLM budget is not known"
+    evidence += [("window_seconds", config.window_seconds), *named_evidence]
     return Finding(
-        kind="contention", severity="critical" if ratio >= config.critical_ratio else "warning",
+        kind="contention", severity="critical" if critical else "warning",
         first_detected_at=now, gpu=gpu.index, uuid=gpu.uuid,
-        summary=(f"GPU {gpu.index}: other processes took {taken / GIB:.1f} GiB in "
-                 f"{config.window_seconds / 60:.0f} min: {names}"),
+        summary=f"GPU {gpu.index}: other processes hold {_gib(held_all)}; {why}: {names}",
         evidence=tuple(evidence),
         advice=(
             "Move the named processes to another GPU (CUDA_VISIBLE_DEVICES) or stop them; "
@@ -126,39 +227,47 @@ def _discrete(gpu: GpuSample, old: GpuSample, now: float,
         ))
 
 
-def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot,
+def _serving_pids(snapshot: Snapshot) -> set[int]:
+    """The vLLM servers' processes: their roots, and every GPU process serving one."""
+    pids = {pid for server in snapshot.vllm for pid in server.pids}
+    pids |= {p.pid for g in snapshot.gpus for p in g.processes if p.role == "vllm"}
+    return pids
+
+
+def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: bool,
              config: ContentionConfig) -> Finding | None:
-    host, old_host = snapshot.host, base.host
-    if host is None or old_host is None or host.total_bytes <= 0:
+    host = snapshot.host
+    if host is None or host.total_bytes <= 0:
         return None
-    dropped = old_host.available_bytes - host.available_bytes
-    low = host.available_bytes / host.total_bytes < config.host_available_low_ratio
+    old_host = base.host if base is not None else None
     stalled = (host.psi_some_avg10 is not None
                and host.psi_some_avg10 >= config.psi_some_threshold)
-    kills = _oom_kills(old_host, host)
-    if not (kills > 0 or (dropped >= config.min_bytes and (low or stalled))):
+    kills = _oom_kills(old_host, host) if old_host is not None else 0
+    if not (kills > 0 or short):
         return None
-    growers = _rss_growers(snapshot, base, config)
-    names = ", ".join(f"{describe(p)} +{g / GIB:.1f} GiB" for g, p in growers) or "none seen"
-    evidence: list[tuple[str, float | int | str]] = [
+    held = _rss_holders(snapshot, base, config)
+    if not held or (sum(b for b, _, _ in held) < config.min_bytes and not kills):
+        return None
+    names, named_evidence = _named(held, config, rss=True)
+    evidence: Evidence = [
         ("host_available_bytes", host.available_bytes), ("host_total_bytes", host.total_bytes),
-        ("host_available_dropped_bytes", dropped), ("oom_kills_in_window", kills),
-        ("window_seconds", config.window_seconds)]
+        ("oom_kills_in_window", kills), ("window_seconds", config.window_seconds)]
+    if old_host is not None:
+        evidence.append(("host_available_dropped_bytes", old_host.available_bytes - host.available_bytes))
     if host.psi_some_avg10 is not None:
         evidence.append(("psi_some_avg10", host.psi_some_avg10))
-    for i, (g, p) in enumerate(growers, 1):
-        evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
-                     (f"process_{i}_role", p.role), (f"process_{i}_rss_grew_bytes", g)]
+    evidence += named_evidence
     critical = kills > 0 or host.available_bytes / host.total_bytes < 0.05
-    summary = (f"GPU {gpu.index} (unified memory): host MemAvailable fell "
-               f"{dropped / GIB:.1f} GiB to {host.available_bytes / GIB:.1f} GiB in "
-               f"{config.window_seconds / 60:.0f} min; top growing: {names}")
-    if kills:
-        summary += f"; the kernel OOM killer ran {kills} time(s)"
+    why = ", ".join(w for w, on in (
+        (f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})", True),
+        (f"memory PSI {host.psi_some_avg10:.0f} %", stalled),
+        (f"the kernel OOM killer ran {kills} time(s) in {config.window_seconds / 60:.0f} min", kills > 0)) if on)
     return Finding(
         kind="contention", severity="critical" if critical else "warning",
         first_detected_at=snapshot.timestamp, gpu=gpu.index, uuid=gpu.uuid,
-        summary=summary, evidence=tuple(evidence),
+        summary=(f"GPU {gpu.index} (unified memory) is short of host memory ({why}); "
+                 f"outside vLLM the most is held by: {names}"),
+        evidence=tuple(evidence),
         advice=(
             "On unified memory the GPU and the host share RAM: every host process counts "
             "against the model's memory. Stop or move the named processes, or cap them with "
@@ -175,18 +284,34 @@ def _oom_kills(old: HostMemory, new: HostMemory) -> int:
     return new.oom_kills - old.oom_kills if new.oom_kills >= old.oom_kills else new.oom_kills
 
 
-def _rss_growers(snapshot: Snapshot, base: Snapshot,
-                 config: ContentionConfig) -> list[tuple[int, ProcessSample]]:
-    """Processes whose host RSS grew the most since the baseline (once each, any GPU)."""
-    before = {p.identity: p.host_rss_bytes or 0 for g in base.gpus for p in g.processes}
-    now: dict[Identity, tuple[int, ProcessSample]] = {}  # identity -> (rss, p)
-    for g in snapshot.gpus:
-        for p in g.processes:
+def _rss_holders(snapshot: Snapshot, base: Snapshot | None,
+                 config: ContentionConfig) -> list[tuple[int, int | None, ProcessSample]]:
+    """(RSS, growth since the baseline or None, process) of the processes outside the serving
+    stack, largest first: the host's largest processes and the GPU's own, once each."""
+    def processes(snap: Snapshot) -> dict[Identity, ProcessSample]:
+        found: dict[Identity, ProcessSample] = {}
+        for p in (*snap.host_processes, *(p for g in snap.gpus for p in g.processes)):
             if p.host_rss_bytes is not None:
-                now.setdefault(p.identity, (p.host_rss_bytes, p))
-    grown = sorted(((rss - before.get(ident, 0), p) for ident, (rss, p) in now.items()),
-                   key=lambda gp: -gp[0])
-    return [(g, p) for g, p in grown if g >= config.process_min_bytes][:config.top_processes]
+                found.setdefault(p.identity, p)
+        return found
+
+    serving = _serving_pids(snapshot)
+    before = processes(base) if base is not None else None
+    held = []
+    for ident, p in processes(snapshot).items():
+        rss = p.host_rss_bytes or 0
+        if p.pid in serving or p.ppid in serving or rss < config.process_min_bytes:
+            continue
+        then = before.get(ident) if before is not None else None
+        if then is not None:
+            grew: int | None = rss - (then.host_rss_bytes or 0)
+        elif base is not None and p.start_time is not None and p.start_time > base.timestamp:
+            grew = rss  # started within the window
+        else:
+            grew = None  # not among the largest back then: how much it had is not known
+        held.append((rss, grew, p))
+    held.sort(key=lambda bgp: (-bgp[0], bgp[2].pid))
+    return held
 
 
 def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
@@ -196,10 +321,11 @@ def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
 DETECTOR = DetectorSpec(
     name="contention", config=ContentionConfig, create=lambda: _detect,
     help="Another process takes the memory a vLLM server needs (on unified memory: the host's).",
-    history_needed={"window_seconds": 2},
+    history_needed={"window_seconds": 2, "hold_seconds": 1},
     kinds=(FindingKind(
         "contention", scenario="contention",
-        help="other processes took memory on a GPU within the window and left it nearly full",
+        help=("processes outside the serving stack hold memory a vLLM server's budget needs (on unified "
+              "memory: the host is short of memory); named, with their bytes and growth, while they hold it"),
         alert=FindingAlert(
             "GpuMemoryContention", severity="ticket", for_="5m",
             summary=("Another process competes for GPU {{ $labels.gpu }} memory on "
@@ -216,13 +342,16 @@ DETECTOR = DetectorSpec(
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
                          "run."))),),
     settings={
-        "window_seconds": "Memory taken within this long counts (against the newest sample at least this old).",
-        "min_bytes": "Headroom lost, and memory the other processes took, must each reach this.",
-        "process_min_bytes": "A process that grew less than this is not named.",
-        "min_utilization_ratio": ("Memory taken matters only when it leaves the GPU at least this full "
-                                  "(used/total)."),
+        "window_seconds": "The named processes' growth is measured over this window.",
+        "min_bytes": "The other processes must hold at least this in all.",
+        "process_min_bytes": "A process holding less than this is not named.",
+        "min_spare_ratio": ("Budgets known: contention when what is left beside the vLLM budgets and "
+                            "everything else on the GPU is under this share of it."),
+        "min_utilization_ratio": "Budgets unknown: contention when the GPU is at least this full (used/total).",
         "critical_ratio": "At or above this utilisation the finding is critical.",
         "host_available_low_ratio": "Unified memory: host MemAvailable below this share of its total ...",
-        "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as contention.",
-        "top_processes": "How many of the processes that took the most memory a finding names.",
+        "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as short.",
+        "top_processes": "How many of the processes that hold the most a finding names.",
+        "hold_seconds": ("Short of room at any sample this recent counts as short now, so a GPU hovering "
+                         "at a threshold keeps one finding."),
     })

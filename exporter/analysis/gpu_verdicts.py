@@ -2,11 +2,15 @@
 its hysteresis, the one thing here that outlives a tick), time to full, unattributed memory."""
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from ..model import Budget, GpuAnalysis, GpuSample, Snapshot
-from .history import History
+from .history import History, SeriesView
 from .leak import LeakConfig, time_to_full
 from .pressure import admission_open, beyond_budget_bytes, memory_ratio
 from .stale import unattributed_bytes
+from .trend import median, theil_sen_interval
 
 MAX_GPUS_REMEMBERED = 4096  # GPUs come and go rarely; bound the admission memory anyway
 
@@ -41,10 +45,45 @@ class GpuVerdicts:
         return tuple(out)
 
 
+STEP_NOISE_FACTOR = 8.0  # a jump this many times the series' minute-to-minute noise is a step
+MAX_SLOPE_SPREAD = 4.0  # the slope's 95 % interval spans at most this factor: else no forecast
+
+
 def _time_to_full(gpu: GpuSample, now: float, history: History, window_seconds: float,
                   config: LeakConfig) -> float | None:
-    """Forecast from the GPU's used trend (bucket medians; start-up steps ignored)."""
+    """Forecast from the GPU's used trend (bucket medians), only where the trend is clear.
+
+    A GPU's memory moves in steps (a co-tenant loads a model, a server starts) far more often
+    than it trends, and a line through a staircase forecasts a fill that is not coming, then
+    swings by orders of magnitude as the window slides past each step. So the forecast looks
+    only after the last step (a jump of at least large_step_bytes and STEP_NOISE_FACTOR times
+    the minute-to-minute noise), needs a significant upward trend there (leak.time_to_full:
+    Mann-Kendall), and needs the slope known within a factor of MAX_SLOPE_SPREAD (Sen's 95 %
+    interval, wholly above zero): a forecast is shown only when its order of magnitude is known."""
     if not gpu.up or gpu.used_bytes is None:
         return None
-    return time_to_full(history.gpu_used(gpu.uuid), gpu.total_bytes, now,
-                        window_seconds=window_seconds, config=config)
+    series = history.gpu_used(gpu.uuid)
+    times, values = series.times, series.values
+    j = max(_last_step(values, config.large_step_bytes),
+            bisect.bisect_left(times, times[-1] - window_seconds) if times else 0)
+    times, values = times[j:], values[j:]
+    forecast = time_to_full(SeriesView(times, values), gpu.total_bytes, now,
+                            window_seconds=window_seconds, config=config)
+    if forecast is None:
+        return None
+    interval = theil_sen_interval(times, values)
+    if interval is None or interval[0] <= 0 or interval[1] > MAX_SLOPE_SPREAD * interval[0]:
+        return None
+    return forecast
+
+
+def _last_step(values: tuple[float, ...], min_bytes: float) -> int:
+    """Index of the first point after the last step up or down (0 when there is none)."""
+    if len(values) < 3:
+        return 0
+    diffs = [abs(b - a) for a, b in itertools.pairwise(values)]
+    threshold = max(min_bytes, STEP_NOISE_FACTOR * median(diffs))
+    for i in range(len(diffs) - 1, -1, -1):
+        if diffs[i] >= threshold:
+            return i + 1
+    return 0

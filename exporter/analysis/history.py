@@ -1,9 +1,11 @@
 """Bounded per-series history of what the sources sampled.
 
-Three kinds of series, each keyed so a reused PID never inherits an old process's data:
+Four kinds of series, each keyed so a reused PID never inherits an old process's data:
   process memory  (gpu uuid, pid, start_time)
   process rss     (pid, start_time)
   gpu used        (gpu uuid)
+  gpu unowned     (gpu uuid): used memory no live process accounts for (unattributed_bytes),
+                  so a finding about it can say how long it has lasted beyond the raw window
 and, for a process the allocator probe reports on (ProcessSample.allocator), its PyTorch
 allocator's numbers on that GPU, keyed like its memory (ALLOCATOR_SERIES): the three
 components of its GPU memory (torch allocated, torch cached = reserved - allocated, non-torch =
@@ -38,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
-from ..model import Budget, OomEvent, ProcessSample, Snapshot
+from ..model import Budget, GpuSample, OomEvent, ProcessSample, Snapshot
 from .trend import median
 
 Identity = tuple[int, "float | None"]
@@ -277,6 +279,9 @@ class History:
         for gpu in snapshot.gpus:
             if gpu.used_bytes is not None:
                 self._add(("gpu", gpu.uuid), t, float(gpu.used_bytes), "")
+                unowned = unattributed_bytes(gpu)
+                if unowned is not None:
+                    self._add(("unowned", gpu.uuid), t, float(unowned), "")
             for p in gpu.processes:
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
@@ -353,6 +358,10 @@ class History:
     def gpu_used(self, uuid: str, raw: bool = False) -> SeriesView:
         return self._view(("gpu", uuid), raw)
 
+    def gpu_unowned(self, uuid: str, raw: bool = False) -> SeriesView:
+        """unattributed_bytes of the GPU over time (bucket medians and minima, or raw)."""
+        return self._view(("unowned", uuid), raw)
+
     def process_allocator(self, name: str, uuid: str, identity: Identity,
                           since: float | None = None) -> SeriesView:
         """One of ALLOCATOR_SERIES for a process on a GPU: its tier, or with `since` its raw
@@ -394,6 +403,14 @@ class History:
     def point_count(self) -> int:
         """Stored points over all series (for tests and self-monitoring)."""
         return sum(s.point_count() for s in self._series.values())
+
+
+def unattributed_bytes(gpu: GpuSample) -> int | None:
+    """Used minus what live processes account for; None where that cannot be known
+    (unified memory, used unknown, a process whose usage NVML does not report)."""
+    if gpu.unified or gpu.used_bytes is None or any(p.used_bytes is None for p in gpu.processes):
+        return None
+    return max(0, gpu.used_bytes - gpu.process_used_bytes)
 
 
 def _allocator_values(p: ProcessSample) -> Iterator[tuple[str, float]]:

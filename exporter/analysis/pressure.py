@@ -23,8 +23,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import thresholds
-from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory
+from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory, ProcessSample
 from .detector import DetectorSpec, FindingKind, Tick
+
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,32 @@ def admission_open(previous: bool | None, ratio: float | None, beyond_ratio: flo
     return True if previous is None else previous
 
 
+def holders(gpu: GpuSample, host_processes: Iterable[ProcessSample] = (),
+            limit: int = 3) -> list[tuple[int, ProcessSample]]:
+    """(bytes, process) of the processes that fill the GPU, the largest first: their GPU memory;
+    on unified memory, where a process's GPU figure may be missing and any host process takes
+    from it, the larger of that and its resident memory, over the host's largest processes too."""
+    found: dict[tuple[int, float | None], tuple[int, ProcessSample]] = {}
+    pool = (*gpu.processes, *host_processes) if gpu.unified else gpu.processes
+    for p in pool:
+        held = max(p.used_bytes or 0, p.host_rss_bytes or 0) if gpu.unified else p.used_bytes or 0
+        if held > 0 and (p.identity not in found or found[p.identity][0] < held):
+            found[p.identity] = (held, p)
+    return sorted(found.values(), key=lambda bp: (-bp[0], bp[1].pid))[:limit]
+
+
+def _who(p: ProcessSample) -> str:
+    role = f", vLLM {p.endpoint}" if p.role == "vllm" and p.endpoint else (", vLLM" if p.role == "vllm" else "")
+    return f"pid {p.pid} ({p.name or '?'}{role})"
+
+
 def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnalysis],
-                    now: float, config: PressureConfig, raised: frozenset[str] = frozenset()) -> list[Finding]:
-    """One pressure finding per GPU at or above the warning ratio. `raised` holds the UUIDs
-    whose finding is active: it stays until use is clear_margin_ratio below the threshold."""
+                    now: float, config: PressureConfig, raised: frozenset[str] = frozenset(),
+                    host_processes: tuple[ProcessSample, ...] = ()) -> list[Finding]:
+    """One pressure finding per GPU at or above the warning ratio, naming the processes that
+    fill it (`host_processes`: the host's largest, which count on unified memory). `raised`
+    holds the UUIDs whose finding is active: it stays until use is clear_margin_ratio below the
+    threshold."""
     by_uuid = {g.uuid: g for g in snapshot_gpus}
     findings = []
     for a in analyses:
@@ -110,11 +134,17 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         if a.time_to_full_seconds is not None:
             evidence.append(("time_to_full_seconds", round(a.time_to_full_seconds, 1)))
         evidence.append(("admission_open", int(a.admission_open)))
+        holding = holders(gpu, host_processes)
+        for i, (b, p) in enumerate(holding, 1):
+            evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
+                         (f"process_{i}_role", p.role), (f"process_{i}_bytes", b)]
         summary = f"GPU {a.gpu} memory {ratio:.0%} used"
         if beyond is not None and beyond < ratio:
             summary += f", {beyond:.0%} of it beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
-            summary += f", full in about {a.time_to_full_seconds / 60:.0f} min at the current rate"
+            summary += f", full in about {_duration(a.time_to_full_seconds)} at the current rate"
+        if holding:
+            summary += "; held by " + ", ".join(f"{_who(p)} {b / GIB:.1f} GiB" for b, p in holding)
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
@@ -122,10 +152,14 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
     return findings
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
 def _advice(gpu: GpuSample | None) -> tuple[str, ...]:
     advice = [
-        "Check which processes hold the memory (gpumem_process_memory_used_bytes) and "
-        "whether one is growing (gpumem_process_memory_growth_bytes_per_second).",
+        "The processes named hold the most; see whether one is growing "
+        "(gpumem_process_memory_growth_bytes_per_second) and whether it belongs on this GPU.",
         "Stop routing new work to this GPU until it drains (gpumem_admission_open).",
         "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
         "spread the model over more GPUs (tensor parallelism).",
@@ -139,7 +173,8 @@ def _advice(gpu: GpuSample | None) -> tuple[str, ...]:
 def _detect(tick: Tick, config: PressureConfig) -> list[Finding]:
     # A raised finding holds until use is clearly below the threshold (clear_margin_ratio).
     raised = frozenset(f.uuid for f in tick.active if f.kind == "pressure" and f.uuid)
-    return detect_pressure(tick.snapshot.gpus, list(tick.gpus), tick.now, config, raised)
+    return detect_pressure(tick.snapshot.gpus, list(tick.gpus), tick.now, config, raised,
+                           tick.snapshot.host_processes)
 
 
 DETECTOR = DetectorSpec(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import contention, fragmentation, kv_cache, leak_detector, oom_findings, pressure, sleep, stale
+from . import contention, fragmentation, kv_cache, leak_detector, oom_findings, pressure, sleep, stale, unavailable
 from .detector import DetectorSpec, FindingKind
 
 DETECTORS: tuple[DetectorSpec[Any], ...] = (
@@ -21,6 +21,7 @@ DETECTORS: tuple[DetectorSpec[Any], ...] = (
     oom_findings.DETECTOR,
     sleep.DETECTOR,
     kv_cache.DETECTOR,
+    unavailable.DETECTOR,
 )
 
 

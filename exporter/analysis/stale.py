@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING
 
 from ..model import Finding, GpuSample, ProcessSample, Snapshot
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
+from .history import unattributed_bytes
 from .sleep import quiet_endpoints
 
 if TYPE_CHECKING:
-    from .history import History, Identity
+    from .history import History, Identity, SeriesView
+
+__all__ = ["StaleConfig", "detect_stale", "exited_servers", "unattributed_bytes"]
 
 GIB = 1 << 30
 
@@ -41,14 +44,6 @@ class StaleConfig:
             raise ValueError("stale: lookback_seconds must cover seconds and exit_grace_seconds")
 
 
-def unattributed_bytes(gpu: GpuSample) -> int | None:
-    """Used minus what live processes account for; None where that cannot be known
-    (unified memory, used unknown, a process whose usage NVML does not report)."""
-    if gpu.unified or gpu.used_bytes is None or any(p.used_bytes is None for p in gpu.processes):
-        return None
-    return max(0, gpu.used_bytes - gpu.process_used_bytes)
-
-
 def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
     return max(config.min_bytes, int(config.min_ratio * (gpu.total_bytes or 0)))
 
@@ -68,7 +63,8 @@ def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig) -> l
             continue
         sleeping = any(p.role == "vllm" and p.endpoint in asleep for p in gpu.processes)
         finding = (_exited_server(gpu, unowned, exited.get(gpu.uuid, ()), now, config)
-                   or (None if sleeping else _persistent(gpu, unowned, past, now, config)))
+                   or (None if sleeping else _persistent(gpu, unowned, past, now, config,
+                                                         history.gpu_unowned(gpu.uuid))))
         if finding is not None:
             findings.append(finding)
     return findings
@@ -111,29 +107,51 @@ def exited_servers(snapshot: Snapshot,
 
 
 def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
-                config: StaleConfig) -> Finding | None:
+                config: StaleConfig, tier: SeriesView) -> Finding | None:
     threshold = _threshold(gpu, config)
     if unowned < threshold:
         return None
     since = now
+    walked_all = True
     for snap in reversed(past):  # walk back while every sample is over the threshold
         old = next((g for g in snap.gpus if g.uuid == gpu.uuid), None)
         value = unattributed_bytes(old) if old is not None else None
         if value is None or value < threshold:
+            walked_all = False
             break
         since = snap.timestamp
     if now - since < config.seconds:
         return None
+    at_least = False
+    if walked_all and past:  # over it for all the raw snapshots looked at: the tier goes further
+        since, at_least = _since_in_tier(tier, since, threshold)
+    lasted = f"{'at least ' if at_least else ''}{_duration(now - since)}"
     return Finding(
         kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
         uuid=gpu.uuid,
-        summary=(f"GPU {gpu.index}: {unowned / GIB:.1f} GiB in use by no live process for "
-                 f"{(now - since) / 60:.0f} min"),
+        summary=f"GPU {gpu.index}: {unowned / GIB:.1f} GiB in use by no live process for {lasted}",
         evidence=(("unattributed_bytes", unowned), ("threshold_bytes", threshold),
                   ("for_seconds", round(now - since, 1)), ("used_bytes", gpu.used_bytes or 0),
                   ("process_used_bytes", gpu.process_used_bytes),
                   ("live_processes", len(gpu.processes))),
         advice=_ADVICE)
+
+
+def _since_in_tier(tier: SeriesView, since: float, threshold: int) -> tuple[float, bool]:
+    """Walk the GPU's unowned-memory tier (per-minute minima, kept for the history's retention)
+    back from `since` while every bucket stayed over the threshold: how long it has really
+    lasted, and whether that is only a lower bound (over it as far back as the tier goes)."""
+    i = len(tier.times) - 1
+    while i >= 0 and tier.times[i] >= since:
+        i -= 1
+    while i >= 0 and tier.lows[i] >= threshold:
+        since = tier.times[i]
+        i -= 1
+    return since, i < 0 and len(tier.times) > 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, ProcessSample]],

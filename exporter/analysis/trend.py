@@ -103,3 +103,30 @@ def theil_sen_line(times: Sequence[float], values: Sequence[float]) -> tuple[flo
         return None
     return slope, median([v - slope * t for t, v in zip(times, values, strict=True)])
 
+
+
+def theil_sen_interval(times: Sequence[float], values: Sequence[float],
+                       z: float = 1.96) -> tuple[float, float] | None:
+    """Sen's (1968) confidence interval of the Theil–Sen slope: the order statistics of the
+    pairwise slopes around their median, C = z * sqrt(Var(S)) of them apart, with Var(S) the
+    Mann–Kendall variance (tie-corrected). z 1.96: a two-sided 95 % interval. None with too few
+    points for one."""
+    n = len(times)
+    if n != len(values):
+        raise ValueError("times and values differ in length")
+    slopes = sorted(
+        (values[j] - values[i]) / (times[j] - times[i])
+        for i in range(n - 1)
+        for j in range(i + 1, n)
+        if times[j] != times[i]
+    )
+    count = len(slopes)
+    variance = mann_kendall(values).variance
+    if count < 2 or variance <= 0:
+        return None
+    spread = z * math.sqrt(variance)
+    lower = round((count - spread) / 2)
+    upper = round((count + spread) / 2) + 1
+    if lower < 1 or upper > count:
+        return None  # the interval reaches past the slopes there are
+    return slopes[lower - 1], slopes[upper - 1]

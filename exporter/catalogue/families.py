@@ -120,9 +120,11 @@ GPU_MEMORY_UNATTRIBUTED_BYTES = gauge(
         "Used memory that no live process accounts for: stale memory from an earlier run, or a zombie."))
 GPU_TIME_TO_FULL_SECONDS = gauge(
     "gpumem_gpu_time_to_full_seconds",
-    "Projected seconds until the GPU is full at its current growth; absent if not growing.", GPU,
+    "Projected seconds until the GPU is full at its current growth; absent unless the growth is clear.", GPU,
     section=GPUS, unit="seconds", doc=(
-        "Projected time until the GPU is full at its current robust growth rate; absent when not growing."))
+        "Projected time until the GPU is full at its current robust growth rate, measured since the GPU's last "
+        "step (a process loading or leaving); absent unless the growth is clear (significant, and its rate "
+        "known within a factor of 4)."))
 ADMISSION_OPEN = gauge(
     "gpumem_admission_open",
     "1 while the GPU has headroom for new requests (closes above, reopens below thresholds).", ("gpu",),

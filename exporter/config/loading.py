@@ -16,10 +16,12 @@ log = logging.getLogger("exporter.config")
 RENAMED = {"nvml": "gpu"}
 
 
-def load_file(path: str) -> dict[str, Any]:
-    """The file's mapping, as written. Raises ConfigError."""
+def load_file(path: str, duplicates: list[str] | None = None) -> dict[str, Any]:
+    """The file's mapping, as written. Raises ConfigError. With `duplicates` (a list), a key
+    the file gives twice is added to it as a problem instead of raised (its last value kept),
+    so the rest of the file can still be checked."""
     try:
-        data = read_yaml(path, "config")
+        data = read_yaml(path, "config", duplicates=duplicates)
     except YamlError as exc:
         raise ConfigError(str(exc)) from None
     if data is None:
@@ -85,7 +87,17 @@ def build(file_data: dict[str, Any] | None = None, overrides: dict[str, Any] | N
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    return build(load_file(path) if path else None, overrides)
+    """The file checked as one with the overrides: every problem at once, keys the file gives
+    twice among them. Raises ConfigError."""
+    duplicates: list[str] = []
+    data = load_file(path, duplicates) if path else None
+    try:
+        config = build(data, overrides)
+    except ConfigError as exc:
+        raise ConfigError(duplicates + exc.problems) from None
+    if duplicates:
+        raise ConfigError(duplicates)
+    return config
 
 
 def file_form(config: Config) -> dict[str, Any]:

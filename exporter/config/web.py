@@ -77,14 +77,19 @@ class WebConfig(Section):
 
 def load_web_config(path: str) -> WebConfig:
     """Read and check a web config file. Raises ConfigError naming every problem."""
+    duplicates: list[str] = []
     try:
-        data = read_yaml(path, "web config")
+        data = read_yaml(path, "web config", duplicates=duplicates)
     except YamlError as exc:
         raise ConfigError(str(exc)) from None
+    problems = [f"{path}: {p}" for p in duplicates]
     try:
-        return WebConfig.model_validate({} if data is None else data)
+        config = WebConfig.model_validate({} if data is None else data)
     except ValidationError as exc:  # a hash or a password must not be echoed: no input shown
-        raise ConfigError([f"{path}: {p}" for p in problems_of(exc, WebConfig, show_input=False)]) from None
+        raise ConfigError(problems + [f"{path}: {p}" for p in problems_of(exc, WebConfig, show_input=False)]) from None
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def ssl_context(cfg: WebConfig, where: str = "web config") -> ssl.SSLContext:

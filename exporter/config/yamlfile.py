@@ -7,7 +7,6 @@ curves between processes) may allow them; the expanded size is then bounded inst
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import yaml
@@ -32,17 +31,6 @@ class _Loader(yaml.SafeLoader):
                 None, None, "anchors and aliases (&name, *name) are not allowed in this file", event.start_mark)
         return super().compose_node(parent, index)
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                    if key_node.value in seen:
-                        raise yaml.constructor.ConstructorError(
-                            None, None, f"duplicate key {_short(key_node.value)}", key_node.start_mark)
-                    seen.add(key_node.value)
-        return super().construct_mapping(node, deep)
-
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
@@ -55,8 +43,35 @@ class _AliasLoader(_Loader):
     allow_aliases = True
 
 
+def _where(source: str, mark: yaml.Mark | None) -> str:
+    return f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def _short(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:40] + "...")
+    return repr(_clip(text))
+
+
+def _duplicate_keys(node: yaml.Node, path: str, out: list[tuple[str, yaml.Mark | None]]) -> None:
+    """Every key a mapping gives twice, with its key path (`vllm.endpoints[0].url`) and where
+    the second one is. Recursion ends with the document (aliases, where allowed, are walked
+    once: `_expanded_size` bounds them first)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, child in enumerate(node.value):
+            _duplicate_keys(child, f"{path}[{i}]", out)
+    elif isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = f"{path}.{key_node.value}" if path else str(key_node.value)
+            if key_node.value in seen:
+                out.append((key, key_node.start_mark))
+            seen.add(key_node.value)
+            _duplicate_keys(value, key, out)
 
 
 def _expanded_size(node: yaml.Node, memo: dict[int, int], limit: int) -> int:
@@ -82,8 +97,13 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int], limit: int) -> int:
 
 
 def parse_yaml(text: str, source: str, *, allow_aliases: bool = False,
-               max_nodes: int = MAX_EXPANDED_NODES) -> Any:
-    """One YAML document from `text`; `source` (a file name) names it in errors. Raises YamlError."""
+               max_nodes: int = MAX_EXPANDED_NODES, duplicates: list[str] | None = None) -> Any:
+    """One YAML document from `text`; `source` (a file name) names it in errors. Raises YamlError.
+
+    A key given twice in one mapping is an error. With `duplicates` (a list), each one is added
+    to it as a problem (`key.path: ...`) and the document is read on, its last value kept, so
+    a caller that checks the rest can report every problem at once; without it the first one
+    raises."""
     _check_printable(text, source)
     loader = (_AliasLoader if allow_aliases else _Loader)(text)
     loader.name = source  # marks (and so messages) name the file, not "<unicode string>"
@@ -93,6 +113,14 @@ def parse_yaml(text: str, source: str, *, allow_aliases: bool = False,
             return None
         if allow_aliases and _expanded_size(node, {}, max_nodes) > max_nodes:
             raise YamlError(f"{source}: expands to more than {max_nodes} values through its aliases")
+        found: list[tuple[str, yaml.Mark | None]] = []
+        _duplicate_keys(node, "", found)
+        if found and duplicates is None:
+            key, mark = found[0]
+            raise YamlError(f"{_where(source, mark)}: not valid YAML: duplicate key {_short(key.rsplit('.', 1)[-1])}")
+        if duplicates is not None:
+            duplicates += [f"{_clip(key)}: given twice in the file (again at {_where(source, mark)}); "
+                           "give each key once" for key, mark in found]
         return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -115,9 +143,9 @@ def _check_printable(text: str, source: str) -> None:
 
 
 def read_yaml(path: str, what: str = "file", *, max_bytes: int = MAX_YAML_BYTES,
-              allow_aliases: bool = False) -> Any:
+              allow_aliases: bool = False, duplicates: list[str] | None = None) -> Any:
     """One YAML document from a file of at most `max_bytes` UTF-8 bytes; `what` the file is
-    says so in errors. Raises YamlError."""
+    says so in errors (`duplicates`: see parse_yaml). Raises YamlError."""
     try:
         raw, more = read_head(path, max_bytes)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
@@ -129,4 +157,4 @@ def read_yaml(path: str, what: str = "file", *, max_bytes: int = MAX_YAML_BYTES,
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise YamlError(f"{path}:{line}: not UTF-8 text") from None
-    return parse_yaml(text, path, allow_aliases=allow_aliases)
+    return parse_yaml(text, path, allow_aliases=allow_aliases, duplicates=duplicates)

@@ -438,8 +438,8 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
                     f"{_e(_when(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
                     "after it).</p>")
     if mpl is None:
-        body.append('<p class="note">Plots are left out: matplotlib is not installed '
-                    "(<code>pip install 'gpu-memory-exporter[report]'</code>).</p>")
+        body.append('<p class="note">Plots are left out: matplotlib is not installed where this report '
+                    "was written (the <code>report</code> extra).</p>")
 
     body.append("<h2>Findings</h2>")
     if episodes:

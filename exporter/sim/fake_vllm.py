@@ -253,6 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path not in ("/metrics", "/health"):
             return self._send(404, b'{"detail":"Not Found"}', "application/json")
+        self.sim.sync_log()
         state = self.sim.state()
         server = _pick(state, self.sim.port_in_scenario, self.sim.server_index)
         if not server.up:
@@ -289,10 +290,13 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class FakeVllmServer:
-    """Serves scenario server `server_index` on host:port (0: any free port) until stop()."""
+    """Serves scenario server `server_index` on host:port (0: any free port) until stop(): or
+    whichever server of the scenario is up on the same scenario port (a restart). With
+    `log_file`, each server that comes up there appends its start-up lines to it, as a real
+    server's log grows with each start."""
 
     def __init__(self, scenario: Scenario, clock: ScenarioClock, server_index: int = 0,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, log_file: str | None = None) -> None:
         if not 0 <= server_index < len(scenario.vllm):
             raise ValueError(f"scenario {scenario.name!r} has no vLLM server {server_index}")
         self.scenario = scenario
@@ -309,12 +313,29 @@ class FakeVllmServer:
         self._render_lock = threading.Lock()
         self._traffic: tuple[tuple[str, float, float], bytes] | None = None  # (what it shows, its exposition)
         self._connections: set[socket.socket] = set()  # open keep-alive connections
+        self.log_file = log_file
+        self._logged: int | None = None  # the server whose start the log ends with
+        self._log_lock = threading.Lock()
+        if log_file is not None:
+            open(log_file, "a").close()  # there from the start, empty until a server starts
+        self.sync_log()
 
     def state(self) -> State:
         return self.scenario.state_for(self.clock)
 
     def current(self) -> VllmState:
         return _pick(self.state(), self.port_in_scenario, self.server_index)
+
+    def sync_log(self) -> None:
+        """Append the start-up lines of the server up on this port now, once per start."""
+        if self.log_file is None:
+            return
+        with self._log_lock:
+            server = self.current()
+            if server.up and server.index != self._logged:
+                with open(self.log_file, "a") as fh:
+                    fh.write(startup_log(self.scenario, server.index))
+                self._logged = server.index
 
     def render(self) -> bytes:
         """The page: the serving state now, the traffic bulk, then the Python collectors."""
@@ -391,7 +412,8 @@ def startup_log(scenario: Scenario, server_index: int) -> str:
     weights, peak, kv = ramp["weights"] / gib, ramp["profile_peak"] / gib, ramp["kv_cache"] / gib
     non_torch, graphs = ramp["non_torch"] / gib, ramp["cuda_graphs"] / gib
     prefix = f"(EngineCore_DP0 pid={server.pid}) INFO 01-01 00:00:00"
-    return "".join(f"{prefix} [{where}] {text}\n" for where, text in (
+    return f"(APIServer pid={server.pid}) INFO 01-01 00:00:00 [api_server.py:1000] vLLM API server version 0.11.0\n" + \
+        "".join(f"{prefix} [{where}] {text}\n" for where, text in (
         ("gpu_model_runner.py:2000", f"Model loading took {weights:.4f} GiB and {ramp['load_seconds']:.1f} seconds"),
         ("gpu_worker.py:250", f"Memory profiling takes {ramp['profile_seconds']:.2f} seconds. Total non KV cache "
                               f"memory: {weights + peak + non_torch:.2f}GiB; torch peak memory increase: "

@@ -51,8 +51,13 @@ class SimulatedHost:
 
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
         proc = self._state().process(pid)
-        if proc is None:
-            return None
+        return None if proc is None else self._info(proc, with_cmdline)
+
+    def top_processes(self, limit: int) -> tuple[ProcessInfo, ...]:
+        largest = sorted(self._state().processes, key=lambda p: (-p.rss_bytes, p.pid))[:limit]
+        return tuple(self._info(p) for p in largest)
+
+    def _info(self, proc: ProcessState, with_cmdline: bool = False) -> ProcessInfo:
         return ProcessInfo(
             pid=proc.pid,
             name=proc.name,

@@ -10,13 +10,15 @@ reads and psutil's always agree.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import os
 import time
 from collections.abc import Callable
 
 import psutil
 
 from ..boundedio import read_head
-from ..model import GpuSample, HostMemory, Snapshot, SourceError
+from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
 from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, Reading
@@ -27,6 +29,12 @@ IDENTITY_REFRESH_SECONDS = 30.0  # a process renames itself or is re-parented ra
 FORGET_AFTER_SECONDS = 60.0
 MAX_TRACKED = 16384
 LISTENER_RESCAN_SECONDS = 5.0
+# Unified memory: the largest processes by RSS are found by a walk of every /proc/<pid>/statm
+# (about 10 us each) at most this often; in between only those processes' RSS is read again.
+TOP_RESCAN_SECONDS = 30.0
+MAX_SCANNED = 65536  # PIDs looked at in one walk, whatever the host runs
+TOP_PROCESSES = 8  # host processes read per tick where a GPU shares the host's memory
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _read_small(path: str) -> str:
@@ -59,6 +67,8 @@ class LocalHost(HostView):
         self._listener_checked: dict[int, float] = {}  # port -> when its pid was last confirmed
         self._tracked: dict[int, _Tracked] = {}
         self._swept_at = monotonic()
+        self._top: tuple[int, ...] = ()  # PIDs of the largest processes at the last walk
+        self._top_at = float("-inf")
 
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
         # Every tick looks up the same GPU processes: keep their psutil handles, so a tick
@@ -110,6 +120,14 @@ class LocalHost(HostView):
         if len(self._tracked) >= MAX_TRACKED:
             self._tracked.clear()
 
+    def top_processes(self, limit: int) -> tuple[ProcessInfo, ...]:
+        now = self._monotonic()
+        if now - self._top_at >= TOP_RESCAN_SECONDS or len(self._top) < limit:
+            self._top = _largest_rss(self.proc_root, limit)
+            self._top_at = now
+        found = [info for info in map(self.process, self._top) if info is not None and info.rss_bytes]
+        return tuple(sorted(found, key=lambda i: -(i.rss_bytes or 0)))
+
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds (5 us each; a GPU host has tens of
         # thousands). A known listener is confirmed from its own sockets once a TTL; the whole
@@ -155,6 +173,37 @@ class LocalHost(HostView):
                           psi_some_avg10=some, psi_full_avg10=full, oom_kills=oom_kills)
 
 
+def _largest_rss(proc_root: str, limit: int) -> tuple[int, ...]:
+    """The PIDs of the `limit` processes with the largest RSS (statm's resident pages), from one
+    walk of at most MAX_SCANNED entries of /proc."""
+    sizes: list[tuple[int, int]] = []
+    try:
+        root = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return ()
+    try:
+        with os.scandir(root) as entries:
+            for count, entry in enumerate(entries):
+                if count >= MAX_SCANNED:
+                    break
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    fd = os.open(f"{entry.name}/statm", os.O_RDONLY, dir_fd=root)
+                    try:
+                        fields = os.read(fd, 256).split()
+                    finally:
+                        os.close(fd)
+                    resident = int(fields[1])
+                except (OSError, IndexError, ValueError):
+                    continue  # exited meanwhile, or a statm we cannot read
+                if resident:  # kernel threads have none
+                    sizes.append((resident, int(entry.name)))
+    finally:
+        os.close(root)
+    return tuple(pid for _, pid in heapq.nlargest(limit, sizes))
+
+
 def _listening_ports() -> dict[int, int]:
     try:
         conns = psutil.net_connections(kind="tcp")
@@ -197,14 +246,27 @@ class HostSource:
     def collect(self, snapshot: Snapshot) -> Reading:
         memory = self.view.memory()
         gpus = enrich(snapshot.gpus, self.view, self.read_cmdline)
+        # Where a GPU's memory is the host's, any process can take it: the largest are named.
+        top = host_processes(self.view) if any(g.unified for g in gpus) else ()
         if memory is None:
-            return Reading(dataclasses.replace(snapshot, gpus=gpus), up=False,
+            return Reading(dataclasses.replace(snapshot, gpus=gpus, host_processes=top), up=False,
                            errors=(SourceError("host", "memory_unreadable"),),
                            error="host memory unreadable")
-        return Reading(dataclasses.replace(snapshot, host=memory, gpus=gpus))
+        return Reading(dataclasses.replace(snapshot, host=memory, gpus=gpus, host_processes=top))
 
     def close(self) -> None:
         pass
+
+
+def host_processes(host: HostView, limit: int = TOP_PROCESSES) -> tuple[ProcessSample, ...]:
+    """The host's largest processes by RSS as samples without GPU memory (used_bytes None)."""
+    out = []
+    for info in host.top_processes(limit):
+        container, pod_uid = parse_cgroup(info.cgroup)
+        out.append(ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
+                                 start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
+                                 ns_pid=info.ns_pid, ppid=info.ppid))
+    return tuple(out)
 
 
 def enrich(gpus: tuple[GpuSample, ...], host: HostView,

@@ -33,3 +33,8 @@ class HostView(Protocol):
 
     def memory(self) -> HostMemory | None:
         """Host memory (MemTotal/MemAvailable, PSI, oom_kill count); None if unreadable."""
+
+    def top_processes(self, limit: int) -> tuple[ProcessInfo, ...]:
+        """The `limit` processes with the most resident memory, largest first (for unified
+        memory, where every host process takes from the GPU). Bounded in cost: an
+        implementation may rescan all processes only now and then."""

@@ -58,6 +58,7 @@ class NvmlSource:
         self._identity: dict[int, tuple[str, str]] = {}  # index -> (uuid, name): stable labels for a lost GPU
         self._variant: dict[tuple[str, str], int] = {}  # (uuid, call) -> which fall-back works
         self._ats: dict[str, bool] = {}
+        self._gpus_down: dict[int, str] = {}  # index -> why, for the GPUs down at the last tick
 
     # -- error helpers -------------------------------------------------------------------
     def error_kind(self, exc: BaseException) -> str:
@@ -127,8 +128,24 @@ class NvmlSource:
                 self._down(self.error_kind(exc), str(exc), self.now(), errors)
             else:
                 gpus = tuple(g for i in range(count) for g in self._device(i, errors))
+                self._log_gpus_down(gpus)
+        # Up with GPUs down: the library answers but those GPUs do not, and the state says which.
+        down = "; ".join(f"GPU {g.index} down: {g.error}" for g in gpus if not g.up and not g.mig)
         return Reading(dataclasses.replace(snapshot, gpus=gpus, driver_version=self._driver_version),
-                       up=self._initialised, errors=tuple(errors), error=self._last_error)
+                       up=self._initialised, errors=tuple(errors),
+                       error=self._last_error if not self._initialised else down)
+
+    def _log_gpus_down(self, gpus: tuple[GpuSample, ...]) -> None:
+        """Once when a GPU goes down (and again if why changes), once when it answers again."""
+        down = {int(g.index): g.error for g in gpus if not g.up and not g.mig and g.index.isdigit()}
+        for index, why in down.items():
+            if self._gpus_down.get(index) != why:
+                uuid = self._identity.get(index, ("", ""))[0]
+                log.error("%s: GPU %d (%s) does not answer (%s); its memory is not read until it does",
+                          self.label, index, uuid or "uuid unknown", why)
+        for index in self._gpus_down.keys() - down.keys():
+            log.info("%s: GPU %d answers again", self.label, index)
+        self._gpus_down = down
 
     def _device(self, index: int, errors: list[SourceError]) -> list[GpuSample]:
         nvml = self.nvml

@@ -25,7 +25,7 @@ log = logging.getLogger("exporter.sources")
 
 # The parts of a Snapshot that sources fill and read (a source's `gives` and `needs`).
 GPUS = "gpus"  # each GPU, its memory and the PIDs using it, with their GPU memory: a GPU-memory source
-HOST_MEMORY = "host_memory"  # the host's memory
+HOST_MEMORY = "host_memory"  # the host's memory (and, on unified memory, its largest processes)
 PROCESS_IDENTITY = "process_identity"  # each GPU process's name, start time, parent, cgroup, NSpid
 POD_NAMES = "pod_names"  # the pod and namespace of a GPU process in Kubernetes
 ALLOCATOR = "allocator"  # PyTorch's allocator numbers of a probed GPU process
@@ -41,7 +41,7 @@ class Reading:
     snapshot: Snapshot  # the snapshot it was given, with its part filled in
     up: bool = True
     errors: tuple[SourceError, ...] = ()  # faults seen this tick, counted by the daemon
-    error: str = ""  # why it is down, where its errors say nothing
+    error: str = ""  # why it is down, where its errors say nothing; up, what is wrong all the same
 
 
 class Source(Protocol):
@@ -71,7 +71,9 @@ def collect(source: Source, snapshot: Snapshot) -> Snapshot:
         log.exception("source %s failed", source.name)
         reading = Reading(snapshot, up=False, errors=(
             SourceError(source.name, "exception", type(exc).__name__),))
-    why = "" if reading.up else (
+    # Down: why (its first fault, else its own word). Up, a source may still say what is wrong
+    # (the GPU library answers, one GPU does not).
+    why = reading.error if reading.up else (
         next((e.message for e in reading.errors if e.message), "") or reading.error)
     status = SourceStatus(source.name, reading.up, time.perf_counter() - started, why)
     filled = reading.snapshot

@@ -175,16 +175,24 @@ class Stack:
         self._closers.callback(hook.close)
         return hook
 
-    def exporter(self, scenario: str, speed: float, interval: float) -> str:
-        """Start `python -m exporter run --simulate`; returns its host:port once /metrics answers."""
-        port = _free_port()
-        target = f"127.0.0.1:{port}"
+    def exporter(self, scenario: str, speed: float, interval: float, target: str | None = None) -> str:
+        """Start `python -m exporter run --simulate`; returns its host:port once /metrics answers.
+        `target`: the host:port to listen on, for a Prometheus started first (see `target()`)."""
+        target = target or self.target()
         service = self._start(f"exporter-{Path(scenario).stem}", [
             sys.executable, "-m", "exporter", "run", "--simulate", scenario, "--speed", str(speed),
             "--interval", str(interval), "--listen", target], cwd=REPO)
         wait_until(lambda: requests.get(f"http://{target}/metrics", timeout=2).status_code == 200,
                    HANG, f"the exporter ({scenario}) to serve /metrics", alive=service.check_alive)
         return target
+
+    @staticmethod
+    def target() -> str:
+        """A free loopback host:port for an exporter not started yet. A simulated scenario runs
+        on from the exporter's start, so a test that must see its early moments starts
+        Prometheus first, scraping this target, and only then the exporter: the first scrape
+        then never depends on how long Prometheus took to start."""
+        return f"127.0.0.1:{_free_port()}"
 
     def alertmanager(self, webhook_url: str) -> str:
         """The example config with each receiver's webhook sent to `webhook_url`/<receiver> and
