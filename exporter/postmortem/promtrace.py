@@ -22,11 +22,10 @@ from typing import Any, TypeVar
 
 from ..boundedio import read_head
 from ..model import CacheConfig, VllmEngineStats, VllmSample
-from .tracerow import TraceError, TraceRow, clean_text, parse_float, parse_pid
+from .tracerow import MAX_ROWS, TraceError, TraceRow, clean_text, parse_float, parse_pid
 
 # A saved file is parsed in one piece; Python's objects take about six times the text.
 MAX_JSON_BYTES = 64 << 20
-MAX_ROWS = 1_000_000
 
 _T = TypeVar("_T")
 
@@ -62,7 +61,7 @@ def parse_json(text: str | bytes, where: str) -> Any:
 
 
 def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
-                         max_rows: int = MAX_ROWS) -> list[TraceRow]:
+                         max_rows: int | None = None) -> list[TraceRow]:
     """Rows from a `/api/v1/query_range` response (or a list of them) of gpumem_* series."""
     raw, more = read_head(path, max_bytes)
     if more:
@@ -72,7 +71,7 @@ def read_prometheus_rows(path: str, max_bytes: int = MAX_JSON_BYTES,
     several = isinstance(doc, list)
     responses = doc if several else [doc]
     del doc
-    rows = PrometheusRows(max_rows)
+    rows = PrometheusRows(MAX_ROWS if max_rows is None else max_rows)
     for i in range(len(responses)):
         rows.add(f"{path}: response {i}" if several else path, responses[i])
         responses[i] = None  # let each response go once it is rows
@@ -89,6 +88,7 @@ class PrometheusRows:
 
     max_rows: int = MAX_ROWS
     known: int = 0
+    points: int = 0  # every point taken, the vLLM series' included: at most max_rows
     instances: set[str] = field(default_factory=set)
     rows: list[TraceRow] = field(default_factory=list)
     rss_rows: list[TraceRow] = field(default_factory=list)
@@ -105,7 +105,8 @@ class PrometheusRows:
             s_where = f"{where}: result {s_index} ({clean_text(name)[:100]})"
             vllm_kind = VLLM_PROMETHEUS_METRICS.get(name)
             if vllm_kind is not None:
-                for _, ts, value in _points(values, s_where):
+                for v_index, ts, value in _points(values, s_where):
+                    self._count(s_where, v_index)
                     self.vllm.add(vllm_kind, metric, ts, value)
                 continue
             kind = PROMETHEUS_METRICS.get(name)
@@ -114,10 +115,14 @@ class PrometheusRows:
             self.known += 1
             out = self.rss_rows if kind == "process_rss" else self.rows
             for v_index, ts, value in _points(values, s_where):
-                if len(self.rows) + len(self.rss_rows) >= self.max_rows:
-                    raise TraceError(f"{s_where}: value {v_index}: more than {self.max_rows} "
-                                     "points; split the query (a larger step or a shorter range)")
+                self._count(s_where, v_index)
                 out.append(_series_row(kind, metric, ts, value, s_where, v_index))
+
+    def _count(self, where: str, index: int) -> None:
+        self.points += 1
+        if self.points > self.max_rows:
+            raise TraceError(f"{where}: value {index}: more than {self.max_rows} points; split "
+                             "the query (a larger step or a shorter range)")
 
     def finish(self) -> list[TraceRow]:
         rows = self.vllm.attach(_attach_rss(self.rows, self.rss_rows))
@@ -267,17 +272,16 @@ def _series_row(kind: str, metric: dict[str, str], ts: float, value: float,
             raise ValueError("process series has no pid label")
     except ValueError as exc:
         raise TraceError(f"{origin}: value {index}: {exc}") from None
-    common = TraceRow(origin=origin, timestamp=ts, gpu=gpu, uuid=metric.get("uuid", ""))
+    uuid = metric.get("uuid", "")
     if kind == "gpu_total":
-        return replace(common, total_bytes=count)
+        return TraceRow(origin, ts, gpu, uuid=uuid, total_bytes=count)
     if kind == "gpu_used":
-        return replace(common, used_bytes=count)
-    proc = replace(common, pid=pid, process=metric.get("process", ""), role=metric.get("role", ""),
-                   container=metric.get("container", ""), pod=metric.get("pod", ""),
-                   namespace=metric.get("namespace", ""))
-    if kind == "process_rss":
-        return replace(proc, host_rss_bytes=count)
-    return replace(proc, used_bytes=count)
+        return TraceRow(origin, ts, gpu, uuid=uuid, used_bytes=count)
+    rss = kind == "process_rss"
+    return TraceRow(origin, ts, gpu, pid=pid, uuid=uuid, process=metric.get("process", ""),
+                    role=metric.get("role", ""), container=metric.get("container", ""),
+                    pod=metric.get("pod", ""), namespace=metric.get("namespace", ""),
+                    used_bytes=None if rss else count, host_rss_bytes=count if rss else None)
 
 
 def _attach_rss(rows: list[TraceRow], rss_rows: list[TraceRow]) -> list[TraceRow]:
@@ -291,6 +295,7 @@ def _attach_rss(rows: list[TraceRow], rss_rows: list[TraceRow]) -> list[TraceRow
 
 __all__ = [
     "MAX_JSON_BYTES",
+    "MAX_ROWS",
     "PROMETHEUS_METRICS",
     "VLLM_PROMETHEUS_METRICS",
     "PrometheusRows",

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
 from typing import Any, TypedDict
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from ..model import Finding, OomEvent, Snapshot
 from ..sources.allocator import DUMP_NAME
@@ -65,10 +65,14 @@ def _e(value: object) -> str:
 
 
 def _link(href: str, text: str) -> str:
-    """An <a> when `href` is allowed (ALLOWED_URLS, or a relative path to an allocation-history
-    dump with no scheme possible), else the text alone."""
-    name = href.rsplit("/", 1)[-1]
-    local = ":" not in href and "\\" not in href and DUMP_NAME.fullmatch(name) is not None
+    """An <a> when `href` is allowed (ALLOWED_URLS, or a path on this machine, with neither
+    scheme nor host, to an allocation-history dump), else the text alone."""
+    try:
+        parts = urlsplit(href)
+    except ValueError:
+        return text
+    local = (not parts.scheme and not parts.netloc and "\\" not in href
+             and DUMP_NAME.fullmatch(href.rsplit("/", 1)[-1]) is not None)
     if href not in ALLOWED_URLS and not local:
         return text
     return f'<a href="{_e(href)}">{text}</a>'
@@ -282,12 +286,11 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         if startup_text(s.startup):
             out.append(f"<p>Its start-up log: {_e(startup_text(s.startup))}.</p>")
         if s.gpus:
-            out.append(_table(("GPU", "budget", "basis", "peak used", "at", "over budget"), (
-                (g, _bytes(u.budget_bytes) or "unknown", u.basis, _bytes(u.peak_used_bytes),
-                 _when(u.peak_at), _bytes(u.peak_used_bytes - u.budget_bytes)
-                 if u.budget_bytes is not None and u.peak_used_bytes is not None
-                 and u.peak_used_bytes > u.budget_bytes else "")
-                for g, u in sorted(s.gpus.items())), numeric={1, 3, 5}))
+            out.append(_table(("GPU", "budget", "basis", "peak used", "at", "most over budget"), (
+                (g, ", then ".join(_bytes(b) for b in u.budgets) or "unknown", u.basis,
+                 _bytes(u.peak_used_bytes), _when(u.peak_at),
+                 f"{_bytes(u.over_bytes)} ({_when(u.over_at)})" if u.over_bytes else "never over")
+                for g, u in sorted(s.gpus.items())), numeric={3}))
         kv = []
         if s.kv_peak is not None:
             kv.append(f"KV cache usage peaked at {s.kv_peak:.0%} ({_when(s.kv_peak_at)})")

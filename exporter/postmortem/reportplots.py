@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..model import Finding, OomEvent
 from ..units import GiB, MiB
+from .tracerow import clean_text
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -80,7 +81,7 @@ def _time_axis(mpl: Mpl, ax: _DateAxes) -> None:
 def _mark_triggers(ax: _DateAxes, triggers: Triggers) -> None:
     for i, (t, name) in enumerate(triggers):
         line = ax.axvline(_dt([t])[0], color=TRIGGER_COLOUR, linestyle="-.", linewidth=1.6,
-                          label=f"trigger: {name}" if i < 3 else None)
+                          label=f"trigger: {clean_text(name)}" if i < 3 else None)
         line.set_gid(TRIGGER_GID)
 
 
@@ -95,7 +96,7 @@ def _where(f: Finding) -> str:
     parts = [f"GPU {f.gpu}" if f.gpu is not None else ""]
     if f.pid is not None:
         parts.append(f"pid {f.pid}" + (f" ({f.process})" if f.process else ""))
-    return ", ".join(p for p in parts + [f.endpoint] if p)
+    return clean_text(", ".join(p for p in parts + [f.endpoint] if p))
 
 
 def timeline(mpl: Mpl, episodes: Sequence[Episode], start: float, end: float,
@@ -199,7 +200,7 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
     zoomed = low - pad > min(ys)
     ax.set_ylim(low - pad, high + pad)
     ax.set_ylabel("GiB")
-    ax.set_title(f"pid {f.pid} {f.process} on {'GPU ' + f.gpu if f.gpu is not None else 'host'}: "
+    ax.set_title(f"pid {f.pid} {clean_text(f.process)} on {'GPU ' + f.gpu if f.gpu is not None else 'host'}: "
                  f"{what}" + (" (y axis zoomed on the growth)" if zoomed else ""))
     ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
     _time_axis(mpl, ax)

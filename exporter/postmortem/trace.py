@@ -8,9 +8,10 @@ rows), runs.py (which run wrote a trace: files of different runs are not merged 
 and this one (rows to snapshots). Every problem in the input is a TraceError naming file:line
 (or the JSON result) and what is wrong; nothing is silently guessed.
 
-Bounded: the files together give at most MAX_ROWS rows and MAX_SNAPSHOTS distinct times (what
-`analyze` costs at these limits is measured by bench/trace_cost.py, and quoted in
-bench/README.md). Rows are grouped as they are read; a file's rows are never all held as rows.
+Bounded: the files together give at most MAX_ROWS rows and MAX_TICKS distinct times, the
+limits the trace writer keeps too (what `analyze` costs at these limits is measured by
+bench/trace_cost.py, and quoted in bench/README.md). Rows are grouped as they are read; a
+file's rows are never all held as rows.
 """
 from __future__ import annotations
 
@@ -22,11 +23,8 @@ from ..boundedio import read_head
 from ..model import GpuSample, HostMemory, OomMessage, ProcessSample, Snapshot, VllmSample
 from .promtrace import PROMETHEUS_METRICS, VLLM_PROMETHEUS_METRICS, read_prometheus_rows
 from .runs import FileSpan, RunIdentity, check_one_run
-from .tracecsv import CSV_COLUMNS, MAX_ROWS, read_csv_rows, write_csv
-from .tracerow import TraceError, TraceRow
-
-# The flight recorder writes at most this many ticks in one trace (recorder.MAX_RECORDING_SAMPLES).
-MAX_SNAPSHOTS = 100_000
+from .tracecsv import CSV_COLUMNS, read_csv_rows, write_csv
+from .tracerow import MAX_ROWS, MAX_TICKS, TraceError, TraceRow
 
 
 @dataclass(frozen=True)
@@ -115,8 +113,8 @@ class _Grouper:
     """Rows in any order, grouped by timestamp and GPU as they come (each process row becomes
     its ProcessSample at once), then Snapshots."""
 
-    def __init__(self, max_rows: int = MAX_ROWS, max_snapshots: int = MAX_SNAPSHOTS):
-        self.max_rows, self.max_snapshots = max_rows, max_snapshots
+    def __init__(self) -> None:
+        self.max_rows, self.max_ticks = MAX_ROWS, MAX_TICKS
         self.rows = 0
         self.grouped: dict[float, dict[str, _GpuEntry]] = {}
         self.hosts: dict[float, HostMemory] = {}
@@ -133,8 +131,8 @@ class _Grouper:
                              "split them")
         gpus = self.grouped.get(row.timestamp)
         if gpus is None:
-            if len(self.grouped) >= self.max_snapshots:
-                raise TraceError(f"{row.origin}: the traces hold more than {self.max_snapshots} "
+            if len(self.grouped) >= self.max_ticks:
+                raise TraceError(f"{row.origin}: the traces hold more than {self.max_ticks} "
                                  "sampling times together; split them")
             gpus = self.grouped[row.timestamp] = {}
         entry = gpus.get(row.gpu)
@@ -220,7 +218,7 @@ def _gpu_sample(index: str, entry: _GpuEntry) -> GpuSample:
 __all__ = [
     "CSV_COLUMNS",
     "MAX_ROWS",
-    "MAX_SNAPSHOTS",
+    "MAX_TICKS",
     "PROMETHEUS_METRICS",
     "VLLM_PROMETHEUS_METRICS",
     "Trace",

@@ -51,6 +51,8 @@ from .atomic import atomic_file
 from .cells import decode_list, decode_one, encode, encode_items
 from .runs import RunIdentity, local_identity
 from .tracerow import (
+    MAX_ROWS,
+    MAX_TICKS,
     TraceError,
     TraceRow,
     clean_text,
@@ -63,10 +65,8 @@ from .tracerow import (
 
 log = logging.getLogger("exporter.postmortem.trace")
 
-# Bounds on outside input. A trace is turned into snapshots whole, in memory; these limits and
-# what they cost (time and memory of `analyze`) are measured by bench/trace_cost.py.
+# Bounds on outside input (with tracerow.MAX_ROWS and MAX_TICKS, which the writer keeps too).
 MAX_CSV_BYTES = 256 << 20
-MAX_ROWS = 1_000_000
 # The csv module refuses a field over 131,072 characters; what is written stays under it.
 MAX_JSON_CELL_BYTES = 64 << 10
 MAX_TEXT_CHARS = 1024
@@ -99,8 +99,9 @@ def _bounded_lines(handle: Iterable[str], limit: int, path: str) -> Iterator[str
 
 
 def read_csv_rows(path: str, max_bytes: int = MAX_CSV_BYTES,
-                  max_rows: int = MAX_ROWS) -> Iterator[TraceRow]:
-    """Stream the rows of a trace CSV, validating each."""
+                  max_rows: int | None = None) -> Iterator[TraceRow]:
+    """Stream the rows of a trace CSV, validating each (at most max_rows, default MAX_ROWS)."""
+    max_rows = MAX_ROWS if max_rows is None else max_rows
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
         reader = csv.reader(_bounded_lines(handle, max_bytes, path), strict=True)
         try:
@@ -225,26 +226,29 @@ def write_csv(snapshots: Iterable[Snapshot], path: str,
     `triggers`: snapshot timestamp -> the flight-recorder triggers of that tick (the
     `trigger` column). `identity`: the run the rows name (default: this process's).
 
-    Each GPU gets a GPU-level row (empty pid) carrying its used/total and the host's memory,
-    then one row per process. Written to a temporary file and renamed, so a reader (or a
-    crash) never sees half a trace. The temporary file, `<path>.tmp.<pid>.<random>`, is made
-    new (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600): a link planted in the directory is never
-    written through.
+    A trace holds at most MAX_TICKS ticks and MAX_ROWS rows, the limits `analyze` reads: past
+    them the oldest ticks are left out (an incident's last moments matter most), counted as
+    `ticks=N` in the first tick's `dropped` cell. Each GPU gets a GPU-level row (empty pid)
+    carrying its used/total and the host's memory, then one row per process. Written to a
+    temporary file and renamed, so a reader (or a crash) never sees half a trace. The
+    temporary file, `<path>.tmp.<pid>.<random>`, is made new (O_CREAT|O_EXCL|O_NOFOLLOW, mode
+    0600): a link planted in the directory is never written through.
     """
     triggers = triggers or {}
     run = identity if identity is not None else local_identity()
-    dropped_total: dict[str, int] = {}
+    snaps, left_out = _within_limits(list(snapshots))
+    dropped_total: dict[str, int] = {"ticks": left_out} if left_out else {}
     # errors="replace": a name that is not valid Unicode must not lose the whole trace
     with atomic_file(path, encoding="utf-8", errors="replace", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(CSV_COLUMNS)
-        for snap in snapshots:
+        for k, snap in enumerate(snaps):
             ts = repr(float(snap.timestamp))
             trigger = "+".join(triggers.get(snap.timestamp, ()))
             for i, g in enumerate(snap.gpus):
                 row = _gpu_cells(ts, g, snap.host, trigger)
                 if i == 0:  # the tick's own data, once
-                    _tick_cells(row, snap, run, dropped_total)
+                    _tick_cells(row, snap, run, dropped_total, left_out if k == 0 else 0)
                 writer.writerow(row)
                 for p in g.processes:
                     writer.writerow(_process_cells(ts, g, p, dropped_total))
@@ -253,9 +257,19 @@ def write_csv(snapshots: Iterable[Snapshot], path: str,
                     ", ".join(f"{n} {c}" for n, c in sorted(dropped_total.items())))
 
 
+def _within_limits(snaps: list[Snapshot]) -> tuple[list[Snapshot], int]:
+    """The newest ticks that fit in MAX_TICKS and MAX_ROWS, and how many older ones do not."""
+    rows = 0
+    for i in range(len(snaps) - 1, -1, -1):
+        rows += sum(1 + len(g.processes) for g in snaps[i].gpus)
+        if rows > MAX_ROWS or len(snaps) - i > MAX_TICKS:
+            return snaps[i + 1:], i + 1
+    return snaps, 0
+
+
 def _tick_cells(row: list[str], snap: Snapshot, run: RunIdentity,
-                dropped_total: dict[str, int]) -> None:
-    dropped = []
+                dropped_total: dict[str, int], ticks_left_out: int) -> None:
+    dropped = [("ticks", ticks_left_out)] if ticks_left_out else []
     for name, items in (("vllm", list(snap.vllm)),
                         ("oom_events", [_as_message(e) for e in snap.log_events])):
         if items:
@@ -263,7 +277,7 @@ def _tick_cells(row: list[str], snap: Snapshot, run: RunIdentity,
             row[_COL[name]] = fitted.text
             if fitted.dropped:
                 dropped.append((name, fitted.dropped))
-    for name, count in dropped:
+    for name, count in dropped[1 if ticks_left_out else 0:]:
         dropped_total[name] = dropped_total.get(name, 0) + count
     row[_COL["dropped"]] = ";".join(f"{n}={c}" for n, c in dropped)
     row[_COL["hostname"]] = _text(run.hostname)
@@ -341,7 +355,6 @@ __all__ = [
     "CSV_COLUMNS",
     "MAX_CSV_BYTES",
     "MAX_JSON_CELL_BYTES",
-    "MAX_ROWS",
     "REQUIRED_COLUMNS",
     "read_csv_rows",
     "write_csv",

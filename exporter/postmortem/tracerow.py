@@ -17,6 +17,12 @@ from ..model import AllocatorStats, HostMemory, OomMessage, VllmSample
 
 _T = TypeVar("_T")
 
+# What `analyze` takes from its trace files together, and what one trace the daemon writes may
+# hold (tracecsv.write_csv keeps the newest ticks that fit): rows, and distinct sampling times.
+# What analyze costs at these limits is measured by bench/trace_cost.py (bench/README.md).
+MAX_ROWS = 1_000_000
+MAX_TICKS = 100_000
+
 
 class TraceError(ValueError):
     """A trace file that cannot be read as a trace; the message names file:line."""
@@ -120,5 +126,5 @@ def optional(cell: str | None, parse: Callable[[str, str], _T], what: str) -> _T
     return None if cell == "" else parse(cell, what)
 
 
-__all__ = ["TraceError", "TraceRow", "clean_text", "optional", "parse_bool", "parse_bytes",
-           "parse_float", "parse_pid"]
+__all__ = ["MAX_ROWS", "MAX_TICKS", "TraceError", "TraceRow", "clean_text", "optional",
+           "parse_bool", "parse_bytes", "parse_float", "parse_pid"]

@@ -29,10 +29,12 @@ class SettingsChange:
 class GpuUse:
     """The server's budget and its processes' memory on one GPU over the trace."""
 
-    budget_bytes: int | None = None  # the last known
+    budgets: list[int] = field(default_factory=list)  # each budget it had, in order
     basis: str = ""
     peak_used_bytes: int | None = None
     peak_at: float | None = None
+    over_bytes: int = 0  # the most its processes used beyond the budget of that moment
+    over_at: float | None = None
 
 
 @dataclass
@@ -78,10 +80,15 @@ def servers_in(snapshots: Iterable[Snapshot]) -> list[ServerStory]:
                 continue
             use = story.gpus.setdefault(budget.gpu, GpuUse())
             if budget.budget_bytes is not None:
-                use.budget_bytes, use.basis = budget.budget_bytes, budget.basis
-            if budget.used_bytes is not None and (use.peak_used_bytes is None
-                                                  or budget.used_bytes > use.peak_used_bytes):
+                if not use.budgets or use.budgets[-1] != budget.budget_bytes:
+                    use.budgets.append(budget.budget_bytes)
+                use.basis = budget.basis
+            if budget.used_bytes is None:
+                continue
+            if use.peak_used_bytes is None or budget.used_bytes > use.peak_used_bytes:
                 use.peak_used_bytes, use.peak_at = budget.used_bytes, snap.timestamp
+            if budget.budget_bytes is not None and budget.used_bytes - budget.budget_bytes > use.over_bytes:
+                use.over_bytes, use.over_at = budget.used_bytes - budget.budget_bytes, snap.timestamp
     return list(stories.values())
 
 
