@@ -69,6 +69,8 @@ _CONTROLS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 def clean_text(text: str) -> str:
     """Text from outside with its control characters removed (a tab becomes a space)."""
+    if text.isprintable():  # the usual case, checked in C
+        return text
     return _CONTROLS.sub("", text.replace("\t", " "))
 
 
