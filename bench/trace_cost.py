@@ -4,7 +4,8 @@ replaying it, and of `analyze --prometheus` against a server that answers as muc
     python bench/trace_cost.py [--rows 100000 500000 1000000] [--shape 8x8] [--ticks-only 100000]
                                [--prom-mib 15 60] [--repeats 1] [--code DIR ...] [--max-rss-gib 8]
 
-Cases, each run in a fresh worker process (its peak RSS is the process's own, ru_maxrss):
+Cases, each run in a fresh worker process (its peak RSS is the process's own, VmHWM; times are
+the worker's CPU time, since the machines these run on are shared):
   csv ROWS     a trace CSV of ROWS rows shaped like a busy host (SHAPE = GPUs x processes per
                GPU, one GPU-level row per GPU per tick, 5 s apart): load_traces, then the replay
                through the detectors (analyze's JSON output, no report);
@@ -81,8 +82,11 @@ def serve(body: bytes) -> tuple[ThreadingHTTPServer, str]:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # analyze stopped reading at its cap
 
         def log_message(self, *args: object) -> None:
             pass
@@ -102,7 +106,7 @@ def worker(case: dict[str, object]) -> dict[str, object]:
     from exporter.postmortem.trace import TraceError, load_traces
 
     out: dict[str, object] = {}
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: these machines are shared, wall time is not comparable
     try:
         if case["kind"] == "prom":
             from exporter.postmortem.promquery import fetch
@@ -110,20 +114,30 @@ def worker(case: dict[str, object]) -> dict[str, object]:
             snaps = fetch(str(case["url"]), T0, T0 + 15 * 9_999, step=15.0)
         else:
             snaps = load_traces([str(case["path"])]).snapshots
-        out["load_s"] = time.perf_counter() - t0
+        out["load_s"] = time.process_time() - t0
         out["snapshots"] = len(snaps)
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         analyze_snapshots(snaps, "json")
-        out["replay_s"] = time.perf_counter() - t1
+        out["replay_s"] = time.process_time() - t1
         out["outcome"] = "analyzed"
     except TraceError as exc:
-        out["load_s"] = time.perf_counter() - t0
+        out["load_s"] = time.process_time() - t0
         out["outcome"] = "refused: " + str(exc).split(": ")[-1][:70]
     except MemoryError:
-        out["load_s"] = time.perf_counter() - t0
+        out["load_s"] = time.process_time() - t0
         out["outcome"] = f"MemoryError (over --max-rss-gib {case['max_rss_gib']})"
-    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_mib"] = peak_rss_mib()
     return out
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: Linux carries that over from the
+    parent across fork and exec, so a worker would report at least the bench's own size."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def run_case(tree: Path, case: dict[str, object]) -> dict[str, object]:
@@ -156,7 +170,7 @@ def main() -> None:
         return
     gpus, procs = (int(x) for x in args.shape.split("x"))
     trees = [Path(c).resolve() for c in args.code]
-    print("| case | tree | outcome | snapshots | load s | replay s | peak RSS MiB |")
+    print("| case | tree | outcome | snapshots | load, CPU s | replay, CPU s | peak RSS MiB |")
     print("|---|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         cases: list[tuple[str, dict[str, object]]] = []
