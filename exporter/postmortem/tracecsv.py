@@ -138,7 +138,9 @@ def _header(path: str, header: list[str] | None) -> list[str]:
 
 def _text_in(cell: str | None, strip: bool = True) -> str:
     """A text cell as written: controls removed, the formula guard's quote taken off."""
-    text = clean_text(cell or "")
+    if not cell:
+        return ""  # most optional cells: quickly
+    text = clean_text(cell)
     text = text[1:] if text.startswith("'") else text
     return text.strip() if strip else text
 
@@ -200,6 +202,8 @@ def _json_cell(cells: dict[str, str], name: str, decode: Callable[[object], _T])
 
 
 def _dropped(cell: str | None) -> tuple[tuple[str, int], ...]:
+    if not cell:
+        return ()
     out = []
     for part in (cell or "").split(";"):
         name, sep, count = part.strip().partition("=")
