@@ -172,12 +172,16 @@ def explain(logfiles: tuple[str, ...], fmt: str) -> None:
 @click.option("--log", "log_files", multiple=True, type=click.Path(),
               help="Server logs whose out-of-memory events are listed (with their class and time) "
               "and go into the report; repeatable.")
+@click.option("--merge-runs", is_flag=True,
+              help="Merge traces of different runs (another host or boot, another exporter run, "
+              "or more than an hour apart), which are refused otherwise.")
 def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start: str | None, end: str,
-            step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...]) -> None:
+            step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...],
+            merge_runs: bool) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
-    from .postmortem.analyze import analyze_snapshots, read_log_events
+    from .postmortem.analyze import analyze_trace, read_log_events
     from .postmortem.explain import ExplainError
-    from .postmortem.trace import TraceError, load_traces
+    from .postmortem.trace import Trace, TraceError, load_traces
 
     if bool(traces) == bool(prometheus_url):
         raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
@@ -191,18 +195,17 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
                 t0, t1 = parse_time(start), parse_time(end)
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None
-            snapshots = fetch(prometheus_url, t0, t1, step=step, selector=selector)
-            triggers: list[tuple[float, str]] = []
+            trace = Trace(fetch(prometheus_url, t0, t1, step=step, selector=selector))
         else:
-            trace = load_traces(list(traces))
-            snapshots, triggers = trace.snapshots, trace.triggers
+            trace = load_traces(list(traces), merge_runs=merge_runs)
+        snapshots = trace.snapshots
         events = read_log_events(log_files, snapshots[-1].timestamp if snapshots else None)
         if report_path and importlib.util.find_spec("matplotlib") is None:
             # The command that fits the Python running this, whatever installed it (.venv, pipx).
             click.echo("The report's plots are left out: matplotlib is not installed. To draw them: "
                        f"{sys.executable} -m pip install 'matplotlib>=3.7'", err=True)
-        click.echo(analyze_snapshots(snapshots, fmt, report_path=report_path, oom_events=events,
-                                     triggers=triggers), nl=False)
+        click.echo(analyze_trace(trace, fmt, report_path=report_path, oom_events=events,
+                                 logs=log_files), nl=False)
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
         _fail(str(exc))
     except OSError as exc:

@@ -118,8 +118,8 @@ def test_missing_file_is_a_trace_error(tmp_path):
 
 # ------------------------------------------------------------------ CSV round trip
 
-names = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
-                max_size=12)
+# Control characters are taken out on writing (test_trace_safety.py); every other name round-trips.
+names = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=12)
 byte_counts = st.integers(min_value=0, max_value=1 << 50)
 
 

@@ -4,8 +4,9 @@
 finding's first_detected_at is the snapshot time at which the live daemon would have raised
 it (causal: nothing later in the trace is looked at). `analyze` reads trace files and prints
 the result as text or as JSON (`{"findings": [...]}`, described in README.md), with the flight
-recorder's triggers where the trace marks them and the out-of-memory events of the trace and
-of the `--log` files (each with its class and time).
+recorder's triggers where the trace marks them, the host and run that recorded it, its vLLM
+servers' settings changes, and the out-of-memory events of the trace and of the `--log` files
+(each with its class and time; those outside the trace's time are said to be).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
 from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
 from ..units import format_bytes
-from .trace import load_traces
+from .report import dropped_text, outside_text
+from .trace import Trace, load_traces
+from .vllm_servers import servers_in, settings_text
 
 
 def replay_episodes(snapshots: Iterable[Snapshot], config: AnalysisConfig | None = None
@@ -38,12 +41,13 @@ def replay(snapshots: Iterable[Snapshot], config: AnalysisConfig | None = None) 
     return [f for f, _ in episodes]
 
 
-def analyze(paths: list[str], fmt: str = "text", config: AnalysisConfig | None = None) -> str:
+def analyze(paths: list[str], fmt: str = "text", config: AnalysisConfig | None = None,
+            merge_runs: bool = False) -> str:
     """Read trace files (CSV or Prometheus range-query JSON), replay them, render the result.
 
-    Raises trace.TraceError for unreadable input and ValueError for an unknown format."""
-    trace = load_traces(paths)
-    return analyze_snapshots(trace.snapshots, fmt, config, triggers=trace.triggers)
+    Raises trace.TraceError for unreadable input (and for files of different runs unless
+    `merge_runs`) and ValueError for an unknown format."""
+    return analyze_trace(load_traces(paths, merge_runs), fmt, config)
 
 
 def read_log_events(paths: Iterable[str], reference: float | None = None) -> list[OomEvent]:
@@ -94,22 +98,30 @@ def _merge_events(recorded: list[OomEvent], logged: list[OomEvent]) -> list[OomE
 
 def analyze_snapshots(snapshots: list[Snapshot], fmt: str = "text", config: AnalysisConfig | None = None,
                       report_path: str | None = None, oom_events: Iterable[OomEvent] = (),
-                      triggers: Sequence[tuple[float, str]] = ()) -> str:
-    """Replay `snapshots` and render the findings as `fmt`; with `report_path`, also write the
-    HTML incident report there (OSError when it cannot be written). oom_events: from `--log`
-    files (read_log_events); the trace's own are added. triggers: the flight recorder's
-    (tick time, trigger) marks (trace.load_traces)."""
+                      triggers: Sequence[tuple[float, str]] = (), logs: Sequence[str] = ()) -> str:
+    """analyze_trace of bare snapshots (and the flight recorder's (tick time, trigger) marks)."""
+    return analyze_trace(Trace(snapshots, list(triggers)), fmt, config, report_path, oom_events, logs)
+
+
+def analyze_trace(trace: Trace, fmt: str = "text", config: AnalysisConfig | None = None,
+                  report_path: str | None = None, oom_events: Iterable[OomEvent] = (),
+                  logs: Sequence[str] = ()) -> str:
+    """Replay the trace and render the findings as `fmt`; with `report_path`, also write the
+    HTML incident report there (OSError when it cannot be written). oom_events: from the `logs`
+    given (read_log_events); the trace's own are added."""
     if fmt not in ("text", "json"):
         raise ValueError(f"unknown format {fmt!r} (text or json)")
+    snapshots = trace.snapshots
     episodes, analyzer = replay_episodes(snapshots, config)
     events = _merge_events(trace_oom_events(snapshots), list(oom_events))
     if report_path:
         from .report import write_report
 
-        write_report(snapshots, episodes, events, report_path, triggers=triggers)
+        write_report(snapshots, episodes, events, report_path, triggers=trace.triggers,
+                     runs=trace.runs, logs=logs, dropped=trace.dropped)
     if fmt == "json":
-        return render_json(snapshots, episodes, analyzer, events, triggers) + "\n"
-    return render_text(snapshots, episodes, analyzer, events, triggers)
+        return render_json(trace, episodes, analyzer, events, logs) + "\n"
+    return render_text(trace, episodes, analyzer, events, logs)
 
 
 def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, Any]:
@@ -123,20 +135,29 @@ def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, A
     }
 
 
-def render_json(snapshots: list[Snapshot], episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer, events: Sequence[OomEvent] = (),
-                triggers: Sequence[tuple[float, str]] = ()) -> str:
+def render_json(trace: Trace, episodes: list[tuple[Finding, float | None]],
+                analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
     from .explain import event_to_dict
 
+    snapshots = trace.snapshots
     findings = []
     for finding, cleared_at in episodes:
         item = finding.to_json()
         item["cleared_at"] = cleared_at
         findings.append(item)
     summary = _trace_summary(snapshots, analyzer)
-    summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in triggers]
-    return json.dumps({"findings": findings, "oom_events": [event_to_dict(e) for e in events],
-                       "trace": summary}, indent=2)
+    summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in trace.triggers]
+    summary["runs"] = [{"hostname": r.hostname, "boot_id": r.boot_id, "exporter_run": r.exporter_run}
+                       for r in trace.runs]
+    summary["logs"] = list(logs)
+    summary["dropped"] = [{"timestamp": t, "cell": name, "count": n} for t, name, n in trace.dropped]
+    start, end = summary["start"], summary["end"]
+    oom = []
+    for e in events:
+        item = event_to_dict(e)
+        item["outside_trace"] = bool(outside_text(e.timestamp, start, end))
+        oom.append(item)
+    return json.dumps({"findings": findings, "oom_events": oom, "trace": summary}, indent=2)
 
 
 def _when(ts: float) -> str:
@@ -149,13 +170,21 @@ def _span(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _event_lines(events: Sequence[OomEvent], start: float | None) -> list[str]:
+def _event_lines(events: Sequence[OomEvent], start: float | None, end: float | None,
+                 logs: Sequence[str]) -> list[str]:
+    source = f"the log(s) given ({', '.join(logs)}) and the trace" if logs else \
+        "the trace (no log given: add --log FILE for a server's own)"
     if not events:
-        return []
-    lines = ["", f"{len(events)} out-of-memory event(s):"]
+        return ["", sanitize(f"No out-of-memory events in {source}.")]
+    outside = [e for e in events if outside_text(e.timestamp, start, end)]
+    lines = ["", sanitize(f"{len(events)} out-of-memory event(s) in {source}"
+                          + (f"; {len(outside)} of them outside the trace's time, not part of "
+                             "its replay:" if outside else ":"))]
     for e in events:
+        away = outside_text(e.timestamp, start, end)
         when = "time unknown" if e.timestamp is None else _when(e.timestamp) + (
-            f" (+{_span(e.timestamp - start)})" if start is not None and e.timestamp >= start else "")
+            f" (OUTSIDE THE TRACE: {away})" if away else
+            f" (+{_span(e.timestamp - start)})" if start is not None else "")
         numbers = ", ".join(f"{name} {format_bytes(v)}" for name, v in (
             ("requested", e.requested_bytes), ("free", e.free_bytes), ("total", e.total_bytes))
             if v is not None)
@@ -168,23 +197,42 @@ def _event_lines(events: Sequence[OomEvent], start: float | None) -> list[str]:
     return lines
 
 
-def render_text(snapshots: list[Snapshot], episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer, events: Sequence[OomEvent] = (),
-                triggers: Sequence[tuple[float, str]] = ()) -> str:
+def _context_lines(trace: Trace) -> list[str]:
+    """Who recorded the trace, what did not fit in it, and its vLLM servers' settings changes."""
+    lines = []
+    for run in trace.runs:
+        lines.append(sanitize(f"Recorded on host {run.hostname or 'unknown'} (boot "
+                              f"{run.boot_id or 'unknown'}) by exporter run {run.exporter_run or 'unknown'}."))
+    if len(trace.runs) > 1:
+        lines.append(f"These traces come from {len(trace.runs)} runs, merged on request (--merge-runs).")
+    if trace.dropped:
+        lines.append(dropped_text(trace.dropped))
+    for story in servers_in(trace.snapshots):
+        for c in story.settings[1:]:
+            lines.append(sanitize(f"vLLM {story.endpoint}: at {_when(c.at)} "
+                                  + ("restarted with " if c.restarted else "settings changed to ")
+                                  + settings_text(c.config, c.previous) + "."))
+    return lines
+
+
+def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
+                analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
+    snapshots = trace.snapshots
     if not snapshots:
-        return "\n".join(["The trace holds no samples.", *_event_lines(events, None)]) + "\n"
+        return "\n".join(["The trace holds no samples.", *_event_lines(events, None, None, logs)]) + "\n"
     start, end = snapshots[0].timestamp, snapshots[-1].timestamp
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
     lines = [f"Replayed {len(snapshots)} samples of {len(gpus)} GPU(s) from {_when(start)} to "
              f"{_when(end)} ({_span(end - start)})."]
-    for t, name in triggers:
+    lines += _context_lines(trace)
+    for t, name in trace.triggers:
         lines.append(sanitize(f"Flight recorder trigger: {name} at {_when(t)} (+{_span(t - start)}; "
                               f"{_span(end - t)} recorded after it)."))
     if analyzer.dropped_findings:
         lines.append(f"({analyzer.dropped_findings} early findings were dropped: too many to keep.)")
     if not episodes:
         lines.append("No findings.")
-        return "\n".join(lines + _event_lines(events, start)) + "\n"
+        return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
     lines.append(f"{len(episodes)} finding(s):")
     for f, cleared_at in episodes:
         where = ", ".join(x for x in (
@@ -202,4 +250,4 @@ def render_text(snapshots: list[Snapshot], episodes: list[tuple[Finding, float |
             lines.append("  evidence: " + sanitize(", ".join(f"{k}={v}" for k, v in f.evidence)))
         for advice in f.advice:
             lines.append("  - " + sanitize(advice))
-    return "\n".join(lines + _event_lines(events, start)) + "\n"
+    return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"

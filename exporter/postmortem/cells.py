@@ -5,7 +5,8 @@ Encoding writes only the fields that differ from their defaults, so a cell stays
 field added later costs old traces nothing. Decoding is strict about types (a trace is outside
 input: a wrong type is a ValueError naming the field, never a crash deeper in the analysis)
 and lenient about names: an unknown field is ignored and a missing one takes its default, so
-a trace written by an older or newer version still loads.
+a trace written by an older or newer version still loads. Control characters are taken out of
+every string read.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import json
 import math
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import cache
 from typing import Any, TypeVar
+
+from .tracerow import clean_text
 
 _D = TypeVar("_D")
 MAX_DEPTH = 8
@@ -25,6 +28,11 @@ MAX_DEPTH = 8
 def encode(value: object) -> str:
     """One cell: a dataclass (or a list of them) as compact JSON."""
     return json.dumps(_plain(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def encode_items(values: Iterable[object]) -> list[str]:
+    """Each item as `encode` writes it, for a caller that keeps only as many as fit."""
+    return [encode(v) for v in values]
 
 
 def _plain(value: object) -> object:
@@ -112,10 +120,10 @@ def _decode(tp: Any, value: object, where: str, depth: int) -> object:
             return float(value)
     elif tp is str:
         if isinstance(value, str):
-            return value.replace("\x00", "")
+            return clean_text(value)
     else:
         raise ValueError(f"{where}: cannot read a {tp!r}")
     raise ValueError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
 
 
-__all__ = ["decode_list", "decode_one", "encode"]
+__all__ = ["decode_list", "decode_one", "encode", "encode_items"]

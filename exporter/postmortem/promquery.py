@@ -17,7 +17,6 @@ its credentials and, where the server said why, the server's message.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from datetime import datetime, timezone
@@ -27,19 +26,21 @@ import requests
 
 from ..model import Snapshot
 from ..sources.httpclient import HttpFailure, describe, get, printable, public_url
-from .trace import (
+from .promtrace import (
     MAX_ROWS,
     PROMETHEUS_METRICS,
     VLLM_PROMETHEUS_METRICS,
-    TraceError,
-    TraceRow,
-    prometheus_rows,
-    snapshots_from_rows,
+    PrometheusRows,
+    parse_json,
 )
+from .trace import TraceError, snapshots_from_rows
 
 PROMETHEUS_MAX_POINTS = 11_000  # Prometheus's limit per series per range query
 DEFAULT_STEP_SECONDS = 15.0  # Prometheus's default scrape interval
-MAX_RESPONSE_BYTES = 64 << 20  # one chunk of one metric
+# One chunk of one metric. Python's objects for parsed JSON take about six times the text, and
+# each response is turned into rows (promtrace.PrometheusRows) and let go before the next one
+# is asked for, so this bounds the memory a server's answer can take (bench/trace_cost.py).
+MAX_RESPONSE_BYTES = 16 << 20
 DEFAULT_TIMEOUT_SECONDS = 60.0  # for each chunk's whole exchange, redirects included
 MAX_REDIRECTS = 3  # same host only: a session's credentials never go elsewhere
 _REQUIRED = ("gpumem_process_memory_used_bytes",)  # without it there is nothing to replay
@@ -120,22 +121,23 @@ def fetch(url: str, start: float, end: float, step: float | None = None,
                              f"like instance=\"host:9842\"")
     own = session is None
     session = session or requests.Session()
+    rows = PrometheusRows(max_rows)
     try:
-        responses: dict[str, list[dict[str, Any]]] = {}
         for metric in (*PROMETHEUS_METRICS, *VLLM_PROMETHEUS_METRICS):
             query = f"{metric}{{{selector}}}" if selector else metric
-            for a, b in chunks(start, end, step, max_points):
-                responses.setdefault(metric, []).append(
-                    _query_range(session, url, query, a, b, step, timeout, max_response_bytes))
-    finally:
-        if own:
-            session.close()
-    try:
-        return snapshots_from_rows(_rows(responses, where, max_rows))
+            for i, (a, b) in enumerate(chunks(start, end, step, max_points)):
+                response = _query_range(session, url, query, a, b, step, timeout, max_response_bytes)
+                rows.add(f"{where}: {metric} chunk {i}", response, metric)
+                del response  # rows now: the JSON's objects go before the next query
+        _check(rows, where)
+        return snapshots_from_rows(rows.finish())
     except PromQueryError:
         raise
     except TraceError as exc:  # conflicting series, say: same message, one error type
         raise PromQueryError(str(exc)) from None
+    finally:
+        if own:
+            session.close()
 
 
 def _query_range(session: requests.Session, url: str, query: str, start: float, end: float,
@@ -156,8 +158,8 @@ def _query_range(session: requests.Session, url: str, query: str, start: float, 
         raise PromQueryError(f"{where}: cannot query Prometheus: {describe(exc)}") from None
     body, status = answer.body, answer.status
     try:
-        doc = json.loads(body)
-    except ValueError:
+        doc = parse_json(body, where)
+    except TraceError:
         doc = None
     if status != 200 or not isinstance(doc, dict) or doc.get("status") != "success":
         if isinstance(doc, dict) and doc.get("error"):
@@ -168,25 +170,15 @@ def _query_range(session: requests.Session, url: str, query: str, start: float, 
     return doc
 
 
-def _rows(responses: dict[str, list[dict[str, Any]]], where: str, max_rows: int) -> list[TraceRow]:
-    """Rows from the responses, through trace.py's own range-query reader."""
-    pieces = [(f"{where}: {metric} chunk {i}", response, metric)
-              for metric, chunk_responses in responses.items()
-              for i, response in enumerate(chunk_responses)]
-    try:
-        rows, _ = prometheus_rows(pieces, max_rows)
-    except TraceError as exc:
-        raise PromQueryError(str(exc)) from None
-    instances = {series["metric"].get("instance", "") for _, response, _ in pieces
-                 for series in response["data"]["result"]}  # shapes checked by prometheus_rows
-    if len(instances) > 1:
-        shown = ", ".join(sorted(i or '""' for i in instances)[:5])
+def _check(rows: PrometheusRows, where: str) -> None:
+    """The responses are of one exporter, and hold process memory to replay."""
+    if len(rows.instances) > 1:
+        shown = ", ".join(sorted(i or '""' for i in rows.instances)[:5])
         raise PromQueryError(f"{where}: the series come from several exporters ({shown}); "
                              "choose one with a selector such as instance=\"HOST:PORT\"")
-    if not any(r.pid is not None for r in rows):
+    if not any(r.pid is not None for r in rows.rows):
         raise PromQueryError(f"{where}: no {_REQUIRED[0]} samples in this range "
                              "(is the exporter scraped, and the range right?)")
-    return rows
 
 
 __all__ = [

@@ -1,48 +1,49 @@
 """`analyze --report FILE.html`: one self-contained HTML page for the post-mortem.
 
-Sections: a summary, the timeline of findings, per GPU the stacked memory picture over time
-(serving processes, other processes, memory no live process accounts for, free), per process
-with a finding its memory curve with the fitted growth (the detector's slope) and a marker
-where the finding was first raised, the OOM events from the logs with their numbers, and the
-advice. Plots need matplotlib (the `report` extra), imported only here and drawn with the Agg
-canvas into PNGs embedded as data URIs; without it the tables and text are still complete.
-All text from outside (process names, log lines, evidence) is escaped.
+Sections, each under the heading that names it: a summary (with the flight recorder's
+triggers); the host (its name, boot and the exporter run that recorded the trace, and its
+GPUs); the findings (timeline and table); each finding's details (for a process, its memory
+curve with the fitted growth and a marker where the finding was first raised); per GPU the
+stacked memory picture over time (serving processes, other processes, memory no live process
+accounts for, free); the vLLM servers (model, settings and every change of them, budget against
+use, KV cache); every process seen (and the allocation-history dumps); the OOM events (from the
+logs given, and those the trace recorded); the advice. Every chart marks the trigger(s).
+Charts need matplotlib (the `report` extra, reportplots.py); without it the tables and text are
+still complete.
+
+Safe to open: all text from outside (process names, log lines, evidence) is escaped with its
+control characters removed; every link goes through `_link`, which allows only ALLOWED_URLS and
+an allocation-history dump's file name (the probe's own pattern, as the live reader checks it);
+the file is written like the recorder's (a new temporary file, O_EXCL|O_NOFOLLOW, then renamed).
 """
 from __future__ import annotations
 
-import base64
 import html
-import io
 import os
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
-from statistics import median
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
+from urllib.parse import quote, urlsplit
+
+from gpumem_probe.schema import DUMP_NAME
 
 from ..model import Finding, OomEvent, Snapshot
-from ..units import GiB, MiB, format_bytes
+from ..units import format_bytes
+from . import reportplots as plots
+from .atomic import atomic_file
+from .runs import RunIdentity
+from .tracerow import clean_text
+from .vllm_servers import ServerStory, servers_in, settings_text, startup_text
 
-if TYPE_CHECKING:
-    from types import ModuleType
+_Episode = plots.Episode
 
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    # (Figure, FigureCanvasAgg, matplotlib.dates), as _matplotlib() returns them
-    _Mpl = tuple[type[Figure], type[FigureCanvasAgg], ModuleType]
-
-# (finding, cleared_at or None), as Analyzer.episodes() gives them
-_Episode = tuple[Finding, float | None]
-# The plots' Axes: they are given datetimes, which matplotlib converts through its units
-# registry; its type hints admit only floats and arrays there, so the axes are left untyped.
-_DateAxes = Any
-
-MAX_PLOT_POINTS = 2000  # per series: more does not show on a 1000-pixel plot
 MAX_PROCESS_PLOTS = 24
 MAX_GPU_PLOTS = 16
-_SEVERITY_COLOUR = {"critical": "#c62828", "warning": "#ef8f00", "info": "#1565c0"}
+MAX_PROCESS_ROWS = 500
 _SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+# The only places outside the page a link may lead; anything else is shown as text.
+ALLOWED_URLS = frozenset({"https://pytorch.org/memory_viz"})
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;
@@ -54,13 +55,28 @@ text-align:left;vertical-align:top}th{background:#f3f3f3}td.num{text-align:right
 img{max-width:100%;border:1px solid #eee}.note{color:#666;font-style:italic}code{background:#f5f5f5;padding:0 .2em}
 .finding{border-left:4px solid #ccc;padding:.2em .8em;margin:1em 0}
 .finding.critical{border-color:#c62828}.finding.warning{border-color:#ef8f00}
+.trigger{color:#6a1b9a}.outside{color:#b26a00}
 """
 
 
 # ---------------------------------------------------------------- small formatting helpers
 
 def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
+    return html.escape(clean_text(str(value)), quote=True)
+
+
+def _link(href: str, text: str) -> str:
+    """An <a> when `href` is allowed (ALLOWED_URLS, or a path on this machine, with neither
+    scheme nor host, to an allocation-history dump), else the text alone."""
+    try:
+        parts = urlsplit(href)
+    except ValueError:
+        return text
+    local = (not parts.scheme and not parts.netloc and "\\" not in href
+             and DUMP_NAME.fullmatch(href.rsplit("/", 1)[-1]) is not None)
+    if href not in ALLOWED_URLS and not local:
+        return text
+    return f'<a href="{_e(href)}">{text}</a>'
 
 
 def _when(ts: float | None) -> str:
@@ -81,14 +97,10 @@ def _bytes(n: float | None) -> str:
     return "" if n is None else format_bytes(n)
 
 
-def _rate(bytes_per_second: float) -> str:
-    return f"{float(bytes_per_second) * 60 / MiB:.1f} MiB/min"
-
-
 def _evidence_value(name: str, value: object) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if name.endswith("bytes_per_second"):
-            return f"{_rate(value)} ({value:g} B/s)"
+            return f"{plots.rate_text(value)} ({value:g} B/s)"
         if name.endswith("_bytes"):
             return f"{_bytes(value)} ({int(value)} B)"
         if name.endswith("_seconds"):
@@ -109,11 +121,15 @@ def _where(f: Finding) -> str:
     return ", ".join(parts)
 
 
-def _thin(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
-    if len(xs) <= MAX_PLOT_POINTS:
-        return list(xs), list(ys)
-    stride = -(-len(xs) // MAX_PLOT_POINTS)
-    return list(xs[::stride]), list(ys[::stride])
+def outside_text(ts: float | None, start: float | None, end: float | None) -> str:
+    """'' when `ts` lies within the trace (or either is unknown), else how far outside it is."""
+    if ts is None or start is None or end is None:
+        return ""
+    if ts < start:
+        return f"{_span(start - ts)} before the trace starts"
+    if ts > end:
+        return f"{_span(ts - end)} after the trace ends"
+    return ""
 
 
 # ---------------------------------------------------------------- data extraction
@@ -167,24 +183,6 @@ def _process_series(snapshots: Sequence[Snapshot], gpu: str | None,
     return ts, vs
 
 
-def _fitted_line(ts: list[float], vs: list[int], f: Finding,
-                 end: float) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
-    """The detector's growth line: its slope, through the samples of its window before
-    detection (intercept = median residual), drawn from the window's start to the end.
-    (slope, (t_start, t_end), (v_start, v_end)), or None without a slope in the evidence."""
-    ev = dict(f.evidence)
-    slope = ev.get("slope_bytes_per_second")
-    if not isinstance(slope, (int, float)) or not ts:
-        return None
-    window = ev.get("window_seconds")
-    window = float(window) if isinstance(window, (int, float)) and window > 0 else 3600.0
-    t0 = f.first_detected_at
-    inside = [(t, v) for t, v in zip(ts, vs, strict=True) if t0 - window <= t <= t0] or list(zip(ts, vs, strict=True))
-    level = median(v - slope * (t - t0) for t, v in inside)
-    a = max(ts[0], t0 - window)
-    return slope, (a, end), (level + slope * (a - t0), level + slope * (end - t0))
-
-
 def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict[str, Any]]:
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     for s in snapshots:
@@ -200,125 +198,17 @@ def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["peak"])
 
 
-# ---------------------------------------------------------------- plotting (optional)
 
-def _matplotlib() -> _Mpl | None:
-    """(Figure, FigureCanvasAgg, dates) or None when the `report` extra is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display on a server; a no-op when already Agg
-        from matplotlib import dates
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    return Figure, FigureCanvasAgg, dates
-
-
-def _png(mpl: _Mpl, fig: Figure) -> str:
-    _, canvas_class, _ = mpl
-    canvas_class(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _dt(ts: Iterable[float]) -> list[datetime]:
-    return [datetime.fromtimestamp(t, timezone.utc) for t in ts]
-
-
-def _time_axis(mpl: _Mpl, ax: _DateAxes) -> None:
-    dates = mpl[2]
-    ax.xaxis.set_major_formatter(dates.DateFormatter("%H:%M", tz=timezone.utc))
-    ax.set_xlabel("time (UTC)")
-    ax.grid(True, alpha=0.3)
-
-
-def _timeline_plot(mpl: _Mpl, episodes: Sequence[_Episode], start: float, end: float) -> str:
-    Figure = mpl[0]
-    shown = episodes[:40]
-    fig = Figure(figsize=(10, 0.45 * len(shown) + 1.2))
-    ax: _DateAxes = fig.add_subplot()
-    for i, (f, cleared) in enumerate(shown):
-        a, b = f.first_detected_at, cleared if cleared is not None else end
-        # Date axes count days: a bar of at least 1/400 of the range so a short one shows.
-        ax.barh(i, max(b - a, (end - start) / 400) / 86400, left=mpl[2].date2num(_dt([a])[0]),
-                color=_SEVERITY_COLOUR.get(f.severity, "#777"), height=0.6)
-        ax.text(_dt([a])[0], i, f" {f.kind} {_where(f)}", va="center", fontsize=8)
-    ax.set_yticks([])
-    ax.set_ylim(-0.7, len(shown) - 0.3)
-    ax.invert_yaxis()
-    ax.set_xlim(_dt([start])[0], _dt([end])[0])
-    ax.set_title("Findings: raised to cleared (red critical, orange warning)")
-    _time_axis(mpl, ax)
-    return _png(mpl, fig)
-
-
-def _gpu_plot(mpl: _Mpl, index: str, d: _GpuSeries, ooms: list[OomEvent],
-              findings: Iterable[_Episode]) -> str:
-    Figure = mpl[0]
-    fig = Figure(figsize=(10, 3.6))
-    ax: _DateAxes = fig.add_subplot()
-    t, parts = d["t"], (d["serving"], d["other"], d["unattributed"], d["free"])
-    thinned = [_thin(t, [v / GiB for v in part]) for part in parts]
-    ax.stackplot(_dt(thinned[0][0]), *[y for _, y in thinned],
-                 labels=["serving (vLLM) processes", "other processes",
-                         "unattributed (no live process)", "free"],
-                 colors=["#1976d2", "#ffa726", "#8e24aa", "#c8e6c9"], alpha=0.9)
-    for ev in ooms:
-        if ev.timestamp is not None and ev.gpu in (None, index):
-            ax.axvline(_dt([ev.timestamp])[0], color="#c62828", linestyle="--", linewidth=1.2)
-    for f, _ in findings:
-        if f.gpu == index:
-            ax.axvline(_dt([f.first_detected_at])[0], color=_SEVERITY_COLOUR.get(f.severity, "#777"),
-                       linestyle=":", linewidth=1)
-    ax.set_ylabel("GiB")
-    ax.set_title(f"GPU {index}: memory by owner (dotted: finding raised, dashed red: OOM)")
-    ax.legend(loc="lower left", fontsize=8, framealpha=0.8)
-    ax.set_xlim(_dt([t[0]])[0], _dt([t[-1]])[0])
-    _time_axis(mpl, ax)
-    return _png(mpl, fig)
-
-
-def _process_plot(mpl: _Mpl, f: Finding, ts: list[float], vs: list[int], end: float) -> str:
-    Figure = mpl[0]
-    fig = Figure(figsize=(10, 3.2))
-    ax: _DateAxes = fig.add_subplot()
-    what = "GPU memory" if f.gpu is not None else "host RSS"
-    xs, ys = _thin(ts, [v / GiB for v in vs])
-    ax.plot(_dt(xs), ys, color="#1976d2", linewidth=1, label=what)
-    line = _fitted_line(ts, vs, f, end)
-    if line is not None:
-        slope, (a, b), (va, vb) = line
-        ax.plot(_dt([a, b]), [va / GiB, vb / GiB], color="#c62828", linewidth=2,
-                label=f"fitted growth {_rate(slope)}")
-    ax.axvline(_dt([f.first_detected_at])[0], color="#c62828", linestyle="--", linewidth=1)
-    at = min(range(len(ts)), key=lambda i: abs(ts[i] - f.first_detected_at))
-    ax.plot(_dt([ts[at]]), [vs[at] / GiB], marker="v", markersize=10, color="#c62828",
-            linestyle="none", label=f"{f.kind} first detected {_when(f.first_detected_at)[11:]}")
-    # Zoom on the growth: a start-up ramp of tens of GiB would flatten a leak of MiB/min.
-    window = dict(f.evidence).get("window_seconds")
-    since = f.first_detected_at - (float(window) if isinstance(window, (int, float)) else 3600.0)
-    recent = [v / GiB for t, v in zip(ts, vs, strict=True) if t >= since] or [v / GiB for v in vs]
-    low, high = min(recent), max(recent)
-    if line is not None:
-        low, high = min(low, va / GiB, vb / GiB), max(high, va / GiB, vb / GiB)
-    pad = max((high - low) * 0.15, 0.01)
-    zoomed = low - pad > min(ys)
-    ax.set_ylim(low - pad, high + pad)
-    ax.set_ylabel("GiB")
-    ax.set_title(f"pid {f.pid} {f.process} on {'GPU ' + f.gpu if f.gpu is not None else 'host'}: "
-                 f"{what}" + (" (y axis zoomed on the growth)" if zoomed else ""))
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-    _time_axis(mpl, ax)
-    return _png(mpl, fig)
-
+# ---------------------------------------------------------------- HTML sections
 
 def _img(src: str, alt: str) -> str:
     return f'<p><img src="{src}" alt="{_e(alt)}"></p>'
 
 
-# ---------------------------------------------------------------- HTML sections
+def _chart(mpl: plots.Mpl, fig: Any, alt: str, triggers: plots.Triggers) -> str:
+    marks = "; ".join(f"trigger {name} at {_when(t)}" for t, name in triggers)
+    return _img(plots.png(mpl, fig), alt + (f" ({marks} marked)" if marks else ""))
+
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
            numeric: AbstractSet[int] = frozenset()) -> str:
@@ -340,7 +230,7 @@ def _finding_detail(f: Finding, cleared: float | None, start: float, plot: str |
            + (f", cleared {_e(_when(cleared))}" if cleared is not None else ", still active at the end")
            + ".</p>"]
     if plot:
-        out.append(_img(plot, f"memory of pid {f.pid}"))
+        out.append(plot)
     if f.evidence:
         out.append(_table(("evidence", "value"), ((k, _evidence_value(k, v)) for k, v in f.evidence)))
     if f.advice:
@@ -349,18 +239,97 @@ def _finding_detail(f: Finding, cleared: float | None, start: float, plot: str |
     return "\n".join(out)
 
 
-def _oom_section(events: Sequence[OomEvent]) -> str:
+def _host_section(snapshots: Sequence[Snapshot], runs: Sequence[RunIdentity]) -> str:
+    out = []
+    if not runs:
+        out.append("<p>The trace does not name its host (a trace of an older exporter, or of "
+                   "Prometheus).</p>")
+    for run in runs:
+        out.append(f'<p class="identity">Host <b>{_e(run.hostname or "unknown")}</b>, boot '
+                   f"<code>{_e(run.boot_id or 'unknown')}</code>, recorded by exporter run "
+                   f"<code>{_e(run.exporter_run or 'unknown')}</code>.</p>")
+    if len(runs) > 1:
+        out.append(f"<p class=\"outside\">These traces come from {len(runs)} runs, merged on "
+                   "request (<code>--merge-runs</code>): read the replay with that in mind.</p>")
+    host = next((s.host for s in reversed(snapshots) if s.host is not None), None)
+    if host is not None:
+        out.append(f"<p>Host memory: {_e(_bytes(host.total_bytes))}.</p>")
+    gpus: dict[str, tuple[str, str, str]] = {}
+    for s in snapshots:
+        for g in s.gpus:
+            gpus[g.index] = (g.uuid, _bytes(g.total_bytes) if g.total_bytes else gpus.get(
+                g.index, ("", "", ""))[1], "unified" if g.unified else "MIG" if g.mig else "")
+    if gpus:
+        out.append(_table(("GPU", "UUID", "total", "memory"),
+                          ((i, *v) for i, v in gpus.items()), numeric={2}))
+    return "\n".join(out)
+
+
+def _vllm_section(stories: Sequence[ServerStory]) -> str:
+    if not stories:
+        return "<p>The trace names no vLLM server.</p>"
+    out = []
+    for s in stories:
+        seen = (f"seen from {_when(s.first_seen)} to {_when(s.last_seen)} in {s.samples} samples"
+                + (f", down in {s.down_samples} of them (first at {_when(s.first_down)})"
+                   if s.down_samples else ""))
+        out += [f'<div class="vllm"><h3>{_e(s.endpoint)}</h3>',
+                f"<p>Model: <b>{_e(', '.join(s.models) or 'not reported')}</b>; {_e(seen)}.</p>"]
+        if s.settings:
+            first = s.settings[0]
+            out.append(f"<p>Settings from {_e(_when(first.at))}: {_e(settings_text(first.config))}.</p>")
+            changes = [f"<li><b>{_e(_when(c.at))}</b>: {'restarted with' if c.restarted else 'settings changed to'} "
+                       f"{_e(settings_text(c.config, c.previous))}</li>" for c in s.settings[1:]]
+            if changes:
+                out.append('<ul class="vllm-changes">' + "".join(changes) + "</ul>")
+        else:
+            out.append("<p>Settings: not reported (no <code>vllm:cache_config_info</code>).</p>")
+        if startup_text(s.startup):
+            out.append(f"<p>Its start-up log: {_e(startup_text(s.startup))}.</p>")
+        if s.gpus:
+            out.append(_table(("GPU", "budget", "basis", "peak used", "at", "most over budget"), (
+                (g, ", then ".join(_bytes(b) for b in u.budgets) or "unknown", u.basis,
+                 _bytes(u.peak_used_bytes), _when(u.peak_at),
+                 f"{_bytes(u.over_bytes)} ({_when(u.over_at)})" if u.over_bytes else "never over")
+                for g, u in sorted(s.gpus.items())), numeric={3}))
+        kv = []
+        if s.kv_peak is not None:
+            kv.append(f"KV cache usage peaked at {s.kv_peak:.0%} ({_when(s.kv_peak_at)})")
+        if s.config is not None and s.config.kv_capacity_tokens is not None:
+            kv.append(f"capacity {s.config.kv_capacity_tokens:,} tokens")
+        if s.running_peak is not None or s.waiting_peak is not None:
+            kv.append(f"at most {s.running_peak or 0:g} requests running and "
+                      f"{s.waiting_peak or 0:g} waiting")
+        if s.preemptions:
+            kv.append(f"{s.preemptions:g} preemptions over the trace")
+        if s.sleep_states:
+            kv.append("sleep states seen: " + ", ".join(s.sleep_states))
+        if kv:
+            out.append(f"<p>{_e('; '.join(kv))}.</p>")
+        out.append("</div>")
+    return "\n".join(out)
+
+
+def _oom_section(events: Sequence[OomEvent], logs: Sequence[str], start: float | None,
+                 end: float | None) -> str:
+    given = (f"From the log(s) given ({_e(', '.join(logs))}) and the trace" if logs
+             else "No log was given (<code>analyze --log FILE</code>); from the trace")
     if not events:
-        return "<p>No out-of-memory events were found in the logs.</p>"
-    rows = [(f"{ev.source}:{ev.line}", _when(ev.timestamp), ev.gpu or "", ev.kind, ev.klass,
+        return f"<p>{given}: no out-of-memory event.</p>"
+    outside = [e for e in events if outside_text(e.timestamp, start, end)]
+    out = [f"<p>{given}: {len(events)} event(s)"
+           + (f', <span class="outside">{len(outside)} of them outside the trace\'s time '
+              "(not part of its replay)</span>" if outside else "") + ".</p>"]
+    rows = [(f"{ev.source}:{ev.line}", _when(ev.timestamp)
+             + (f" ({outside_text(ev.timestamp, start, end)})" if outside_text(ev.timestamp, start, end) else ""),
+             ev.gpu or "", ev.kind, ev.klass,
              _bytes(ev.requested_bytes), _bytes(ev.free_bytes), _bytes(ev.total_bytes),
              _bytes(ev.reserved_unallocated_bytes), _bytes(ev.process_bytes),
              ", ".join(f"pid {pid}: {_bytes(b)}" for pid, b in ev.other_processes))
             for ev in events]
-    out = [f"<p>{len(events)} event(s).</p>",
-           _table(("log", "time", "GPU", "kind", "class", "requested", "free", "total",
-                   "reserved, unallocated", "this process", "other processes"), rows,
-                  numeric={5, 6, 7, 8, 9})]
+    out.append(_table(("log", "time", "GPU", "kind", "class", "requested", "free", "total",
+                       "reserved, unallocated", "this process", "other processes"), rows,
+                      numeric={5, 6, 7, 8, 9}))
     for ev in events:
         out.append(f"<p><code>{_e(ev.source)}:{ev.line}</code> <b>{_e(ev.kind)}</b> "
                    f"({_e(ev.klass)}): <code>{_e(ev.message[:500])}</code></p>")
@@ -386,13 +355,14 @@ def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) ->
 
 def _history_dumps(snapshots: Sequence[Snapshot]) -> list[tuple[str, int, str, str, int | None]]:
     """(gpu, pid, process, file, bytes) of each allocation-history dump a probe reported in the
-    trace (docs/probe.md), the last one reported per process and file."""
+    trace (docs/probe.md), the last one reported per process and file. A file name that is not
+    a dump's (the probe's pattern, as sources/allocator.py checks it live) is left out."""
     dumps: dict[tuple[str, int, str], tuple[str, int, str, str, int | None]] = {}
     for snap in snapshots:
         for g in snap.gpus:
             for p in g.processes:
                 a = p.allocator
-                if a is not None and a.history_file:
+                if a is not None and a.history_file and DUMP_NAME.fullmatch(a.history_file):
                     dumps[(g.index, p.pid, a.history_file)] = (g.index, p.pid, p.name, a.history_file,
                                                                a.history_bytes)
     return list(dumps.values())
@@ -400,27 +370,29 @@ def _history_dumps(snapshots: Sequence[Snapshot]) -> list[tuple[str, int, str, s
 
 def _history_section(dumps: Sequence[tuple[str, int, str, str, int | None]], probe_dir: str) -> str:
     out = []
+    viz = _link("https://pytorch.org/memory_viz", "pytorch.org/memory_viz")
     for gpu, pid, process, name, size in dumps:
         path = os.path.join(probe_dir, name) if probe_dir else name
         where = "" if probe_dir else " in the probe directory (<code>allocator.probe_dir</code>)"
         out.append(f'<p class="alloc-history">Allocation history of pid {pid}'
                    + (f" ({_e(process)})" if process else "") + f" on GPU {_e(gpu)}: "
-                   f'<a href="{_e(path)}"><code>{_e(path)}</code></a>'
+                   + _link(quote(path, safe="/"), f"<code>{_e(path)}</code>")
                    + (f" ({_e(_bytes(size))})" if size is not None else "") + f"{where}; open it in "
-                   '<a href="https://pytorch.org/memory_viz">pytorch.org/memory_viz</a> to see the stacks '
-                   "that allocated the memory.</p>")
+                   f"{viz} to see the stacks that allocated the memory.</p>")
     return "\n".join(out)
 
 
 def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
                   oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem",
-                  triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "") -> str:
+                  triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "", *,
+                  runs: Sequence[RunIdentity] = (), logs: Sequence[str] = (),
+                  dropped: Sequence[tuple[float, str, int]] = ()) -> str:
     """The report as one HTML string (see write_report)."""
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
     episodes = sorted(findings_with_clearing,
                       key=lambda fc: (fc[0].first_detected_at, _SEVERITY_RANK.get(fc[0].severity, 3)))
     events = list(oom_events)
-    mpl = _matplotlib()
+    mpl = plots.load()
     start = snapshots[0].timestamp if snapshots else min(
         [f.first_detected_at for f, _ in episodes] or [0.0])
     end = snapshots[-1].timestamp if snapshots else start
@@ -436,85 +408,108 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
     for t, name in triggers:
         body.append(f"<p class=\"trigger\">Flight recorder trigger: <b>{_e(name)}</b> at "
                     f"{_e(_when(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
-                    "after it).</p>")
+                    "after it). Every chart marks it with a purple dash-dot line.</p>")
+    if dropped:
+        body.append(f"<p class=\"outside\">{_e(dropped_text(dropped))}</p>")
     if mpl is None:
         body.append('<p class="note">Plots are left out: matplotlib is not installed where this report '
                     "was written (the <code>report</code> extra).</p>")
 
-    body.append("<h2>Findings</h2>")
+    body += ["<h2>Host</h2>", _host_section(snapshots, runs), "<h2>Findings</h2>"]
     if episodes:
         if mpl is not None and snapshots:
-            body.append(_img(_timeline_plot(mpl, episodes, start, end), "timeline of findings"))
+            body.append(_chart(mpl, plots.timeline(mpl, episodes, start, end, triggers),
+                               "timeline of findings", triggers))
         body.append(_table(("severity", "kind", "where", "first detected", "cleared", "summary"), (
             (f.severity, f.kind, _where(f), f"{_when(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
              _when(c) if c is not None else "active at the end", f.summary) for f, c in episodes)))
+        body += ["<h2>Finding details</h2>", *_details(snapshots, episodes, start, end, triggers, mpl)]
     else:
         body.append("<p>No findings.</p>")
-    body.append(_history_section(_history_dumps(snapshots), probe_dir))
 
     body.append("<h2>GPU memory</h2>")
-    rows = []
-    for index, d in gpus.items():
-        rows.append((index, _bytes(d["total"][-1]), _bytes(max(d["used"])), _bytes(d["used"][-1]),
-                     _bytes(max(d["unattributed"])), _bytes(min(d["free"]))))
+    rows = [(index, _bytes(d["total"][-1]), _bytes(max(d["used"])), _bytes(d["used"][-1]),
+             _bytes(max(d["unattributed"])), _bytes(min(d["free"]))) for index, d in gpus.items()]
     if rows:
         body.append(_table(("GPU", "total", "peak used", "used at the end", "peak unattributed",
                             "least free"), rows, numeric={1, 2, 3, 4, 5}))
+    else:
+        body.append("<p>No GPU memory was recorded.</p>")
     if mpl is not None:
         for index in list(gpus)[:MAX_GPU_PLOTS]:
-            body.append(_img(_gpu_plot(mpl, index, gpus[index], events, episodes),
-                             f"GPU {index} memory by owner"))
+            d = gpus[index]
+            fig = plots.gpu(mpl, index, d["t"], (d["serving"], d["other"], d["unattributed"], d["free"]),
+                            events, episodes, triggers)
+            body.append(_chart(mpl, fig, f"GPU {index} memory by owner", triggers))
 
-    body.append("<h2>Processes</h2>")
-    with_pid = [(f, c) for f, c in episodes if f.pid is not None]
-    for i, (f, c) in enumerate(with_pid):
-        plot = None
-        if mpl is not None and i < MAX_PROCESS_PLOTS and f.pid is not None:
-            ts, vs = _process_series(snapshots, f.gpu, f.pid)
-            if ts:
-                plot = _process_plot(mpl, f, ts, vs, end)
-        body.append(_finding_detail(f, c, start, plot))
-    for f, c in episodes:
-        if f.pid is None:
-            body.append(_finding_detail(f, c, start, None))
+    body += ["<h2>vLLM servers</h2>", _vllm_section(servers_in(snapshots)), "<h2>Processes</h2>"]
     summaries = _process_summaries(snapshots)
     if summaries:
-        body.append("<h3>All processes seen</h3>")
         # No average rate here: a start-up ramp would dwarf any leak; the findings give rates.
         body.append(_table(("GPU", "pid", "process", "role", "first seen", "first", "last", "peak",
                             "change"), (
             (r["gpu"], r["pid"], r["process"], r["role"], _when(r["t0"]), _bytes(r["first"]),
              _bytes(r["last"]), _bytes(r["peak"]), _bytes(r["last"] - r["first"]))
-            for r in summaries[:500]), numeric={5, 6, 7, 8}))
+            for r in summaries[:MAX_PROCESS_ROWS]), numeric={5, 6, 7, 8}))
+    else:
+        body.append("<p>No process was recorded.</p>")
+    body.append(_history_section(_history_dumps(snapshots), probe_dir))
 
-    body.append("<h2>Out-of-memory events</h2>")
-    body.append(_oom_section(events))
-    body.append("<h2>Advice</h2>")
-    body.append(_advice_section(episodes, events))
+    body += ["<h2>Out-of-memory events</h2>",
+             _oom_section(events, logs, start if snapshots else None, end if snapshots else None),
+             "<h2>Advice</h2>", _advice_section(episodes, events)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")
 
 
+def _details(snapshots: Sequence[Snapshot], episodes: Sequence[_Episode], start: float,
+             end: float, triggers: plots.Triggers, mpl: plots.Mpl | None) -> list[str]:
+    """Each finding's block: those of a process first (with its memory curve), then the rest."""
+    out = []
+    with_pid = [(f, c) for f, c in episodes if f.pid is not None]
+    for i, (f, c) in enumerate(with_pid):
+        chart = None
+        if mpl is not None and i < MAX_PROCESS_PLOTS and f.pid is not None:
+            ts, vs = _process_series(snapshots, f.gpu, f.pid)
+            if ts:
+                chart = _chart(mpl, plots.process(mpl, f, ts, vs, end, triggers),
+                               f"memory of pid {f.pid}", triggers)
+        out.append(_finding_detail(f, c, start, chart))
+    out += [_finding_detail(f, c, start, None) for f, c in episodes if f.pid is None]
+    return out
+
+
+def dropped_text(dropped: Sequence[tuple[float, str, int]]) -> str:
+    """'The trace left out what did not fit in its cells: 312 oom_events (in 1 tick).'"""
+    totals: dict[str, tuple[int, set[float]]] = {}
+    for ts, name, count in dropped:
+        have, ticks = totals.get(name, (0, set()))
+        totals[name] = (have + count, ticks | {ts})
+    return ("The trace left out what did not fit in its cells: "
+            + ", ".join(f"{n:,} {name} (in {len(ticks)} tick{'s' if len(ticks) > 1 else ''})"
+                        for name, (n, ticks) in sorted(totals.items())) + ".")
+
+
 def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
                  oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem",
-                 triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "") -> None:
-    """Write the report to `path` as one self-contained HTML file (temporary file + rename).
+                 triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "", *,
+                 runs: Sequence[RunIdentity] = (), logs: Sequence[str] = (),
+                 dropped: Sequence[tuple[float, str, int]] = ()) -> None:
+    """Write the report to `path` as one self-contained HTML file, mode 0600, through a new
+    temporary file of an unpredictable name (O_CREAT|O_EXCL|O_NOFOLLOW) renamed over `path`:
+    a link planted where the report goes is replaced, never written through (atomic.py).
 
     findings_with_clearing: (Finding, cleared_at or None) pairs, as Analyzer.episodes() or
     analyze.replay_episodes() give them. oom_events: OomEvents (from `explain` of the logs,
     and the trace's own). triggers: the flight recorder's (tick time, trigger) marks.
     probe_dir: where the probes' allocation-history dumps are, for their links (else the
-    bare file name)."""
-    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers, probe_dir)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    bare file name). runs: who recorded the trace (trace.Trace.runs). logs: the log files
+    given. dropped: what the trace's writer left out (trace.Trace.dropped)."""
+    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers, probe_dir,
+                         runs=runs, logs=logs, dropped=dropped)
+    with atomic_file(path, encoding="utf-8") as handle:
+        handle.write(text)
 
 
-__all__ = ["render_report", "write_report"]
+__all__ = ["ALLOWED_URLS", "dropped_text", "outside_text", "render_report", "write_report"]
