@@ -6,10 +6,14 @@ under one total deadline; a small fixed pool of worker threads turns complete he
 under a second deadline. A slow or silent client costs a socket and a few kilobytes, never a
 thread, and the sampler (its own thread) never competes with a crowd of handler threads.
 
-At `max_connections` a new connection evicts the oldest one that is only waiting on its client
-(its head or its answer is still in flight), so clients that trickle bytes cannot lock out a
-scraper that sends its request at once; when every connection is being answered, the new one is
-closed at once.
+Who may hold a connection is admission.py's: limits per peer and in all, with a much smaller one
+for unfinished TLS handshakes; a connection past them is closed at once.
+
+TLS runs over memory buffers (ssl.MemoryBIO), not asyncio's SSL transport, which gives every
+connection a 256 KiB read buffer from its first byte (1,000 half-finished handshakes: +300 MiB
+resident, never given back; #21 H1). Here the socket is read only when OpenSSL asks for more, at
+most one TLS record (18 KiB) at a time, so what a connection holds beyond OpenSSL's own state is
+bounded by one record. docs/architecture.md has the worst case.
 """
 from __future__ import annotations
 
@@ -18,14 +22,18 @@ import io
 import logging
 import resource
 import socket
+import ssl
+import struct
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from socketserver import BaseServer
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler
 
+from .admission import ANSWER, HANDSHAKE, HEAD, LINGER, WRITE, Admission, Slot, peer_of
 from .webconfig import WebConfig, ssl_context
 
 if TYPE_CHECKING:
@@ -33,20 +41,30 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 log = logging.getLogger("exporter.serve.server")
+_T = TypeVar("_T")
 
 # Request line + headers. Prometheus sends well under 1 KiB; http.server alone bounds each line
 # (64 KiB) and the count (100), which still lets one request hold 6 MB.
 MAX_REQUEST_HEAD_BYTES = 64 << 10
 # A connection waiting on its client costs a socket and about 12 KiB, not a thread (1,000 held
 # ones: +13 MiB resident in bench/listener_attack.py): the cap bounds memory and file descriptors
-# (a quarter of the process's limit at most). Past it, held connections are dropped and an
-# attacker's reconnects turn into a connection flood, which costs far more than holding them.
+# (a quarter of the process's limit at most).
 _FD_LIMIT = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 MAX_CONNECTIONS = min(1024, _FD_LIMIT // 4) if _FD_LIMIT > 0 else 1024  # -1: unlimited
+# One peer (an address; an IPv6 /64) holds at most this many: a Prometheus server holds one per
+# scrape, for milliseconds. Past it the peer's new connections are refused, never another's.
+MAX_CONNECTIONS_PER_PEER = 64
+# An unfinished TLS handshake can make OpenSSL hold a client's announced handshake message
+# (up to 128 KiB) and a record buffer each way: far more than a finished connection.
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_PEER = 16
 HEAD_TIMEOUT_SECONDS = 10.0  # from accept to the end of the head, TLS handshake included
 WRITE_TIMEOUT_SECONDS = 10.0  # to hand the whole answer to the kernel
 WORKERS = 4
 LINGER_SECONDS = 2.0  # after the answer, what the client still sends is read for this long ...
+READ_BYTES = 16 << 10  # one read of a request head
+TLS_RECORD_BYTES = 5 + (16 << 10) + 2048  # the largest TLS record: one read of a TLS stream
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset, no TIME_WAIT left
 
 # Control characters (ESC, CR, ...) from request lines must not reach a terminal or a log as is.
 _ESCAPE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f)}
@@ -90,23 +108,19 @@ class _Exchange(WSGIRequestHandler):
         handler.request_handler = self  # type: ignore[attr-defined]  # its close() logs the request
         handler.run(self.app if self.command != "HEAD" else _without_body(self.app))
 
+    # Errors found before the version is read (a bad or unsupported version: "HTTP/9.9", an
+    # HTTP/2 preface) are answered in this version, never bare as HTTP/0.9 would be.
+    default_request_version = "HTTP/1.0"
+
     def parse_request(self) -> bool:
         ok = super().parse_request()
-        if ok and self.request_version == "HTTP/0.9":  # "GET /": an answer needs a status line
-            self.request_version = "HTTP/1.0"
+        if ok and len(self.requestline.split()) == 2:  # "GET /" (HTTP/0.9): an answer needs a status line
             self.send_error(400, "Bad request: no HTTP version")
             return False
         return ok
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *map(_printable, args))
-
-
-async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
-    """... and dropped, until it closes: closing with unread data would send a reset, which can
-    destroy the answer before the client reads it (a client sending a head far past the limit)."""
-    while await reader.read(64 << 10):
-        pass
 
 
 def _without_body(app: WSGIApplication) -> WSGIApplication:
@@ -119,12 +133,94 @@ def _without_body(app: WSGIApplication) -> WSGIApplication:
     return head
 
 
+class _Plain:
+    """A client's socket, read and written by the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket):
+        self.loop, self.sock = loop, sock
+
+    async def handshake(self) -> None:
+        pass
+
+    async def recv(self, max_bytes: int) -> bytes:
+        return await self.loop.sock_recv(self.sock, max_bytes)
+
+    async def send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def finish(self) -> None:
+        """The answer is complete: say so before the socket is half-closed."""
+
+    async def discard_until_eof(self) -> None:
+        """After the answer, what the client still sends is dropped until it closes: closing with
+        unread data would send a reset, which can destroy the answer before the client reads it
+        (a client sending a head far past the limit)."""
+        while await self.loop.sock_recv(self.sock, 64 << 10):
+            pass
+
+
+class _Tls(_Plain):
+    """TLS through memory buffers: the socket is read only when OpenSSL asks for more, one TLS
+    record at most, so the incoming buffer never holds more than one record."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext):
+        super().__init__(loop, sock)
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+
+    async def handshake(self) -> None:
+        await self._until_done(self._tls.do_handshake)
+
+    async def recv(self, max_bytes: int) -> bytes:
+        try:
+            return await self._until_done(self._tls.read, max_bytes)
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or the socket closed
+            return b""
+
+    async def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a chunk at a time: the outgoing buffer holds at most one chunk's records
+            written = await self._until_done(self._tls.write, view[:64 << 10])
+            view = view[written:]
+
+    async def finish(self) -> None:
+        try:
+            self._tls.unwrap()  # close_notify; the client's own is not waited for
+        except ssl.SSLError:
+            pass
+        await self._flush()
+
+    async def _until_done(self, operation: Callable[..., _T], *args: Any) -> _T:
+        while True:
+            try:
+                result = operation(*args)
+            except ssl.SSLWantReadError:
+                await self._flush()  # what OpenSSL has to say first (its hello, a ticket)
+                data = await super().recv(TLS_RECORD_BYTES)
+                if data:
+                    self._incoming.write(data)
+                else:
+                    self._incoming.write_eof()
+                continue
+            except ssl.SSLError:
+                await self._flush()  # the alert that tells the client why
+                raise
+            await self._flush()
+            return result
+
+    async def _flush(self) -> None:
+        if self._outgoing.pending:
+            await super().send(self._outgoing.read())
+
+
 class HttpServer:
     """Binds at construction (an OSError says the address is taken); serves from start()."""
 
     def __init__(self, app: WSGIApplication, host: str, port: int, web: WebConfig | None = None, *,
-                 max_connections: int = MAX_CONNECTIONS, head_timeout: float = HEAD_TIMEOUT_SECONDS,
-                 write_timeout: float = WRITE_TIMEOUT_SECONDS, workers: int = WORKERS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+                 max_handshakes: int = MAX_HANDSHAKES, max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
+                 head_timeout: float = HEAD_TIMEOUT_SECONDS, write_timeout: float = WRITE_TIMEOUT_SECONDS,
+                 workers: int = WORKERS) -> None:
         self._ssl = ssl_context(web) if web and web.tls else None  # a bad certificate fails before binding
         self.tls = self._ssl is not None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -133,7 +229,8 @@ class HttpServer:
         self._listener = socket.create_server((host, port), family=family, backlog=1024)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self.max_connections = max_connections
+        self.admission = Admission(max_connections, min(max_connections_per_peer, max_connections),
+                                   max_handshakes, min(max_handshakes_per_peer, max_handshakes))
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
         self._app = app
@@ -145,7 +242,6 @@ class HttpServer:
         self._loop.set_exception_handler(self._loop_error)
         self._stopping = asyncio.Event()  # bound to the loop that first waits on it
         self._connections: set[asyncio.Task[None]] = set()
-        self._waiting: dict[asyncio.Task[None], None] = {}  # waiting on their client, oldest first
         self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(self._serve()),
                                         name="http", daemon=True)
 
@@ -164,7 +260,7 @@ class HttpServer:
 
     @property
     def open_connections(self) -> int:
-        return len(self._connections)
+        return self.admission.open
 
     async def _serve(self) -> None:
         accepting = asyncio.create_task(self._accept())
@@ -182,75 +278,59 @@ class HttpServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._connections) >= self.max_connections and not self._evict_one():
-                sock.close()  # every connection is being answered: refused at once, never queued
-                continue
-            task = loop.create_task(self._connection(sock, peer))
-            self._connections.add(task)
-            self._waiting[task] = None
-            task.add_done_callback(self._connections.discard)
-            # Let it read what its client already sent before the next accept can evict it: in
-            # a burst of connections, a scraper's request is in the kernel's buffer already.
+            slot = self.admission.admit(peer_of(peer[0]), self.tls)
+            if slot is None:  # closed at once, never queued; a reset leaves no TIME_WAIT behind
+                log.debug("connection from %s refused: connection limits reached", _printable(peer[0]))
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                finally:
+                    sock.close()
+            else:
+                task = loop.create_task(self._connection(sock, peer, slot))
+                slot.evict = task.cancel
+                self._connections.add(task)
+                task.add_done_callback(self._connections.discard)
+            # Let the others run between two accepts: in a burst of connections, a scraper's
+            # request is in the kernel's buffer already, and a flood of refused ones must not
+            # keep the loop to itself (sock_accept returns at once while connections queue).
             await asyncio.sleep(0)
 
-    def _evict_one(self) -> bool:
-        """Drop the connection that has waited longest on its client."""
-        for task in self._waiting:
-            del self._waiting[task]
-            self._connections.discard(task)
-            task.cancel()
-            log.debug("connection limit (%d) reached: dropped the oldest waiting connection",
-                      self.max_connections)
-            return True
-        return False
-
-    async def _connection(self, sock: socket.socket, peer: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # this coroutine always runs as its own task
+    async def _connection(self, sock: socket.socket, peer: Any, slot: Slot) -> None:
         loop = asyncio.get_running_loop()
-        streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        done = False
+        channel = _Tls(loop, sock, self._ssl) if self._ssl else _Plain(loop, sock)
         try:
-            head = await asyncio.wait_for(self._read_head(sock, streams), self.head_timeout)
+            head = await asyncio.wait_for(self._read_head(channel, slot), self.head_timeout)
             if not head:
                 return
-            self._waiting.pop(task, None)  # being answered: not evicted
+            self.admission.move(slot, ANSWER)  # holds a worker: never displaced
             exchange = await loop.run_in_executor(self._pool, _Exchange, head, peer, self._app, self._environ)
-            reply = exchange.reply
-            self._waiting[task] = None
-            reader, writer = streams[0]
-            writer.transport.set_write_buffer_limits(high=0)  # drain() waits for the last byte
-            writer.write(reply)
-            await asyncio.wait_for(writer.drain(), self.write_timeout)
-            done = True
-            if writer.can_write_eof():  # plain TCP: a lingering close, as HTTP servers do
-                writer.write_eof()  # FIN first: a client still sending sees the answer, not a reset
-                await asyncio.wait_for(_discard_until_eof(reader), LINGER_SECONDS)
+            self.admission.move(slot, WRITE)
+            await asyncio.wait_for(self._answer(channel, exchange.reply), self.write_timeout)
+            self.admission.move(slot, LINGER)
+            sock.shutdown(socket.SHUT_WR)  # FIN first: a client still sending sees the answer, not a reset
+            await asyncio.wait_for(channel.discard_until_eof(), LINGER_SECONDS)
         except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
-            log.debug("connection from %s dropped: %s", peer[0], _printable(str(exc)) or type(exc).__name__)
+            log.debug("connection from %s dropped: %s", _printable(peer[0]),
+                      _printable(str(exc)) or type(exc).__name__)
         finally:
-            self._waiting.pop(task, None)
-            if not streams:
-                sock.close()
-            elif done:
-                streams[0][1].close()
-            else:
-                streams[0][1].transport.abort()
+            self.admission.release(slot)
+            sock.close()
 
-    async def _read_head(self, sock: socket.socket,
-                         streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> bytes:
+    @staticmethod
+    async def _answer(channel: _Plain, reply: bytes) -> None:
+        await channel.send(reply)
+        await channel.finish()
+
+    async def _read_head(self, channel: _Plain, slot: Slot) -> bytes:
         """The request line and headers (up to one byte past the limit, so the parser sees it),
         or what came before the client stopped sending."""
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=MAX_REQUEST_HEAD_BYTES + 1)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        transport, _ = await loop.connect_accepted_socket(
-            lambda: protocol, sock, ssl=self._ssl, ssl_handshake_timeout=self.head_timeout if self._ssl else None)
-        streams.append((reader, asyncio.StreamWriter(transport, protocol, reader, loop)))
+        if slot.state == HANDSHAKE:
+            await channel.handshake()
+            self.admission.move(slot, HEAD)
         head = bytearray()
         first_line_seen = False
         while len(head) <= MAX_REQUEST_HEAD_BYTES:
-            chunk = await reader.read(MAX_REQUEST_HEAD_BYTES + 1 - len(head))
+            chunk = await channel.recv(min(READ_BYTES, MAX_REQUEST_HEAD_BYTES + 1 - len(head)))
             if not chunk:
                 break
             start = max(0, len(head) - 3)  # search the new bytes only: one byte at a time stays linear
