@@ -163,7 +163,7 @@ def closed(s: socket.socket, within: float) -> bool:
     s.settimeout(within)
     try:
         return s.recv(1) == b""
-    except socket.timeout:
+    except TimeoutError:
         return False
     except OSError:
         return True

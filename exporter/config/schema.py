@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from .. import units
 from ..boundedio import read_head
+from ..tlsfiles import ca_context
 from .fields import (
     DEFAULT_PORT,
     EMPTY,
@@ -82,7 +83,7 @@ def _readable_token(path: str) -> str:
 
 def _ca_problem(path: str) -> str | None:
     try:
-        ssl.create_default_context(cafile=path)
+        ca_context(path)  # bounded: a FIFO or a huge file is refused, never waited on
     except (OSError, ssl.SSLError, ValueError) as exc:
         return f"cannot load CA certificates from {path}: {getattr(exc, 'strerror', None) or exc}"
     return None
