@@ -665,6 +665,17 @@ def test_no_secret_in_metrics_api_or_logs(tmp_path, echo, caplog, monkeypatch, r
         assert set(cmdlines.values()) == {""}
 
 
+@pytest.mark.integration
+def test_a_query_token_is_not_logged_even_at_debug_level(echo):
+    """#21 L10: urllib3 logs every request line at debug level, the endpoint's query string (and
+    the token some proxies take there) included. The real entry point, as an operator runs it."""
+    result = subprocess.run([sys.executable, "-m", "exporter", "--log-level", "debug", "snapshot", "--simulate",
+                             "steady", "--vllm-endpoint", f"http://127.0.0.1:{echo}/metrics?token={TOKEN}"],
+                            capture_output=True, text=True, timeout=HANG_BOUND)
+    assert result.returncode == 0, result.stderr
+    assert TOKEN not in result.stderr and TOKEN[:12] not in result.stderr
+
+
 def test_secrets_are_redacted_whole_and_in_pieces():
     from exporter.sources.httpclient import Secrets
 
