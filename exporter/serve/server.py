@@ -18,6 +18,7 @@ bounded by one record. docs/architecture.md has the worst case.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import resource
@@ -158,6 +159,9 @@ class _Plain:
         while await self.loop.sock_recv(self.sock, 64 << 10):
             pass
 
+    def close(self) -> None:
+        self.sock.close()
+
 
 class _Tls(_Plain):
     """TLS through memory buffers: the socket is read only when OpenSSL asks for more, one TLS
@@ -165,52 +169,76 @@ class _Tls(_Plain):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext):
         super().__init__(loop, sock)
-        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._buffers: tuple[ssl.MemoryBIO, ssl.MemoryBIO] | None = (incoming, outgoing)
+        self._tls: ssl.SSLObject | None = context.wrap_bio(incoming, outgoing, server_side=True)
 
     async def handshake(self) -> None:
-        await self._until_done(self._tls.do_handshake)
+        await self._until_done(lambda: self._open().do_handshake())
 
     async def recv(self, max_bytes: int) -> bytes:
         try:
-            return await self._until_done(self._tls.read, max_bytes)
+            return await self._until_done(lambda: self._open().read(max_bytes))
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or the socket closed
             return b""
 
     async def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:  # a chunk at a time: the outgoing buffer holds at most one chunk's records
-            written = await self._until_done(self._tls.write, view[:64 << 10])
-            view = view[written:]
+        chunks = [memoryview(data)[i:i + (64 << 10)] for i in range(0, len(data), 64 << 10)]
+        for chunk in chunks:  # one at a time: the outgoing buffer holds at most one chunk's records
+            while chunk:
+                chunk = chunk[await self._until_done(functools.partial(self._write, chunk)):]
 
     async def finish(self) -> None:
         try:
-            self._tls.unwrap()  # close_notify; the client's own is not waited for
+            self._open().unwrap()  # close_notify; the client's own is not waited for
         except ssl.SSLError:
             pass
         await self._flush()
 
-    async def _until_done(self, operation: Callable[..., _T], *args: Any) -> _T:
+    def close(self) -> None:
+        # OpenSSL's state (up to a 128 KiB hello and a record buffer each way) goes now. No frame
+        # holds it (the operations reach it through self): the exception that ended a connection
+        # keeps its frames in a reference cycle, which the garbage collector, counting Python
+        # objects only, may leave alone for a long time.
+        self._tls = self._buffers = None
+        super().close()
+
+    def _open(self) -> ssl.SSLObject:
+        if self._tls is None:
+            raise ssl.SSLZeroReturnError("connection closed")
+        return self._tls
+
+    def _write(self, chunk: memoryview) -> int:
+        return self._open().write(chunk)
+
+    async def _until_done(self, operation: Callable[[], _T]) -> _T:
         while True:
+            # Nothing is awaited while an exception from OpenSSL is being handled, and the one
+            # raised carries no traceback from ssl.py, whose frames hold the SSLObject (close()).
+            failure: ssl.SSLError | None = None
+            more = False
             try:
-                result = operation(*args)
+                result = operation()
             except ssl.SSLWantReadError:
-                await self._flush()  # what OpenSSL has to say first (its hello, a ticket)
-                data = await super().recv(TLS_RECORD_BYTES)
-                if data:
-                    self._incoming.write(data)
-                else:
-                    self._incoming.write_eof()
-                continue
-            except ssl.SSLError:
-                await self._flush()  # the alert that tells the client why
-                raise
-            await self._flush()
-            return result
+                more = True
+            except ssl.SSLError as exc:
+                failure = exc.with_traceback(None)
+            await self._flush()  # what OpenSSL has to say: its hello, a ticket, an alert
+            if failure is not None:
+                raise failure
+            if not more:
+                return result
+            data = await super().recv(TLS_RECORD_BYTES)
+            if self._buffers is None:
+                raise ssl.SSLZeroReturnError("connection closed")
+            if data:
+                self._buffers[0].write(data)
+            else:
+                self._buffers[0].write_eof()
 
     async def _flush(self) -> None:
-        if self._outgoing.pending:
-            await super().send(self._outgoing.read())
+        if self._buffers is not None and self._buffers[1].pending:
+            await super().send(self._buffers[1].read())
 
 
 class HttpServer:
@@ -314,7 +342,7 @@ class HttpServer:
                       _printable(str(exc)) or type(exc).__name__)
         finally:
             self.admission.release(slot)
-            sock.close()
+            channel.close()
 
     @staticmethod
     async def _answer(channel: _Plain, reply: bytes) -> None:
