@@ -199,6 +199,20 @@ def test_a_peer_holding_slow_connections_keeps_the_first_and_gets_the_rest_refus
             s.close()
 
 
+def test_a_request_head_past_16_kib_is_refused(listener):
+    """Every open connection may hold a head: 16 KiB of it (was 64 KiB), as Node.js allows, is
+    what bounds a full listener's memory (docs/architecture.md). Prometheus sends under 1 KiB."""
+    port = listener().port
+    headers = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 900) for i in range(20))  # 18 KiB in 20 lines
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.0 431 ")
+    small = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 900) for i in range(15))  # 13 KiB
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + small + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.0 200 ")
+
+
 @pytest.fixture(scope="module")
 def server_cert(tmp_path_factory):
     d = tmp_path_factory.mktemp("cert")

@@ -45,8 +45,9 @@ log = logging.getLogger("exporter.serve.server")
 _T = TypeVar("_T")
 
 # Request line + headers. Prometheus sends well under 1 KiB; http.server alone bounds each line
-# (64 KiB) and the count (100), which still lets one request hold 6 MB.
-MAX_REQUEST_HEAD_BYTES = 64 << 10
+# (64 KiB) and the count (100), which still lets one request hold 6 MB. 16 KiB, as Node.js: every
+# open connection may hold one, so it is most of what a full listener costs (docs/architecture.md).
+MAX_REQUEST_HEAD_BYTES = 16 << 10
 # A connection waiting on its client costs a socket and about 12 KiB, not a thread (1,000 held
 # ones: +13 MiB resident in bench/listener_attack.py): the cap bounds memory and file descriptors
 # (a quarter of the process's limit at most).
@@ -94,8 +95,9 @@ class _Exchange(WSGIRequestHandler):
         self.reply = self._out.getvalue()
 
     def handle(self) -> None:
-        self.raw_requestline = self._in.readline(65537)
-        if len(self.raw_requestline) > 65536:
+        self.raw_requestline = self._in.readline()  # the head is at most MAX_REQUEST_HEAD_BYTES + 1
+        if len(self.head) > MAX_REQUEST_HEAD_BYTES and not self.raw_requestline.endswith(b"\n"):
+            # the request line alone is past the limit
             self.requestline = self.request_version = self.command = ""
             self.send_error(414)
             return
