@@ -22,7 +22,8 @@ other loopback addresses (other peers), runs one case:
 - `full`: every listener budget full at once, each connection as costly as it can be made: TLS;
   64 large half hellos from 4 peers, then 960 connections from 16 more peers that finish the
   handshake, send a request head one byte short of the 16 KiB limit without its end, and then
-  all but the last byte of a 16 KiB record (which OpenSSL holds, waiting for the rest).
+  all but the last byte of a 16 KiB record (which OpenSSL holds, waiting for the rest); the
+  attack lasts `--seconds` from the moment all are in place.
 
 Reported per case and code, as the median of `--runs` runs (they alternate between the codes):
 the scraper's latency median / p99 / max and failed scrapes, alone and under attack; the
@@ -193,10 +194,11 @@ def _established(port: int, source: str) -> socket.socket | None:
         return None
 
 
-def _every_budget_full(port: int, stop, dropped) -> None:
+def _every_budget_full(port: int, stop, dropped, ready) -> None:
     held = [_connect(port, f"127.0.0.{2 + i % 4}", LARGE_HELLO) for i in range(64)]
     held += [_established(port, f"127.0.0.{6 + i % 16}") for i in range(960)]
     dropped.value += sum(s is None for s in held)
+    ready.set()
     stop.wait()
     for s in held:
         if s is not None:
@@ -213,10 +215,11 @@ def _wrong_passwords(url: str, stop, answers) -> None:
                 answers["error"] = answers.get("error", 0) + 1
 
 
-def _attack(case: str, port: int, args, stop, dropped, answers) -> None:
+def _attack(case: str, port: int, args, stop, dropped, answers, ready) -> None:
     if case == "full":
-        _every_budget_full(port, stop, dropped)
+        _every_budget_full(port, stop, dropped, ready)
         return
+    ready.set()
     if case == "tls":
         _half_hellos(port, args.tls_connections, args.tls_peers, LARGE_HELLO if args.hello == "large" else SMALL_HELLO,
                      args.seconds / TLS_ROUNDS, stop, dropped)
@@ -262,12 +265,16 @@ class Daemon:
             self.proc.communicate()
 
 
-def _scrape_for(daemon: Daemon, seconds: float, peaks: list[int], verify) -> dict:
-    """The valid scraper, every SCRAPE_EVERY s; the daemon's threads and RSS watched meanwhile."""
+def _scrape_for(daemon: Daemon, seconds: float, peaks: list[int], verify, ready=None) -> dict:
+    """The valid scraper, every SCRAPE_EVERY s, until `seconds` after `ready` is set (an attack in
+    place); the daemon's threads and RSS watched meanwhile."""
     latencies, failures, samples = [], 0, []
-    deadline = time.monotonic() + seconds
+    began_all = time.monotonic()
+    deadline = began_all + seconds
     with requests.Session() as session:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (ready is not None and not ready.is_set()):
+            if ready is not None and not ready.is_set():
+                deadline = time.monotonic() + seconds
             began = time.perf_counter()
             try:
                 r = session.get(daemon.url, auth=(USER, PASSWORD), timeout=10, verify=verify)
@@ -282,7 +289,7 @@ def _scrape_for(daemon: Daemon, seconds: float, peaks: list[int], verify) -> dic
             peaks[0], peaks[1] = max(peaks[0], threads), max(peaks[1], rss)
             time.sleep(max(0.0, SCRAPE_EVERY - (time.perf_counter() - began)))
     samples = [s for s in samples if s is not None]
-    return {"latencies": latencies, "failures": failures,
+    return {"latencies": latencies, "failures": failures, "seconds": time.monotonic() - began_all,
             "samples": samples[-1] - samples[0] if len(samples) > 1 else 0.0}
 
 
@@ -302,15 +309,15 @@ def measure(case: str, code: Path, files: dict[str, Path], args) -> dict[str, fl
         peaks = [0, 0]
         quiet = _scrape_for(daemon, QUIET_SECONDS, peaks, verify)
         quiet_peaks = list(peaks)
-        stop = multiprocessing.Event()
+        stop, ready = multiprocessing.Event(), multiprocessing.Event()
         manager = multiprocessing.Manager()
         answers, dropped = manager.dict(), manager.Value("i", 0)
-        attacker = multiprocessing.Process(target=_attack, args=(case, daemon.port, args, stop, dropped, answers),
-                                           daemon=True)
+        attacker = multiprocessing.Process(target=_attack, args=(case, daemon.port, args, stop, dropped, answers,
+                                                                  ready), daemon=True)
         cpu_before, wall_before = _cpu_seconds(daemon.proc.pid), time.monotonic()
         attacker.start()
         peaks = [0, 0]
-        attacked = _scrape_for(daemon, args.seconds, peaks, verify)
+        attacked = _scrape_for(daemon, args.seconds, peaks, verify, ready)
         cpu = (_cpu_seconds(daemon.proc.pid) - cpu_before) / (time.monotonic() - wall_before)
         stop.set()
         attacker.join(60)
@@ -326,7 +333,7 @@ def measure(case: str, code: Path, files: dict[str, Path], args) -> dict[str, fl
             "failed": attacked["failures"], "scrapes": attacked["failures"] + len(lat),
             "cpu": cpu * 100, "rss_alone": quiet_peaks[1] / 2**20, "rss_peak": peaks[1] / 2**20,
             "rss_after": settled / 2**20, "threads": peaks[0],
-            "samples": attacked["samples"], "expected": args.seconds / args.interval,
+            "samples": attacked["samples"], "expected": attacked["seconds"] / args.interval,
             "dropped": dropped_total, "wrong": wrong,
         }
     finally:

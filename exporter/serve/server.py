@@ -12,8 +12,8 @@ for unfinished TLS handshakes; a connection past them is closed at once.
 TLS runs over memory buffers (ssl.MemoryBIO), not asyncio's SSL transport, which gives every
 connection a 256 KiB read buffer from its first byte (1,000 half-finished handshakes: +300 MiB
 resident, never given back; #21 H1). Here the socket is read only when OpenSSL asks for more, at
-most one TLS record (18 KiB) at a time, so what a connection holds beyond OpenSSL's own state is
-bounded by one record. docs/architecture.md has the worst case.
+most 4 KiB at a time, so what a connection holds beyond OpenSSL's own state (a record buffer)
+is bounded by that. docs/architecture.md has the worst case.
 """
 from __future__ import annotations
 
@@ -65,7 +65,10 @@ WRITE_TIMEOUT_SECONDS = 10.0  # to hand the whole answer to the kernel
 WORKERS = 4
 LINGER_SECONDS = 2.0  # after the answer, what the client still sends is read for this long ...
 READ_BYTES = 16 << 10  # one read of a request head
-TLS_RECORD_BYTES = 5 + (16 << 10) + 2048  # the largest TLS record: one read of a TLS stream
+# One read of a TLS stream, taken only when OpenSSL wants more. Small: OpenSSL's memory buffer
+# keeps the largest size it was ever given (its record buffer, 18 KiB, is OpenSSL's own).
+TLS_READ_BYTES = 4 << 10
+ACCEPT_BATCH = 64  # connections accepted in a row before the others run
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset, no TIME_WAIT left
 
 # Control characters (ESC, CR, ...) from request lines must not reach a terminal or a log as is.
@@ -126,6 +129,20 @@ class _Exchange(WSGIRequestHandler):
         log.debug("%s " + format, self.client_address[0], *map(_printable, args))
 
 
+def _end_of_head(head: bytearray, start: int, first_line_seen: bool) -> tuple[int, bool]:
+    """The head's length if it is complete, else 0 (looking from `start` on), and whether its
+    first line has ended. A request line without a version ("GET /") is complete: HTTP/0.9
+    sends no headers, and it is answered 400 at once."""
+    ends = [i + len(blank) for blank in (b"\n\r\n", b"\n\n") if (i := head.find(blank, start)) >= 0]
+    if ends:
+        return min(ends), True
+    end = -1 if first_line_seen else head.find(b"\n", start)
+    if end < 0:
+        return 0, first_line_seen
+    words = head[:end].split()
+    return (0 if words and words[-1].startswith(b"HTTP/") else end + 1), True
+
+
 def _without_body(app: WSGIApplication) -> WSGIApplication:
     """HEAD: the GET answer's status and headers (Content-Length included), no body."""
     def head(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
@@ -166,8 +183,8 @@ class _Plain:
 
 
 class _Tls(_Plain):
-    """TLS through memory buffers: the socket is read only when OpenSSL asks for more, one TLS
-    record at most, so the incoming buffer never holds more than one record."""
+    """TLS through memory buffers: the socket is read only when OpenSSL asks for more, 4 KiB at a
+    time, so the incoming buffer never holds more."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext):
         super().__init__(loop, sock)
@@ -230,7 +247,7 @@ class _Tls(_Plain):
                 raise failure
             if not more:
                 return result
-            data = await super().recv(TLS_RECORD_BYTES)
+            data = await super().recv(TLS_READ_BYTES)
             if self._buffers is None:
                 raise ssl.SSLZeroReturnError("connection closed")
             if data:
@@ -308,22 +325,35 @@ class HttpServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            slot = self.admission.admit(peer_of(peer[0]), self.tls)
-            if slot is None:  # closed at once, never queued; a reset leaves no TIME_WAIT behind
-                log.debug("connection from %s refused: connection limits reached", _printable(peer[0]))
+            self._admit(loop, sock, peer)
+            # What else is queued is taken now, a batch at a time: a flood of connections to
+            # refuse must not fill the kernel's backlog, where a scraper's SYN would be dropped
+            # and wait a second for its retransmit. Between batches the others run.
+            for _ in range(ACCEPT_BATCH - 1):
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-                finally:
-                    sock.close()
-            else:
-                task = loop.create_task(self._connection(sock, peer, slot))
-                slot.evict = task.cancel
-                self._connections.add(task)
-                task.add_done_callback(self._connections.discard)
-            # Let the others run between two accepts: in a burst of connections, a scraper's
-            # request is in the kernel's buffer already, and a flood of refused ones must not
-            # keep the loop to itself (sock_accept returns at once while connections queue).
+                    sock, peer = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    log.warning("accept failed: %s", exc)
+                    break
+                sock.setblocking(False)
+                self._admit(loop, sock, peer)
             await asyncio.sleep(0)
+
+    def _admit(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: Any) -> None:
+        slot = self.admission.admit(peer_of(peer[0]), self.tls)
+        if slot is None:  # closed at once, never queued; a reset leaves no TIME_WAIT behind
+            log.debug("connection from %s refused: connection limits reached", _printable(peer[0]))
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            finally:
+                sock.close()
+            return
+        task = loop.create_task(self._connection(sock, peer, slot))
+        slot.evict = task.cancel
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
 
     async def _connection(self, sock: socket.socket, peer: Any, slot: Slot) -> None:
         loop = asyncio.get_running_loop()
@@ -360,20 +390,16 @@ class HttpServer:
         head = bytearray()
         first_line_seen = False
         while len(head) <= MAX_REQUEST_HEAD_BYTES:
-            chunk = await channel.recv(min(READ_BYTES, MAX_REQUEST_HEAD_BYTES + 1 - len(head)))
-            if not chunk:
-                break
-            start = max(0, len(head) - 3)  # search the new bytes only: one byte at a time stays linear
-            head += chunk
-            ends = [i + len(blank) for blank in (b"\n\r\n", b"\n\n") if (i := head.find(blank, start)) >= 0]
-            if ends:
-                return bytes(head[:min(ends)])  # a body, if any, is never read
-            end = -1 if first_line_seen else head.find(b"\n", start)
-            if end >= 0:
-                first_line_seen = True
-                words = head[:end].split()
-                if not words or not words[-1].startswith(b"HTTP/"):
-                    return bytes(head[:end + 1])  # "GET /" has no headers to wait for: answered 400 at once
+            before = len(head)
+            # Nothing but `head` is held across the wait: the last chunk kept until the next one
+            # arrives would double what a trickling client costs.
+            head += await channel.recv(min(READ_BYTES, MAX_REQUEST_HEAD_BYTES + 1 - before))
+            if len(head) == before:
+                break  # the client stopped sending
+            start = max(0, before - 3)  # search the new bytes only: one byte at a time stays linear
+            end, first_line_seen = _end_of_head(head, start, first_line_seen)
+            if end:
+                return bytes(head[:end])  # a body, if any, is never read
         return bytes(head)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
