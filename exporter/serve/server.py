@@ -68,7 +68,8 @@ READ_BYTES = 16 << 10  # one read of a request head
 # One read of a TLS stream, taken only when OpenSSL wants more. Small: OpenSSL's memory buffer
 # keeps the largest size it was ever given (its record buffer, 18 KiB, is OpenSSL's own).
 TLS_READ_BYTES = 4 << 10
-ACCEPT_BATCH = 64  # connections accepted in a row before the others run
+ACCEPT_BATCH = 256  # connections accepted in a row before the others run
+BACKLOG = 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset, no TIME_WAIT left
 
 # Control characters (ESC, CR, ...) from request lines must not reach a terminal or a log as is.
@@ -273,7 +274,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # socketserver's default backlog is 5: a burst of connections beyond the backlog has its
         # SYNs dropped, and a scraper among them waits out TCP retransmits (1 s, 3 s, 7 s...).
-        self._listener = socket.create_server((host, port), family=family, backlog=1024)
+        # Not more: every connection queued there can hold a receive buffer of kernel memory.
+        self._listener = socket.create_server((host, port), family=family, backlog=BACKLOG)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self.admission = Admission(max_connections, min(max_connections_per_peer, max_connections),
