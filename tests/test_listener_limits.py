@@ -117,6 +117,18 @@ def test_a_connection_being_answered_is_never_displaced_and_lingering_ones_go_fi
     assert a.open == 2
 
 
+def test_a_peer_at_its_limit_ends_its_own_lingering_connection_first():
+    """A connection already answered only waits for its client's close: a scraper that scrapes
+    again at once (50 of them from one address in bench/load.py) must not be refused for it."""
+    a = admission(max_per_peer=2)
+    evictions = Evictions()
+    done = evictions.track(a.admit("A", tls=False), "answered")
+    a.move(done, LINGER)
+    evictions.track(a.admit("A", tls=False), "reading")
+    assert a.admit("A", tls=False) is not None and evictions.order == ["answered"]
+    assert a.admit("A", tls=False) is None  # the one still reading is not displaced
+
+
 def test_unfinished_handshakes_have_budgets_of_their_own():
     a = admission(max_handshakes=3, max_handshakes_per_peer=2)
     evictions = Evictions()

@@ -8,8 +8,9 @@ Budgets, each a count (what each costs in memory is in docs/architecture.md):
   A handshake costs far more than a connection that finished it, so its budget is much smaller.
 
 A peer at one of its own limits has its new connection refused at once: it never displaces
-another's, nor one of its own, since every displaced connection comes straight back as a
-reconnect, and a flood of those is what starved scrapers (#21 M1). At a total, a newcomer takes
+another's, nor one of its own still in use (only one already answered, lingering for its
+client's close), since every displaced connection comes straight back as a reconnect, and a
+flood of those is what starved scrapers (#21 M1). At a total, a newcomer takes
 the place of, first, any connection already answered (it only lingers for its client's close),
 else the oldest connection still waiting on its client of the peer that holds the most, provided
 that peer holds at least two more than the newcomer's: so one peer never crowds out another, and
@@ -72,7 +73,8 @@ class Admission:
         """A slot for a new connection from `peer` (displacing another if the rules allow), or
         None: close it at once."""
         held = len(self._by_peer.get(peer, ()))
-        if held >= self.max_per_peer or (tls and self._handshakes[peer] >= self.max_handshakes_per_peer):
+        if (held >= self.max_per_peer and not self._end_lingering(peer)) or (
+                tls and self._handshakes[peer] >= self.max_handshakes_per_peer):
             self.refused += 1
             return None
         if self.open >= self.max_connections and not self._make_room_for(peer):
@@ -110,6 +112,14 @@ class Admission:
         self._lingering.pop(slot, None)
         if slot.state == HANDSHAKE:
             _uncount(self._handshakes, slot.peer)
+
+    def _end_lingering(self, peer: str) -> bool:
+        """Displace the peer's own oldest answered connection, if it has one."""
+        lingering = next((s for s in self._lingering if s.peer == peer), None)
+        if lingering is None:
+            return False
+        self._evict(lingering)
+        return True
 
     def _make_room_for(self, peer: str) -> bool:
         if self._lingering:

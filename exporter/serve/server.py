@@ -54,8 +54,9 @@ MAX_REQUEST_HEAD_BYTES = 16 << 10
 _FD_LIMIT = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 MAX_CONNECTIONS = min(1024, _FD_LIMIT // 4) if _FD_LIMIT > 0 else 1024  # -1: unlimited
 # One peer (an address; an IPv6 /64) holds at most this many: a Prometheus server holds one per
-# scrape, for milliseconds. Past it the peer's new connections are refused, never another's.
-MAX_CONNECTIONS_PER_PEER = 64
+# scrape, for milliseconds; bench/load.py's 50 concurrent scrapers share one address. Past it the
+# peer's new connections are refused, never another's.
+MAX_CONNECTIONS_PER_PEER = 128
 # An unfinished TLS handshake can make OpenSSL hold a client's announced handshake message
 # (up to 128 KiB) and a record buffer each way: far more than a finished connection.
 MAX_HANDSHAKES = 64
