@@ -25,8 +25,10 @@ _COMMON_ENV = {"auto_envvar_prefix": "GPUMEM"}
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    chosen = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # urllib3's debug lines carry whole request URLs, an endpoint's query token included (#21 L10).
+    logging.getLogger("urllib3").setLevel(max(chosen, logging.INFO))
 
 
 def _fail(message: str) -> NoReturn:

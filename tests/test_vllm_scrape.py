@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from exporter.sources import httpclient
 from exporter.sources.vllm import MAX_REDIRECTS, VllmEndpoint, VllmSource, public_url, scrape
 from helpers.clocks import ServerClock
+from helpers.tools import HANG
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm" / "current_v1_engines.prom").read_bytes()
 TOKEN = "s3cret-t0ken-for-tests"
@@ -366,7 +368,10 @@ def test_source_does_not_let_a_slow_endpoint_delay_the_others(server):
     assert elapsed < 0.5 + 0.5
 
 
-def test_source_bounds_the_caller_even_when_headers_drip(server, source_waits):
+def test_source_bounds_the_caller_even_when_headers_drip(server, source_waits, monkeypatch):
+    # The stuck request is cut off long after this test is over (tests/test_http_deadline.py
+    # has the cut-off), so the second sample certainly finds it still running.
+    monkeypatch.setattr(httpclient, "CUT_OFF_GRACE_SECONDS", HANG)
     source = VllmSource([VllmEndpoint(url(server, "/drip_headers"), name="drip", timeout_seconds=0.3)],
                         clock=server.clock)
     try:

@@ -18,6 +18,7 @@ from .. import thresholds, units
 from ..analysis.registry import DETECTORS
 from ..boundedio import read_head
 from ..sources import gpu as gpu_backends
+from ..tlsfiles import ca_context
 from .detectors import DetectorsConfig, detector_settings
 from .fields import (
     DEFAULT_PORT,
@@ -87,7 +88,7 @@ def _readable_token(path: str) -> str:
 
 def _ca_problem(path: str) -> str | None:
     try:
-        ssl.create_default_context(cafile=path)
+        ca_context(path)  # bounded: a FIFO or a huge file is refused, never waited on
     except (OSError, ssl.SSLError, ValueError) as exc:
         return f"cannot load CA certificates from {path}: {getattr(exc, 'strerror', None) or exc}"
     return None

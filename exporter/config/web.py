@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError
 
+from ..tlsfiles import load_ca, load_cert_chain
 from .fields import EMPTY, ConfigError, Doc, Path, Section, fail, problems_of
 from .yamlfile import YamlError, read_yaml
 
@@ -101,11 +102,12 @@ def ssl_context(cfg: WebConfig, where: str = "web config") -> ssl.SSLContext:
 
 def _context(tls: TlsServerConfig) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a client's renegotiation is a handshake's cost again
+    try:  # through the bounded reader: a FIFO or a huge file is refused, never waited on
+        load_cert_chain(ctx, tls.cert_file, tls.key_file)
         if tls.client_ca_file:
-            ctx.load_verify_locations(tls.client_ca_file)
-    except (OSError, ssl.SSLError) as exc:
+            load_ca(ctx, tls.client_ca_file)
+    except (OSError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"cannot load certificate or key: {exc}") from None
     ctx.minimum_version = _TLS_VERSIONS[tls.min_version]
     if tls.max_version:

@@ -6,26 +6,35 @@ under one total deadline; a small fixed pool of worker threads turns complete he
 under a second deadline. A slow or silent client costs a socket and a few kilobytes, never a
 thread, and the sampler (its own thread) never competes with a crowd of handler threads.
 
-At `max_connections` a new connection evicts the oldest one that is only waiting on its client
-(its head or its answer is still in flight), so clients that trickle bytes cannot lock out a
-scraper that sends its request at once; when every connection is being answered, the new one is
-closed at once.
+Who may hold a connection is admission.py's: limits per peer and in all, with a much smaller one
+for unfinished TLS handshakes; a connection past them is closed at once.
+
+TLS runs over memory buffers (ssl.MemoryBIO), not asyncio's SSL transport, which gives every
+connection a 256 KiB read buffer from its first byte (1,000 half-finished handshakes: +300 MiB
+resident, never given back; #21 H1). Here the socket is read only when OpenSSL asks for more, at
+most 4 KiB at a time, so what a connection holds beyond OpenSSL's own state (a record buffer)
+is bounded by that. docs/architecture.md has the worst case.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import resource
 import socket
+import ssl
+import struct
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from socketserver import BaseServer
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler
 
+from .admission import ANSWER, HANDSHAKE, HEAD, LINGER, WRITE, Admission, Slot, peer_of
 from .webconfig import WebConfig, ssl_context
 
 if TYPE_CHECKING:
@@ -33,20 +42,36 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 log = logging.getLogger("exporter.serve.server")
+_T = TypeVar("_T")
 
 # Request line + headers. Prometheus sends well under 1 KiB; http.server alone bounds each line
-# (64 KiB) and the count (100), which still lets one request hold 6 MB.
-MAX_REQUEST_HEAD_BYTES = 64 << 10
+# (64 KiB) and the count (100), which still lets one request hold 6 MB. 16 KiB, as Node.js: every
+# open connection may hold one, so it is most of what a full listener costs (docs/architecture.md).
+MAX_REQUEST_HEAD_BYTES = 16 << 10
 # A connection waiting on its client costs a socket and about 12 KiB, not a thread (1,000 held
 # ones: +13 MiB resident in bench/listener_attack.py): the cap bounds memory and file descriptors
-# (a quarter of the process's limit at most). Past it, held connections are dropped and an
-# attacker's reconnects turn into a connection flood, which costs far more than holding them.
+# (a quarter of the process's limit at most).
 _FD_LIMIT = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 MAX_CONNECTIONS = min(1024, _FD_LIMIT // 4) if _FD_LIMIT > 0 else 1024  # -1: unlimited
+# One peer (an address; an IPv6 /64) holds at most this many: a Prometheus server holds one per
+# scrape, for milliseconds; bench/load.py's 50 concurrent scrapers share one address. Past it the
+# peer's new connections are refused, never another's.
+MAX_CONNECTIONS_PER_PEER = 128
+# An unfinished TLS handshake can make OpenSSL hold a client's announced handshake message
+# (up to 128 KiB) and a record buffer each way: far more than a finished connection.
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_PEER = 16
 HEAD_TIMEOUT_SECONDS = 10.0  # from accept to the end of the head, TLS handshake included
 WRITE_TIMEOUT_SECONDS = 10.0  # to hand the whole answer to the kernel
 WORKERS = 4
 LINGER_SECONDS = 2.0  # after the answer, what the client still sends is read for this long ...
+READ_BYTES = 16 << 10  # one read of a request head
+# One read of a TLS stream, taken only when OpenSSL wants more. Small: OpenSSL's memory buffer
+# keeps the largest size it was ever given (its record buffer, 18 KiB, is OpenSSL's own).
+TLS_READ_BYTES = 4 << 10
+ACCEPT_BATCH = 256  # connections accepted in a row before the others run
+BACKLOG = 1024
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset, no TIME_WAIT left
 
 # Control characters (ESC, CR, ...) from request lines must not reach a terminal or a log as is.
 _ESCAPE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f)}
@@ -75,8 +100,9 @@ class _Exchange(WSGIRequestHandler):
         self.reply = self._out.getvalue()
 
     def handle(self) -> None:
-        self.raw_requestline = self._in.readline(65537)
-        if len(self.raw_requestline) > 65536:
+        self.raw_requestline = self._in.readline()  # the head is at most MAX_REQUEST_HEAD_BYTES + 1
+        if len(self.head) > MAX_REQUEST_HEAD_BYTES and not self.raw_requestline.endswith(b"\n"):
+            # the request line alone is past the limit
             self.requestline = self.request_version = self.command = ""
             self.send_error(414)
             return
@@ -90,10 +116,13 @@ class _Exchange(WSGIRequestHandler):
         handler.request_handler = self  # type: ignore[attr-defined]  # its close() logs the request
         handler.run(self.app if self.command != "HEAD" else _without_body(self.app))
 
+    # Errors found before the version is read (a bad or unsupported version: "HTTP/9.9", an
+    # HTTP/2 preface) are answered in this version, never bare as HTTP/0.9 would be.
+    default_request_version = "HTTP/1.0"
+
     def parse_request(self) -> bool:
         ok = super().parse_request()
-        if ok and self.request_version == "HTTP/0.9":  # "GET /": an answer needs a status line
-            self.request_version = "HTTP/1.0"
+        if ok and len(self.requestline.split()) == 2:  # "GET /" (HTTP/0.9): an answer needs a status line
             self.send_error(400, "Bad request: no HTTP version")
             return False
         return ok
@@ -102,11 +131,18 @@ class _Exchange(WSGIRequestHandler):
         log.debug("%s " + format, self.client_address[0], *map(_printable, args))
 
 
-async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
-    """... and dropped, until it closes: closing with unread data would send a reset, which can
-    destroy the answer before the client reads it (a client sending a head far past the limit)."""
-    while await reader.read(64 << 10):
-        pass
+def _end_of_head(head: bytearray, start: int, first_line_seen: bool) -> tuple[int, bool]:
+    """The head's length if it is complete, else 0 (looking from `start` on), and whether its
+    first line has ended. A request line without a version ("GET /") is complete: HTTP/0.9
+    sends no headers, and it is answered 400 at once."""
+    ends = [i + len(blank) for blank in (b"\n\r\n", b"\n\n") if (i := head.find(blank, start)) >= 0]
+    if ends:
+        return min(ends), True
+    end = -1 if first_line_seen else head.find(b"\n", start)
+    if end < 0:
+        return 0, first_line_seen
+    words = head[:end].split()
+    return (0 if words and words[-1].startswith(b"HTTP/") else end + 1), True
 
 
 def _without_body(app: WSGIApplication) -> WSGIApplication:
@@ -119,21 +155,132 @@ def _without_body(app: WSGIApplication) -> WSGIApplication:
     return head
 
 
+class _Plain:
+    """A client's socket, read and written by the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket):
+        self.loop, self.sock = loop, sock
+
+    async def handshake(self) -> None:
+        pass
+
+    async def recv(self, max_bytes: int) -> bytes:
+        return await self.loop.sock_recv(self.sock, max_bytes)
+
+    async def send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def finish(self) -> None:
+        """The answer is complete: say so before the socket is half-closed."""
+
+    async def discard_until_eof(self) -> None:
+        """After the answer, what the client still sends is dropped until it closes: closing with
+        unread data would send a reset, which can destroy the answer before the client reads it
+        (a client sending a head far past the limit)."""
+        while await self.loop.sock_recv(self.sock, 64 << 10):
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Tls(_Plain):
+    """TLS through memory buffers: the socket is read only when OpenSSL asks for more, 4 KiB at a
+    time, so the incoming buffer never holds more."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext):
+        super().__init__(loop, sock)
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._buffers: tuple[ssl.MemoryBIO, ssl.MemoryBIO] | None = (incoming, outgoing)
+        self._tls: ssl.SSLObject | None = context.wrap_bio(incoming, outgoing, server_side=True)
+
+    async def handshake(self) -> None:
+        await self._until_done(lambda: self._open().do_handshake())
+
+    async def recv(self, max_bytes: int) -> bytes:
+        try:
+            return await self._until_done(lambda: self._open().read(max_bytes))
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # close_notify, or the socket closed
+            return b""
+
+    async def send(self, data: bytes) -> None:
+        chunks = [memoryview(data)[i:i + (64 << 10)] for i in range(0, len(data), 64 << 10)]
+        for chunk in chunks:  # one at a time: the outgoing buffer holds at most one chunk's records
+            while chunk:
+                chunk = chunk[await self._until_done(functools.partial(self._write, chunk)):]
+
+    async def finish(self) -> None:
+        try:
+            self._open().unwrap()  # close_notify; the client's own is not waited for
+        except ssl.SSLError:
+            pass
+        await self._flush()
+
+    def close(self) -> None:
+        # OpenSSL's state (up to a 128 KiB hello and a record buffer each way) goes now. No frame
+        # holds it (the operations reach it through self): the exception that ended a connection
+        # keeps its frames in a reference cycle, which the garbage collector, counting Python
+        # objects only, may leave alone for a long time.
+        self._tls = self._buffers = None
+        super().close()
+
+    def _open(self) -> ssl.SSLObject:
+        if self._tls is None:
+            raise ssl.SSLZeroReturnError("connection closed")
+        return self._tls
+
+    def _write(self, chunk: memoryview) -> int:
+        return self._open().write(chunk)
+
+    async def _until_done(self, operation: Callable[[], _T]) -> _T:
+        while True:
+            # Nothing is awaited while an exception from OpenSSL is being handled, and the one
+            # raised carries no traceback from ssl.py, whose frames hold the SSLObject (close()).
+            failure: ssl.SSLError | None = None
+            more = False
+            try:
+                result = operation()
+            except ssl.SSLWantReadError:
+                more = True
+            except ssl.SSLError as exc:
+                failure = exc.with_traceback(None)
+            await self._flush()  # what OpenSSL has to say: its hello, a ticket, an alert
+            if failure is not None:
+                raise failure
+            if not more:
+                return result
+            data = await super().recv(TLS_READ_BYTES)
+            if self._buffers is None:
+                raise ssl.SSLZeroReturnError("connection closed")
+            if data:
+                self._buffers[0].write(data)
+            else:
+                self._buffers[0].write_eof()
+
+    async def _flush(self) -> None:
+        if self._buffers is not None and self._buffers[1].pending:
+            await super().send(self._buffers[1].read())
+
+
 class HttpServer:
     """Binds at construction (an OSError says the address is taken); serves from start()."""
 
     def __init__(self, app: WSGIApplication, host: str, port: int, web: WebConfig | None = None, *,
-                 max_connections: int = MAX_CONNECTIONS, head_timeout: float = HEAD_TIMEOUT_SECONDS,
-                 write_timeout: float = WRITE_TIMEOUT_SECONDS, workers: int = WORKERS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+                 max_handshakes: int = MAX_HANDSHAKES, max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
+                 head_timeout: float = HEAD_TIMEOUT_SECONDS, write_timeout: float = WRITE_TIMEOUT_SECONDS,
+                 workers: int = WORKERS) -> None:
         self._ssl = ssl_context(web) if web and web.tls else None  # a bad certificate fails before binding
         self.tls = self._ssl is not None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # socketserver's default backlog is 5: a burst of connections beyond the backlog has its
         # SYNs dropped, and a scraper among them waits out TCP retransmits (1 s, 3 s, 7 s...).
-        self._listener = socket.create_server((host, port), family=family, backlog=1024)
+        # Not more: every connection queued there can hold a receive buffer of kernel memory.
+        self._listener = socket.create_server((host, port), family=family, backlog=BACKLOG)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self.max_connections = max_connections
+        self.admission = Admission(max_connections, min(max_connections_per_peer, max_connections),
+                                   max_handshakes, min(max_handshakes_per_peer, max_handshakes))
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
         self._app = app
@@ -145,7 +292,6 @@ class HttpServer:
         self._loop.set_exception_handler(self._loop_error)
         self._stopping = asyncio.Event()  # bound to the loop that first waits on it
         self._connections: set[asyncio.Task[None]] = set()
-        self._waiting: dict[asyncio.Task[None], None] = {}  # waiting on their client, oldest first
         self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(self._serve()),
                                         name="http", daemon=True)
 
@@ -164,7 +310,7 @@ class HttpServer:
 
     @property
     def open_connections(self) -> int:
-        return len(self._connections)
+        return self.admission.open
 
     async def _serve(self) -> None:
         accepting = asyncio.create_task(self._accept())
@@ -182,88 +328,81 @@ class HttpServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._connections) >= self.max_connections and not self._evict_one():
-                sock.close()  # every connection is being answered: refused at once, never queued
-                continue
-            task = loop.create_task(self._connection(sock, peer))
-            self._connections.add(task)
-            self._waiting[task] = None
-            task.add_done_callback(self._connections.discard)
-            # Let it read what its client already sent before the next accept can evict it: in
-            # a burst of connections, a scraper's request is in the kernel's buffer already.
+            self._admit(loop, sock, peer)
+            # What else is queued is taken now, a batch at a time: a flood of connections to
+            # refuse must not fill the kernel's backlog, where a scraper's SYN would be dropped
+            # and wait a second for its retransmit. Between batches the others run.
+            for _ in range(ACCEPT_BATCH - 1):
+                try:
+                    sock, peer = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    log.warning("accept failed: %s", exc)
+                    break
+                sock.setblocking(False)
+                self._admit(loop, sock, peer)
             await asyncio.sleep(0)
 
-    def _evict_one(self) -> bool:
-        """Drop the connection that has waited longest on its client."""
-        for task in self._waiting:
-            del self._waiting[task]
-            self._connections.discard(task)
-            task.cancel()
-            log.debug("connection limit (%d) reached: dropped the oldest waiting connection",
-                      self.max_connections)
-            return True
-        return False
+    def _admit(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: Any) -> None:
+        slot = self.admission.admit(peer_of(peer[0]), self.tls)
+        if slot is None:  # closed at once, never queued; a reset leaves no TIME_WAIT behind
+            log.debug("connection from %s refused: connection limits reached", _printable(peer[0]))
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            finally:
+                sock.close()
+            return
+        task = loop.create_task(self._connection(sock, peer, slot))
+        slot.evict = task.cancel
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
 
-    async def _connection(self, sock: socket.socket, peer: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # this coroutine always runs as its own task
+    async def _connection(self, sock: socket.socket, peer: Any, slot: Slot) -> None:
         loop = asyncio.get_running_loop()
-        streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        done = False
+        channel = _Tls(loop, sock, self._ssl) if self._ssl else _Plain(loop, sock)
         try:
-            head = await asyncio.wait_for(self._read_head(sock, streams), self.head_timeout)
+            head = await asyncio.wait_for(self._read_head(channel, slot), self.head_timeout)
             if not head:
                 return
-            self._waiting.pop(task, None)  # being answered: not evicted
+            self.admission.move(slot, ANSWER)  # holds a worker: never displaced
             exchange = await loop.run_in_executor(self._pool, _Exchange, head, peer, self._app, self._environ)
-            reply = exchange.reply
-            self._waiting[task] = None
-            reader, writer = streams[0]
-            writer.transport.set_write_buffer_limits(high=0)  # drain() waits for the last byte
-            writer.write(reply)
-            await asyncio.wait_for(writer.drain(), self.write_timeout)
-            done = True
-            if writer.can_write_eof():  # plain TCP: a lingering close, as HTTP servers do
-                writer.write_eof()  # FIN first: a client still sending sees the answer, not a reset
-                await asyncio.wait_for(_discard_until_eof(reader), LINGER_SECONDS)
+            self.admission.move(slot, WRITE)
+            await asyncio.wait_for(self._answer(channel, exchange.reply), self.write_timeout)
+            self.admission.move(slot, LINGER)
+            sock.shutdown(socket.SHUT_WR)  # FIN first: a client still sending sees the answer, not a reset
+            await asyncio.wait_for(channel.discard_until_eof(), LINGER_SECONDS)
         except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
-            log.debug("connection from %s dropped: %s", peer[0], _printable(str(exc)) or type(exc).__name__)
+            log.debug("connection from %s dropped: %s", _printable(peer[0]),
+                      _printable(str(exc)) or type(exc).__name__)
         finally:
-            self._waiting.pop(task, None)
-            if not streams:
-                sock.close()
-            elif done:
-                streams[0][1].close()
-            else:
-                streams[0][1].transport.abort()
+            self.admission.release(slot)
+            channel.close()
 
-    async def _read_head(self, sock: socket.socket,
-                         streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> bytes:
+    @staticmethod
+    async def _answer(channel: _Plain, reply: bytes) -> None:
+        await channel.send(reply)
+        await channel.finish()
+
+    async def _read_head(self, channel: _Plain, slot: Slot) -> bytes:
         """The request line and headers (up to one byte past the limit, so the parser sees it),
         or what came before the client stopped sending."""
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=MAX_REQUEST_HEAD_BYTES + 1)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        transport, _ = await loop.connect_accepted_socket(
-            lambda: protocol, sock, ssl=self._ssl, ssl_handshake_timeout=self.head_timeout if self._ssl else None)
-        streams.append((reader, asyncio.StreamWriter(transport, protocol, reader, loop)))
+        if slot.state == HANDSHAKE:
+            await channel.handshake()
+            self.admission.move(slot, HEAD)
         head = bytearray()
         first_line_seen = False
         while len(head) <= MAX_REQUEST_HEAD_BYTES:
-            chunk = await reader.read(MAX_REQUEST_HEAD_BYTES + 1 - len(head))
-            if not chunk:
-                break
-            start = max(0, len(head) - 3)  # search the new bytes only: one byte at a time stays linear
-            head += chunk
-            ends = [i + len(blank) for blank in (b"\n\r\n", b"\n\n") if (i := head.find(blank, start)) >= 0]
-            if ends:
-                return bytes(head[:min(ends)])  # a body, if any, is never read
-            end = -1 if first_line_seen else head.find(b"\n", start)
-            if end >= 0:
-                first_line_seen = True
-                words = head[:end].split()
-                if not words or not words[-1].startswith(b"HTTP/"):
-                    return bytes(head[:end + 1])  # "GET /" has no headers to wait for: answered 400 at once
+            before = len(head)
+            # Nothing but `head` is held across the wait: the last chunk kept until the next one
+            # arrives would double what a trickling client costs.
+            head += await channel.recv(min(READ_BYTES, MAX_REQUEST_HEAD_BYTES + 1 - before))
+            if len(head) == before:
+                break  # the client stopped sending
+            start = max(0, before - 3)  # search the new bytes only: one byte at a time stays linear
+            end, first_line_seen = _end_of_head(head, start, first_line_seen)
+            if end:
+                return bytes(head[:end])  # a body, if any, is never read
         return bytes(head)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

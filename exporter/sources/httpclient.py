@@ -8,18 +8,31 @@ whole body, outside any size bound and deadline, even with allow_redirects=False
 the next hop), so requests go straight to the session's transport adapter instead. Redirects
 are followed only to the same origin (scheme, host and port), so a bearer token is never sent
 to another host, and at most `max_redirects` times.
+
+The deadline is hard. Socket timeouts bound each read, not the exchange: a server that drips its
+headers a byte at a time holds a read for ever (#21 M7: every reload left a thread and a socket
+behind, and SIGTERM waited for them, L2). Sessions from new_session() send through
+BoundedAdapter, which knows the connection each thread is using: at the deadline, or when the
+session is closed, that connection's socket is shut down and the blocked read returns.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
 import urllib3.exceptions
+from requests.adapters import HTTPAdapter
 from requests.utils import requote_uri, resolve_proxies
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import PoolManager
 
 from .httpbody import BodyError, read_body
 
@@ -28,6 +41,9 @@ KINDS = ("refused", "timeout", "tls", "connection", "http_status", "too_large", 
 MAX_MESSAGE_CHARS = 300
 MIN_SECRET_FRAGMENT = 8  # a value holding this many characters of a secret in a row is redacted
 REDACTED = "<redacted>"
+# Past the deadline, the cooperative checks get this long to say "timeout" before the socket is
+# shut down under the exchange.
+CUT_OFF_GRACE_SECONDS = 0.5
 
 
 class HttpFailure(Exception):
@@ -53,6 +69,13 @@ def get(session: requests.Session, request: requests.PreparedRequest, *, timeout
     (counted after decompression). Raises HttpFailure."""
     deadline = clock() + timeout
     late = f"no complete response within {timeout:g}s"
+    with _cut_off_after(session, request.url or "", timeout + CUT_OFF_GRACE_SECONDS, late):
+        return _get(session, request, deadline, late, timeout, max_bytes, max_redirects, read_error_body, clock)
+
+
+def _get(session: requests.Session, request: requests.PreparedRequest, deadline: float, late: str,
+         timeout: float, max_bytes: int, max_redirects: int, read_error_body: bool,
+         clock: Callable[[], float]) -> Answer:
     for hop in range(max_redirects + 1):
         remaining = deadline - clock()
         if remaining <= 0:
@@ -75,6 +98,130 @@ def get(session: requests.Session, request: requests.PreparedRequest, *, timeout
         finally:
             response.close()  # drops an unread body's connection instead of reading it
     raise AssertionError("unreachable: the last hop returns or raises")
+
+
+@contextlib.contextmanager
+def _cut_off_after(session: requests.Session, url: str, seconds: float, late: str) -> Iterator[None]:
+    """Shut the exchange's socket down if it is still running after `seconds` (real time)."""
+    adapter = session.get_adapter(url) if url else None
+    if not isinstance(adapter, BoundedAdapter):
+        yield  # a session from elsewhere (a test's): socket timeouts only
+        return
+    thread, fired = threading.get_ident(), threading.Event()
+
+    def cut_off() -> None:
+        fired.set()
+        adapter.abort(thread)
+    timer = threading.Timer(seconds, cut_off)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except HttpFailure:
+        if fired.is_set():  # that is why it failed
+            raise HttpFailure("timeout", late) from None
+        raise
+    finally:
+        timer.cancel()
+
+
+class _InFlight:
+    """The connection each thread is using (taken from its pool, not yet given back)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, Any] = {}
+
+    def taken(self, connection: Any) -> None:
+        with self._lock:
+            self._by_thread[threading.get_ident()] = connection
+
+    def given_back(self) -> None:
+        with self._lock:
+            self._by_thread.pop(threading.get_ident(), None)
+
+    def abort(self, thread: int | None = None) -> None:
+        """Shut down the socket of `thread`'s connection (every thread's: None). The thread's
+        blocked read returns at once; the connection is then closed, never reused."""
+        with self._lock:
+            connections = [c for t, c in self._by_thread.items() if thread is None or t == thread]
+        for connection in connections:
+            sock = getattr(connection, "sock", None)  # a raw socket while TLS shakes hands
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)  # not SSLSocket's: it drops its state
+
+
+class _TrackedPool(HTTPConnectionPool):
+    in_flight: _InFlight
+
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        connection = super()._get_conn(timeout)
+        self.in_flight.taken(connection)
+        return connection
+
+    def _put_conn(self, conn: Any) -> None:
+        self.in_flight.given_back()
+        super()._put_conn(conn)
+
+
+class _TrackedTlsPool(_TrackedPool, HTTPSConnectionPool):
+    pass
+
+
+class _TrackedPools(PoolManager):
+    def __init__(self, in_flight: _InFlight, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.in_flight = in_flight
+        self.pool_classes_by_scheme = {"http": _TrackedPool, "https": _TrackedTlsPool}
+
+    def _new_pool(self, scheme: str, host: str, port: int,
+                  request_context: dict[str, Any] | None = None) -> HTTPConnectionPool:
+        pool = super()._new_pool(scheme, host, port, request_context)
+        if isinstance(pool, _TrackedPool):
+            pool.in_flight = self.in_flight
+        return pool
+
+
+class BoundedAdapter(HTTPAdapter):
+    """requests' transport adapter that can cut an exchange short (abort), and closes with
+    nothing left running. `ssl_context`: verify servers with it (a CA read through the bounded
+    reader, tlsfiles.ca_context) instead of a CA path that OpenSSL would open itself."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None):
+        self._in_flight = _InFlight()
+        self._ssl_context = ssl_context
+        super().__init__()
+
+    def init_poolmanager(self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any) -> None:
+        self._pool_connections, self._pool_maxsize, self._pool_block = connections, maxsize, block
+        if self._ssl_context is not None:
+            pool_kwargs["ssl_context"] = self._ssl_context
+        self.poolmanager = _TrackedPools(self._in_flight, num_pools=connections, maxsize=maxsize, block=block,
+                                         **pool_kwargs)
+
+    def cert_verify(self, conn: Any, url: str, verify: Any, cert: Any) -> None:
+        super().cert_verify(conn, url, verify, cert)  # type: ignore[no-untyped-call]
+        if self._ssl_context is not None and verify is True:  # its CA, not certifi's bundle as well
+            conn.ca_certs = conn.ca_cert_dir = None
+
+    def abort(self, thread: int | None = None) -> None:
+        self._in_flight.abort(thread)
+
+    def close(self) -> None:
+        self._in_flight.abort()
+        super().close()
+
+
+def new_session(ssl_context: ssl.SSLContext | None = None) -> requests.Session:
+    """A session for get(): hard deadlines, no proxy from the environment (it would see bearer
+    tokens) and no ~/.netrc."""
+    session = requests.Session()
+    session.trust_env = False
+    adapter = BoundedAdapter(ssl_context)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
 
 
 def _send(session: requests.Session, request: requests.PreparedRequest, seconds: float,

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,7 +36,8 @@ import urllib3
 
 from ..boundedio import read_head
 from ..model import Snapshot, SourceError
-from .httpclient import HttpFailure, get
+from ..tlsfiles import ca_context
+from .httpclient import HttpFailure, get, new_session
 from .source import POD_NAMES, PROCESS_IDENTITY, Reading
 
 log = logging.getLogger("exporter.sources.kubelet")
@@ -124,9 +126,9 @@ class KubeletPods:
         self._errors: list[SourceError] = []
         self._dropped_errors = 0
         self._lock = threading.Lock()
-        self._session = requests.Session()
-        self._session.trust_env = False  # a proxy from the environment must not see the token
-        self._session.verify = False if insecure_skip_verify else (ca_file or True)
+        self._ca_file = None if insecure_skip_verify else ca_file
+        self._insecure = insecure_skip_verify
+        self._session: requests.Session | None = None  # made at the first fetch: it reads the CA
         if insecure_skip_verify:
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
@@ -164,7 +166,22 @@ class KubeletPods:
             return errors
 
     def close(self) -> None:
-        self._session.close()
+        if self._session is not None:
+            self._session.close()
+
+    def _connect(self) -> requests.Session:
+        """The session, with the CA read through the bounded reader (a FIFO or a huge file in its
+        place is an error, never a hang: #21 L3). Made again after a TLS failure, so a rotated CA
+        is read then."""
+        if self._session is None:
+            try:
+                context = ca_context(self._ca_file) if self._ca_file and self.url.startswith("https:") else None
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                raise KubeletError("tls", f"cannot load CA certificates from {self._ca_file}: "
+                                          f"{getattr(exc, 'strerror', None) or exc}") from None
+            self._session = new_session(context)  # no proxy from the environment: it would see the token
+            self._session.verify = not self._insecure
+        return self._session
 
     # -- fetching ---------------------------------------------------------------------------
     def _refresh(self, now: float) -> None:
@@ -196,11 +213,15 @@ class KubeletPods:
         headers = {"Accept": "application/json"}
         if self.token_file:
             headers["Authorization"] = f"Bearer {read_token(self.token_file)}"
-        request = self._session.prepare_request(requests.Request("GET", self.url, headers=headers))
+        session = self._connect()
+        request = session.prepare_request(requests.Request("GET", self.url, headers=headers))
         try:  # the kubelet never redirects /pods; one that does is not followed
-            answer = get(self._session, request, timeout=self.timeout_seconds,
+            answer = get(session, request, timeout=self.timeout_seconds,
                          max_bytes=self.max_response_bytes, clock=self.now)
         except HttpFailure as exc:
+            if exc.kind == "tls":
+                session.close()
+                self._session = None
             raise KubeletError(exc.kind, exc.message) from None
         if answer.status != 200:
             raise KubeletError("http_status", f"HTTP {answer.status}")

@@ -24,7 +24,7 @@ import requests
 
 from ..model import Snapshot, VllmSample
 from .hostview import HostView
-from .httpclient import HttpFailure, get, public_url
+from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
@@ -103,11 +103,10 @@ def redact(text: str, endpoint: VllmEndpoint) -> str:
 
 
 def _plain_session() -> requests.Session:
-    session = requests.Session()
     # No proxy from the environment (it would see the bearer token) and no ~/.netrc; reading
-    # both on every request was also a tenth of a scrape's CPU.
-    session.trust_env = False
-    return session
+    # both on every request was also a tenth of a scrape's CPU. Its close() cuts a scrape that is
+    # still running short, so a reload or SIGTERM leaves no thread behind (#21 M7, L2).
+    return new_session()
 
 
 def _failed(endpoint: VllmEndpoint, kind: str, message: str, started: float,
@@ -226,4 +225,4 @@ class VllmSource:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for session in self._sessions:
-            session.close()
+            session.close()  # a scrape still running is cut short (new_session's adapter)
