@@ -70,7 +70,7 @@ class Reloader:
             self._apply(new)
         except ConfigError as exc:  # one log line, every problem in it
             log.error("reload failed, keeping the running configuration: invalid configuration%s: %s",
-                      self._where, "; ".join(exc.problems))
+                      self._where, "; ".join(" ".join(p.split()) for p in exc.problems))
             return self._failed()
         except Exception as exc:  # building sources can fail in ways no check foresees
             log.error("reload failed, keeping the running configuration: %s: %s", type(exc).__name__, exc,
