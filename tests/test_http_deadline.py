@@ -151,3 +151,28 @@ def test_sigterm_does_not_wait_for_a_scrape_stuck_on_dripped_headers(dripping, t
         if daemon.proc.poll() is None:
             daemon.proc.kill()
             daemon.proc.wait()
+
+
+def test_analyze_prometheus_ends_at_its_deadline_against_a_dripping_server():
+    """`analyze --prometheus` against a Prometheus that drips its answer: the query ends at its
+    deadline with a clear error, instead of holding the command for as long as the server
+    likes."""
+    from exporter.postmortem.promquery import PromQueryError, fetch
+
+    server = DrippingServer()
+    try:
+        done: list[BaseException] = []
+
+        def run():
+            try:
+                fetch(f"http://127.0.0.1:{server.port}", 1_700_000_000, 1_700_000_600, timeout=1.0)
+            except BaseException as exc:  # the test asserts what it was
+                done.append(exc)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(HANG)
+        assert not worker.is_alive(), "analyze --prometheus did not end at its deadline"
+        assert len(done) == 1 and isinstance(done[0], PromQueryError), done
+        assert "no complete response within 1s" in str(done[0]), done[0]
+    finally:
+        server.close()

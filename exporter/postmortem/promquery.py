@@ -25,7 +25,7 @@ from typing import Any
 import requests
 
 from ..model import Snapshot
-from ..sources.httpclient import HttpFailure, describe, get, printable, public_url
+from ..sources.httpclient import HttpFailure, describe, get, new_session, printable, public_url
 from .promtrace import (
     MAX_ROWS,
     PROMETHEUS_METRICS,
@@ -120,7 +120,11 @@ def fetch(url: str, start: float, end: float, step: float | None = None,
         raise PromQueryError(f"{where}: selector is label matchers without braces, "
                              f"like instance=\"host:9842\"")
     own = session is None
-    session = session or requests.Session()
+    if session is None:
+        # A hard deadline per answer (a Prometheus that drips its answer cannot hold analyze);
+        # the operator's proxy settings apply, as for any command they run by hand.
+        session = new_session()
+        session.trust_env = True
     rows = PrometheusRows(max_rows)
     try:
         for metric in (*PROMETHEUS_METRICS, *VLLM_PROMETHEUS_METRICS):
