@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .. import __version__
 from ..catalogue import families as m
 from ..catalogue.family import Family
-from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
+from ..model import BUDGETS, AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
 
 
 class StateCollector(Collector):
@@ -68,6 +68,10 @@ class StateCollector(Collector):
         for (source, kind), n in sorted(state.errors_total.items()):
             errors.add_metric([source, kind], n)
         yield errors
+        dropped = m.EXPORTER_BUDGET_DROPPED_TOTAL.new()
+        for budget in BUDGETS:  # every budget from the start, so rate() sees the first drop
+            dropped.add_metric([budget], state.budget_dropped_total.get(budget, 0))
+        yield dropped
         yield m.EXPORTER_SAMPLES_TOTAL.of(state.samples_total)
         if state.last_sample_at is not None:
             yield m.EXPORTER_LAST_SAMPLE_TIMESTAMP_SECONDS.of(state.last_sample_at)
