@@ -21,6 +21,7 @@ switches between V0 and V1 names does not switch its series' labels.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -54,6 +55,7 @@ MAX_REJECTED_NAMES = 16
 _CACHE_CONFIG_LINE = re.compile(r"[ \t]*vllm:cache_config_info[{ \t]")
 # A `vllm:` sample line, and its metric name.
 _VLLM_SAMPLE = re.compile(r"\n[ \t]*(vllm:[^{ \t\n]*)[^\n]*")
+_VLLM_FIRST = re.compile(r"[ \t]*(vllm:[^{ \t\n]*)[^\n]*")
 MAX_CACHED_LINE_CHARS = 4096
 # The per-page budget: `vllm:` lines looked at (a 64-engine V1 page has about 25,000), sample
 # lines handed to the parser (about 12 per engine are read), and how much of a page without any
@@ -92,12 +94,13 @@ def _vllm_lines(text: str) -> tuple[list[str], bool, bool]:
     metrics costs one scan in C."""
     lines: list[str] = []
     seen = 0
-    for match in _VLLM_SAMPLE.finditer("\n" + text):
+    first = _VLLM_FIRST.match(text)  # the first line has no newline before it
+    for match in itertools.chain((first,) if first else (), _VLLM_SAMPLE.finditer(text)):
         seen += 1
         if seen > MAX_VLLM_LINES or len(lines) >= MAX_SAMPLE_LINES:
             return lines, True, True
         if match.group(1) in _READ:
-            lines.append(match.group(0)[1:])
+            lines.append(match.group(0).lstrip("\n"))
     return lines, seen > 0, False
 
 
