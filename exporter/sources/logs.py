@@ -144,12 +144,8 @@ class LogTailer:
         self._fh = None
         self._identity = None
 
-    @property
-    def cut_lines(self) -> int:
-        """Lines cut at max_line_bytes since the last take_cut_lines()."""
-        return self._splitter.cut_lines
-
     def take_cut_lines(self) -> int:
+        """Lines cut at max_line_bytes since the last call."""
         n, self._splitter.cut_lines = self._splitter.cut_lines, 0
         return n
 
@@ -244,7 +240,6 @@ class LogTailer:
             if not data:
                 break
         return total
-
 
     def _skip_rest_of_line(self) -> None:
         """Move past the rest of a cut line up to its newline (left for the splitter to end the
