@@ -249,7 +249,9 @@ class AllocatorSource:
         """The one report that is this process's, or None."""
         if p.start_time is None or not candidates:
             return None
-        reports = [r for c in self._opened(p, candidates, namespaces, tick)
+        if p.identity not in tick.opened:  # a process on several GPUs is looked at once
+            tick.opened[p.identity] = self._opened(p, candidates, namespaces, tick)
+        reports = [r for c in tick.opened[p.identity]
                    if (r := self._load(c, _own_pid(p), dir_fd, tick)) is not None]
         same_start = [r for r in reports if abs(r.start_time - p.start_time) <= START_TOLERANCE_SECONDS]
         if not same_start:
@@ -271,6 +273,7 @@ class _Tick:
         self.now = now
         self.errors: list[SourceError] = []
         self.loaded: dict[str, ProbeReport | None] = {}
+        self.opened: dict[tuple[int, float | None], list[_Candidate]] = {}  # process identity -> files
         self.dropped = 0
 
 
