@@ -8,7 +8,8 @@ For each `--code DIR` (default: this checkout) a real daemon runs that checkout'
 on loopback) and its inputs are flooded as the red team of #21 flooded them, each for `--ticks`
 of the daemon's samples: at rest; H2, 8,000 one-byte files named for the probed process's pid in
 the probe directory; H3, 2,000 distinct OOM lines a second in the tailed log; M6, a 7.6 MB page of
-valid text without vLLM series; then all three at once. Peak VmRSS (/proc) per phase, in MiB.
+valid text without vLLM series; then all three at once. Peak VmRSS (/proc) per phase, in MiB
+("then stalled": the daemon stopped sampling under the flood, and what it had reached).
 Memory a phase took and never gave back shows in the phases after it, as it would in the daemon.
 To compare with an older version, check it out beside this one:
 
@@ -34,13 +35,17 @@ MiB = 1 << 20
 PHASES = ("at rest", "probe files (H2)", "log lines (H3)", "vLLM page (M6)", "all at once")
 
 
-def measure(code: Path, ticks: int, interval: float) -> tuple[dict[str, int], float]:
+def measure(code: Path, ticks: int, interval: float) -> tuple[dict[str, int | str], float]:
     with tempfile.TemporaryDirectory(prefix="gpumem-flood-") as workdir:
         started = time.monotonic()
         daemon = FloodedDaemon(Path(workdir), code=code, interval=interval)
+        readings: list[int] = []
         try:
-            peaks = flood_each_in_turn(daemon, ticks=ticks)
-            peaks["all at once"] = flood_all_at_once(daemon, ticks=ticks)
+            peaks: dict[str, int | str] = dict(flood_each_in_turn(daemon, ticks=ticks))
+            try:
+                peaks["all at once"] = flood_all_at_once(daemon, ticks=ticks, peak=readings)
+            except RuntimeError:  # it stopped sampling under the flood: what it had reached
+                peaks["all at once"] = f"{max(readings, default=0) / MiB:.0f}, then stalled"
         finally:
             daemon.stop()
         return peaks, time.monotonic() - started
@@ -57,7 +62,7 @@ def main() -> None:
     print("|---|" + "---:|" * (len(PHASES) + 1))
     for code in args.code or [ROOT]:
         peaks, took = measure(code.resolve(), args.ticks, args.interval)
-        cells = " | ".join(f"{peaks[p] / MiB:.0f}" for p in PHASES)
+        cells = " | ".join(f"{v / MiB:.0f}" if isinstance(v := peaks[p], int) else v for p in PHASES)
         print(f"| {code} | {cells} | {took:.0f} s |", flush=True)
 
 

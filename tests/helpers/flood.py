@@ -239,14 +239,15 @@ def flood_each_in_turn(daemon: FloodedDaemon, ticks: int = 40, settle: int = 10)
     return peaks
 
 
-def flood_all_at_once(daemon: FloodedDaemon, ticks: int = 40) -> int:
-    """Peak RSS (bytes) with every input flooded together: every budget full at once."""
+def flood_all_at_once(daemon: FloodedDaemon, ticks: int = 40, peak: list[int] | None = None) -> int:
+    """Peak RSS (bytes) with every input flooded together: every budget full at once. `peak`
+    collects the readings (what was reached, should the daemon stop sampling)."""
     flood = Flood(daemon)
     daemon.probe_dir()
     flood.probe_dir_on()
     flood.page_on()
     flood.log_on()
-    peak: list[int] = []
+    peak = [] if peak is None else peak
     try:
         daemon.wait_ticks(ticks, while_waiting=flood.log_more, peak=peak)
     finally:
