@@ -11,7 +11,9 @@ collectors), with `--engines` data-parallel engines. Timed side by side in one r
 - one whole scrape of the one-engine page over loopback (HTTP over a kept-alive connection,
   then `normalise()`), as CPU time of this process; the server runs in a child process;
 - following a server log: the most one tick reads (READ_BUDGET_BYTES of request lines around
-  vLLM 0.33's start-up lines, the rendered fixture) through LogFollower.
+  vLLM 0.33's start-up lines, the rendered fixture) through LogFollower;
+- a 7.6 MB page of valid text without vllm: series (#21 M6): parsed whole, as 350e227 did to
+  say it holds none, against normalise(), which parses only its first 8 KiB.
 """
 from __future__ import annotations
 
@@ -107,6 +109,20 @@ def main() -> int:
 
     log_tick = timed(follow_one_tick, max(3, args.repeats // 30))
 
+    # #21 M6: 7.6 MB of valid text without a vllm: series. 350e227 parsed all of it to say so.
+    sys.path.insert(0, str(REPO / "tests"))
+    from exporter.sources.vllm_normalise import ParseError
+    from helpers.flood import other_exporters_page
+    foreign = other_exporters_page().decode()
+
+    def refused() -> None:
+        try:
+            normalise(foreign)
+        except ParseError:
+            pass
+    foreign_whole = timed(lambda: list(text_string_to_metric_families(foreign)), 3)
+    foreign_ours = timed(refused, max(3, args.repeats // 30))
+
     print(json.dumps({"lines": text.count("\n"), "kib": round(len(text) / 1024, 1)}))
     print("| step | median ms |")
     print("|---|---|")
@@ -114,6 +130,8 @@ def main() -> int:
     print(f"| normalise() (vllm: gauges and counters only) | {1000 * ours:.2f} |")
     print(f"| one scrape over loopback, CPU (HTTP + normalise) | {1000 * whole:.2f} |")
     print(f"| a server log's largest tick (4 MiB of log lines) | {1000 * log_tick:.2f} |")
+    print(f"| 7.6 MB page without vllm: series, parsed whole (350e227) | {1000 * foreign_whole:.2f} |")
+    print(f"| 7.6 MB page without vllm: series, normalise() | {1000 * foreign_ours:.2f} |")
     print(f"\nnormalise / whole-page parse: {ours / full:.3f}")
     return 0
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .clock import Clock
-from .model import Snapshot, State
+from .model import BUDGETS, Snapshot, State
 from .sources.source import Source, collect, in_order
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class Daemon:
         self._errors: Counter[tuple[str, str]] = Counter()
         self._vllm_errors: Counter[tuple[str, str]] = Counter()
         self._ooms: Counter[tuple[str, str]] = Counter()
+        self._dropped: Counter[str] = Counter()  # model.BUDGETS entry -> items kept out
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: Sampler | None = None
@@ -112,7 +113,13 @@ class Daemon:
             for detector, n in self.analyzer.detector_errors.items():
                 self._errors[("analysis", detector)] = n  # the analyzer keeps the running count
         for e in snapshot.errors:
-            _bounded_add(self._errors, (e.source, e.kind))
+            _bounded_add(self._errors, (e.source, e.kind), e.count)
+        for budget, n in snapshot.dropped:
+            if budget in BUDGETS:
+                self._dropped[budget] += n
+        history = getattr(self.analyzer, "history", None)  # test doubles may have none
+        if history is not None:  # the history keeps its own running count
+            self._dropped["history_log_events"] = history.dropped_log_events
         for v in snapshot.vllm:
             if not v.up:
                 _bounded_add(self._vllm_errors, (v.endpoint, v.error_kind or "unknown"))
@@ -129,6 +136,7 @@ class Daemon:
             errors_total=MappingProxyType(dict(self._errors)),
             vllm_errors_total=MappingProxyType(dict(self._vllm_errors)),
             oom_events_total=MappingProxyType(dict(self._ooms)),
+            budget_dropped_total=MappingProxyType(dict(self._dropped)),
             samples_total=self.state.samples_total + 1,
             last_sample_at=self.clock.now(),
             sample_duration_seconds=time.perf_counter() - started,

@@ -223,6 +223,7 @@ class VllmSample:
     # Metrics whose values were impossible (negative, NaN, a ratio over 1): dropped from this
     # sample, to be counted as gpumem_vllm_scrape_errors_total{kind="out_of_range"}.
     rejected_metrics: tuple[str, ...] = ()
+    truncated: bool = False  # the page held more vllm: lines than its budget: the rest unread
 
 
 @dataclass(frozen=True)
@@ -235,11 +236,25 @@ class SourceStatus:
 
 @dataclass(frozen=True)
 class SourceError:
-    """One fault seen by a source during a tick; the daemon counts them."""
+    """A fault seen by a source during a tick; the daemon counts them. Faults of one kind in one
+    tick are kept as one record (sources/source.collect): the first message and how many."""
 
     source: str
     kind: str  # a short stable token: library_not_found, gpu_lost, timeout, ...
     message: str = ""
+    count: int = 1  # faults of this kind this tick
+
+
+# The budgets that bound what one input can add to a tick (docs/memory.md). What a budget keeps
+# out is counted in Snapshot.dropped and exported as gpumem_exporter_budget_dropped_total{budget}:
+BUDGETS = (
+    "probe_files",  # probe files named for one process, past the few opened per tick
+    "source_errors",  # fault records of kinds past a source's per-tick limit (still counted)
+    "log_events",  # out-of-memory messages past the per-tick limit
+    "log_lines",  # log lines cut at the line limit (their rest skipped unread as text)
+    "history_log_events",  # messages the raw history let go of to stay within its limit
+    "vllm_pages",  # vLLM pages cut at the per-page limit of vllm: lines (the rest unread)
+)
 
 
 @dataclass(frozen=True)
@@ -259,6 +274,9 @@ class Snapshot:
     # (used_bytes None): read where a GPU shares the host's memory (unified memory), since
     # there any process takes from the GPU. Empty elsewhere.
     host_processes: tuple[ProcessSample, ...] = ()
+    # What the inputs' budgets kept out of this tick: (one of BUDGETS, how many), counted by the
+    # daemon; never the dropped data itself.
+    dropped: tuple[tuple[str, int], ...] = ()
 
     def source_up(self, source: str) -> bool | None:
         for s in self.sources:
@@ -486,6 +504,7 @@ class State:
     errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (source, kind)
     vllm_errors_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, kind)
     oom_events_total: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, class)
+    budget_dropped_total: Mapping[str, int] = field(default_factory=dict)  # one of BUDGETS -> count
     recorder: RecorderStats | None = None  # when the flight recorder is on
     alloc_history: AllocHistoryStats | None = None  # when allocator.history is on
     reload: ReloadStats | None = None  # in `run` (the daemon that reloads on SIGHUP)

@@ -232,9 +232,11 @@ def _allocator_source(config: Config, host: Host) -> Source | None:
             return None
         from .sim.probes import ProbedSource
 
-        # No real PID namespace to compare: the simulated files say 0 (unreadable).
+        # No real PID namespace or owner to compare: the simulated files say 0 (unreadable), and
+        # a simulated pid may be some real process's.
         return ProbedSource(host.sim_probes, AllocatorSource(host.sim_probes.directory,
-                                                             pid_namespace=lambda pid: None))
+                                                             pid_namespace=lambda pid: None,
+                                                             process_owner=lambda pid: None))
     if not config.allocator.probe_dir:
         return None
     return AllocatorSource(config.allocator.probe_dir, proc_root=config.host.proc_root)

@@ -494,3 +494,15 @@ def test_the_report_links_the_dump_a_trace_carries(tmp_path):
     assert '<a href="/run/gpumem-probe/gpumem-4026532451-57-1000-101.pickle">' in html
     plain = [state_at(1000.0).snapshot, state_at(1130.0).snapshot]
     assert "Allocation history" not in render_report(plain, [(finding, None)], [])
+
+
+def test_a_probe_directory_that_is_a_symlink_gets_no_control_file(tmp_path):
+    """#21 L8: the configured probe directory's own path swapped for a link: the control file
+    must not land in the link's target."""
+    target, probe_dir = tmp_path / "etc", tmp_path / "probe"
+    target.mkdir()
+    probe_dir.symlink_to(target)
+    req = requester(probe_dir)
+    req.observe(state_at(1000.0))
+    assert list(target.iterdir()) == []
+    assert req.stats().requests_total == {"symlink": 1}

@@ -290,3 +290,16 @@ def test_probes_in_two_pid_namespaces_with_the_same_pid_are_each_matched_to_thei
             c.stdin.close()
             c.wait(timeout=120)
     assert list(tmp_path.iterdir()) == []  # each probe removed its file on exit
+
+
+def test_a_copy_planted_under_namespace_0_does_not_hide_the_real_file(tmp_path):
+    """#21 L9: anyone who can write the directory can copy a process's file under pid namespace
+    0 ("the probe could not read it"); where the process's own namespace is known, its file in
+    that namespace wins and the copy is ignored."""
+    write(tmp_path, probe_doc(devices=[device(UUID0, reserved=12 * GiB)]))
+    write(tmp_path, probe_doc(pid_ns=0, devices=[device(UUID0, reserved=GiB)]), pid_ns=0)  # the planted copy
+    reading = sample(tmp_path, gpus(proc()))
+    assert stats_of(reading).reserved_bytes == 12 * GiB and reading.errors == ()
+    # A probe that really could not read its namespace (only the 0 file) is still matched.
+    (tmp_path / f"gpumem-{NS}-7.json").unlink()
+    assert stats_of(sample(tmp_path, gpus(proc()))).reserved_bytes == GiB

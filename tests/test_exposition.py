@@ -66,3 +66,18 @@ def test_every_family_is_documented():
     docs = DOCS.read_text()
     missing = [n for n in sorted(names) if f"`{n}`" not in docs]
     assert not missing, f"not described in docs/metrics.md: {missing}"
+
+
+def test_label_values_carry_no_control_characters():
+    """#21 L11: process names (any local user sets its own comm), model names and pod names come
+    from outside; an escape sequence must not reach a terminal or log through /metrics."""
+    state = make_state()
+    gpu = state.snapshot.gpus[0]
+    hostile = dataclasses.replace(gpu.processes[0], name="\x1b[2J\x1b]0;owned\x07py\tthon", pod="p\x00d")
+    vllm = tuple(dataclasses.replace(v, engines=tuple(dataclasses.replace(e, model="m\x1b[31mx\x9b")
+                                                      for e in v.engines)) for v in state.snapshot.vllm)
+    snap = dataclasses.replace(state.snapshot, gpus=(dataclasses.replace(gpu, processes=(hostile,)),), vllm=vllm)
+    text = render(dataclasses.replace(state, snapshot=snap))
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
+    assert 'process="\ufffd[2J\ufffd]0;owned\ufffdpy\ufffdthon"' in text  # still tells the series apart
+    assert 'model="m\ufffd[31mx\ufffd"' in text

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.analysis.oom import classify
+from exporter.model import Snapshot
 from exporter.sources.logs import LogSource, LogTailer, iter_file_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -302,3 +303,44 @@ def test_source_handles_rotation_between_ticks(tmp_path):
     # The rotation ends the old file's context: the lone oom-kill line is its own event,
     # and the new file's Killed line another.
     assert [(e.kind, e.line) for e in events] == [("kernel_oom_kill", 1), ("kernel_oom_kill", 1)]
+
+
+# ------------------------------------------------------------------ a 100 MiB line (#21 L6)
+
+OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+       "79.15 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.00 GiB memory in "
+       "use. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 2.00 GiB is reserved by PyTorch but "
+       "unallocated. See documentation for Memory Management  "
+       "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)\n")
+
+
+def append_long_line_then_oom(log: Path, line_bytes: int = 100 << 20) -> None:
+    """A 100 MiB line without a newline (a hole in a sparse file: NUL bytes, no disk), ended
+    only by the OOM line that follows it."""
+    with open(log, "r+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(fh.tell() + line_bytes)
+        fh.write(b"\n" + OOM.encode())
+
+
+def test_an_oom_after_a_100_mib_line_is_found_at_the_next_tick(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    src = LogSource([str(log)])
+    append_long_line_then_oom(log)
+    events, errors = src.sample(now=1.0)
+    assert [e.kind for e in events] == ["torch_cuda_oom"] and errors == ()
+    assert src.collect(Snapshot(2.0)).dropped == ()  # the cut line was counted at the tick that cut it
+
+
+def test_an_oom_after_a_long_line_survives_a_copytruncate_at_the_next_tick(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    src = LogSource([str(log)])
+    append_long_line_then_oom(log)
+    first = src.collect(Snapshot(1.0))
+    assert [e.kind for e in first.snapshot.log_events] == ["torch_cuda_oom"]
+    assert dict(first.dropped) == {"log_lines": 1}  # the 100 MiB line, cut and counted
+    with open(log, "r+b") as fh:  # logrotate's copytruncate, after the tick
+        fh.truncate(0)
+    assert src.sample(now=2.0) == ((), ())

@@ -338,3 +338,20 @@ def test_bad_settings_are_rejected(tmp_path):
                 {"debounce_seconds": -1}):
         with pytest.raises(ValueError):
             FlightRecorder(str(tmp_path), **bad)
+
+
+def test_a_directory_named_like_a_leftover_never_stops_rotation(make):
+    """#21 L7: rotation removes leftover temporary files; a directory planted under such a name
+    is left alone, and the rotation goes on (it used to fail, every time)."""
+    rec = make(max_files=1, debounce_seconds=0)
+    os.makedirs(rec.directory)
+    planted = os.path.join(rec.directory, "gpumem-20231114T221320Z-oom.csv.tmp.1.abcdef")
+    os.mkdir(planted)
+    feed = Feed(rec)
+    for i in range(3):
+        feed.tick(snap(T0 + 10 * i, events=(oom_event(),)))
+        assert rec.flush(5)
+    assert recordings(rec.directory) == ["gpumem-20231114T221340Z-oom.csv"]
+    stats = rec.stats()
+    assert stats.rotated_total == 2 and "rotate" not in stats.errors_total
+    assert os.path.isdir(planted)

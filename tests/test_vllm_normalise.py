@@ -26,7 +26,7 @@ def test_every_fixture_names_the_vllm_source_it_follows():
 def test_v0_6_engine_metrics():
     result = normalise(load("v0_6_engine_metrics.prom"))
     assert result.engines == (
-        VllmEngineStats(model="meta-llama/Llama-3.1-8B-Instruct", engine="",
+        VllmEngineStats(model="meta-llama/Llama-3.1-8B-Instruct", engine="0",
                         kv_cache_usage_ratio=0.4215, requests_running=7.0, requests_waiting=3.0,
                         preemptions_total=12.0, prefix_cache_queries_total=None,
                         prefix_cache_hits_total=None),
@@ -39,7 +39,7 @@ def test_v0_6_engine_metrics():
 def test_v0_8_early_v1_uses_old_names():
     result = normalise(load("v0_8_v1_early.prom"))
     assert result.engines == (
-        VllmEngineStats(model="Qwen/Qwen2.5-7B-Instruct", engine="", kv_cache_usage_ratio=0.1875,
+        VllmEngineStats(model="Qwen/Qwen2.5-7B-Instruct", engine="0", kv_cache_usage_ratio=0.1875,
                         requests_running=5.0, requests_waiting=0.0, preemptions_total=4.0,
                         prefix_cache_queries_total=96000.0, prefix_cache_hits_total=40960.0),
     )
@@ -252,3 +252,30 @@ def test_sleep_state_without_a_level_and_when_not_reported():
 def test_capacity_falls_back_to_blocks_times_block_size():
     assert CacheConfig(num_gpu_blocks=1000, block_size=16).kv_capacity_tokens == 16_000
     assert CacheConfig(num_gpu_blocks=1000).kv_capacity_tokens is None
+
+
+def test_absurd_sizes_and_counts_are_dropped_not_exported():
+    """#21 L11: 1e308 is finite and whole, but no server's number: out of range, never a size."""
+    text = ('vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308",kv_cache_memory_bytes="1e308",'
+            'kv_cache_size_tokens="9e18",kv_cache_max_concurrency="1e300"} 1\n'
+            'vllm:num_requests_running{model_name="m"} 1e308\nvllm:num_preemptions_total{model_name="m"} 7\n')
+    result = normalise(text)
+    config = result.cache_config
+    assert (config.num_gpu_blocks, config.kv_cache_memory_bytes, config.kv_cache_size_tokens,
+            config.kv_cache_max_concurrency, config.block_size) == (None, None, None, None, 16)
+    (engine,) = result.engines
+    assert engine.requests_running is None and engine.preemptions_total == 7.0
+    assert "vllm:cache_config_info.kv_cache_memory_bytes" in result.rejected
+    assert "vllm:num_requests_running" in result.rejected
+
+
+def test_a_page_switching_between_v0_and_v1_names_keeps_its_engine_label():
+    """#21 L12: V0 names carry no engine label; V1 labels its one engine "0". The same server's
+    series must not flip between engine="" and engine="0" as its page switches."""
+    v1 = 'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.5\n'
+    v0 = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.6\n'
+    assert [(e.model, e.engine) for e in normalise(v1).engines] == [("m", "0")]
+    assert [(e.model, e.engine) for e in normalise(v0).engines] == [("m", "0")]
+    # Both on one page (a release exposing both names): one engine, the current name's value.
+    (both,) = normalise(v1 + v0).engines
+    assert (both.engine, both.kv_cache_usage_ratio) == ("0", 0.5)

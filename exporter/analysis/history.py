@@ -19,16 +19,20 @@ the next bucket closes (the leak detector memoises on that object). Bucket bound
 per series (a stable hash of its key) so that the recomputation for hundreds of processes that
 started together is spread over the minute instead of landing on one tick.
 
-Beside the series, the raw snapshots of the last `raw_seconds` are kept whole (with the memory
+Beside the series, the raw snapshots of the last `raw_seconds` are kept (with the memory
 budgets the analysis computed for each): the detectors that compare with a moment ago and the
-flight recorder read them.
+flight recorder read them. They are kept with what those readers use (GPUs, processes, host,
+vLLM, log events), not the tick's fault records or source statuses, which the daemon has already
+counted; and the log events they hold together are capped at `max_log_events`, the oldest let go
+first (counted in `dropped_log_events`), so a flood of OOM lines cannot fill the hour.
 
 Memory does not grow with uptime, churn or sampling rate: series not updated for
 `dead_grace_seconds` are dropped, at most `max_series` are kept (the least recently updated go
 first), and the raw tier holds at most about `max_raw_samples` points per series (and snapshots):
 sampled faster than that fills `raw_seconds`, older raw points are thinned to one per
 raw_seconds / max_raw_samples, the newest always kept (the bucket medians still see every
-sample, and a snapshot that carries log events is never thinned away).
+sample, and a snapshot that still carries log events is not thinned away, so at most
+`max_log_events` snapshots are kept beyond `max_raw_samples`).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import zlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, cast
 
 from ..model import Budget, GpuSample, OomEvent, ProcessSample, Snapshot
@@ -55,6 +59,9 @@ SeriesKey = tuple[object, ...]
 ALLOCATOR_COMPONENTS = ("torch_allocated", "torch_cached", "non_torch")
 ALLOCATOR_SERIES = (*ALLOCATOR_COMPONENTS, "inactive_split", "alloc_retries")
 _COMPONENTS = frozenset(ALLOCATOR_COMPONENTS)
+# Log events the raw snapshots hold together: an incident logs a handful; a flood of distinct OOM
+# lines keeps only the newest this many (a few MiB) for the detectors and the flight recorder.
+MAX_LOG_EVENTS = 1024
 
 
 @dataclass(frozen=True)
@@ -246,11 +253,12 @@ class History:
 
     def __init__(self, raw_seconds: float = 3600, retention_seconds: float = 6 * 3600,
                  dead_grace_seconds: float = 900, bucket_seconds: float = 60,
-                 max_series: int = 8192, max_raw_samples: int = 4096):
+                 max_series: int = 8192, max_raw_samples: int = 4096,
+                 max_log_events: int = MAX_LOG_EVENTS):
         if min(raw_seconds, retention_seconds, bucket_seconds) <= 0 or dead_grace_seconds < 0:
             raise ValueError("history durations must be positive")
-        if max_series < 1 or max_raw_samples < 2:
-            raise ValueError("max_series must be at least 1, max_raw_samples at least 2")
+        if max_series < 1 or max_raw_samples < 2 or max_log_events < 1:
+            raise ValueError("max_series and max_log_events must be at least 1, max_raw_samples at least 2")
         self.raw_seconds = float(raw_seconds)
         # Raw points closer together than this are thinned (see the module docstring).
         self.raw_gap = self.raw_seconds / max_raw_samples
@@ -261,9 +269,12 @@ class History:
         # Insertion order = least recently updated first (moved to the end on every update).
         self._series: OrderedDict[SeriesKey, _Series] = OrderedDict()
         self._frames: deque[tuple[Snapshot, tuple[Budget, ...]]] = deque()
+        self.max_log_events = max_log_events
+        self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
         self._next_sweep = float("-inf")
         self.dropped_out_of_order = 0
+        self.dropped_log_events = 0  # let go of to stay within max_log_events
 
     # --- writing -------------------------------------------------------------------------
     def update(self, snapshot: Snapshot, budgets: tuple[Budget, ...] = ()) -> None:
@@ -306,15 +317,31 @@ class History:
         if (len(frames) >= 2 and frames[-1][0].timestamp - frames[-2][0].timestamp < self.raw_gap
                 and not frames[-1][0].log_events):
             frames.pop()  # the previous newest was too close to the one before: thinned
-        frames.append((snapshot, budgets))
+        frames.append((_kept(snapshot, self.max_log_events), budgets))
+        self._held_log_events += len(frames[-1][0].log_events)
+        self.dropped_log_events += len(snapshot.log_events) - len(frames[-1][0].log_events)
         cutoff = t - self.raw_seconds
         while frames and frames[0][0].timestamp < cutoff:
-            frames.popleft()
+            self._held_log_events -= len(frames.popleft()[0].log_events)
+        if self._held_log_events > self.max_log_events:
+            self._let_go_of_log_events()
         if t >= self._next_sweep:
             self._sweep(t)
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
+
+    def _let_go_of_log_events(self) -> None:
+        """The oldest snapshots' log events go until the held ones fit max_log_events."""
+        frames = self._frames
+        for i, (snap, budgets) in enumerate(frames):
+            if self._held_log_events <= self.max_log_events:
+                break
+            n = len(snap.log_events)
+            if n and i < len(frames) - 1:  # the newest keeps its own (cut to the cap on entry)
+                frames[i] = (replace(snap, log_events=()), budgets)
+                self._held_log_events -= n
+                self.dropped_log_events += n
 
     def _add(self, key: SeriesKey, t: float, value: float, name: str, raw: bool = True) -> None:
         series = self._series.get(key)
@@ -411,6 +438,11 @@ def unattributed_bytes(gpu: GpuSample) -> int | None:
     if gpu.unified or gpu.used_bytes is None or any(p.used_bytes is None for p in gpu.processes):
         return None
     return max(0, gpu.used_bytes - gpu.process_used_bytes)
+def _kept(snapshot: Snapshot, max_log_events: int) -> Snapshot:
+    """What a raw snapshot keeps: everything its readers use, not the fault records and source
+    statuses the daemon counted as the tick ran; at most max_log_events log events."""
+    return replace(snapshot, errors=(), sources=(), dropped=(),
+                   log_events=snapshot.log_events[:max_log_events])
 
 
 def _allocator_values(p: ProcessSample) -> Iterator[tuple[str, float]]:

@@ -394,6 +394,18 @@ EXPORTER_ERRORS_TOTAL = counter(
     "Faults seen by each source, by kind.", ("source", "kind"),
     section=EXPORTER, doc=(
         "Faults by source and kind (`library_not_found`, `gpu_is_lost`, `not_supported`, `timeout`, ...)."))
+EXPORTER_BUDGET_DROPPED_TOTAL = counter(
+    "gpumem_exporter_budget_dropped_total",
+    "What the inputs' budgets kept out, by budget.", ("budget",),
+    section=EXPORTER, doc=(
+        "What each input's budget kept out of the ticks, so that no input can grow the exporter's "
+        "memory ([memory.md](memory.md)): `probe_files` (probe files named for one process past the "
+        "few opened per tick), `source_errors` (fault records of kinds past a source's per-tick "
+        "limit; still counted in `gpumem_exporter_errors_total{kind=\"other\"}`), `log_events` "
+        "(out-of-memory messages past the per-tick limit), `log_lines` (log lines cut at the line "
+        "limit), `history_log_events` (messages the raw history let go of, oldest first), "
+        "`vllm_pages` (vLLM pages cut at the per-page limit of `vllm:` lines, the rest unread). "
+        "Zero while nothing bites; `rate(...) > 0` means an input is flooding."))
 EXPORTER_SAMPLES_TOTAL = counter(
     "gpumem_exporter_samples_total",
     "Sampling ticks completed.",

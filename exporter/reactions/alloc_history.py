@@ -8,7 +8,9 @@ after the tick and never raises into the daemon.
 
 The request is the probe's control file, `gpumem-<pid namespace inode>-<pid>.control.json`
 (the probe file's own identity), written the way post-mortem traces are (postmortem/atomic.py): a new
-temporary file (O_EXCL|O_NOFOLLOW) renamed over the name, mode 0644 for the probe's user.
+temporary file (O_EXCL|O_NOFOLLOW) renamed over the name, mode 0644 for the probe's user, in the
+directory opened without following a link (a probe directory that is a symlink is refused:
+`symlink`).
 At most one request per process (PID and start time) per `min_interval_seconds`. The probe
 bounds and validates what it reads and records at most once per 15 minutes whoever asks;
 what it did comes back in its file (`AllocatorStats.history_*`). The exporter removes its
@@ -17,6 +19,7 @@ cannot remove another user's file in a sticky directory).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -110,8 +113,12 @@ class HistoryRequester:
         name = control_name(stats.probe_pid_ns, stats.probe_pid)
         body = request(request_id, self.record_seconds, self.max_entries, why)
         try:
-            with atomic_file(os.path.join(self.directory, name), mode=0o644, encoding="utf-8") as fh:
-                fh.write(json.dumps(body))
+            dir_fd = self._open_directory()
+            try:
+                with atomic_file(name, mode=0o644, dir_fd=dir_fd, encoding="utf-8") as fh:
+                    fh.write(json.dumps(body))
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             kind = error_kind(exc)
             log.warning("allocation history: cannot ask pid %d (%s): %s", p.pid, kind, exc.strerror or exc)
@@ -141,12 +148,26 @@ class HistoryRequester:
             del self._pending[request_id]
             self._remove(pending.name)
 
+    def _open_directory(self) -> int:
+        """The probe directory, never through a link: a path that is (or was swapped for) a
+        symlink is refused (ELOOP), so a control file never lands in a link's target."""
+        try:
+            return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except NotADirectoryError:  # what Linux says of a link opened with both flags
+            if os.path.islink(self.directory):
+                raise OSError(errno.ELOOP, "is a symbolic link", self.directory) from None
+            raise
+
     def _remove(self, name: str) -> None:
         """Our control file, if still there and still a plain file (never a link's target)."""
         path = os.path.join(self.directory, name)
         try:
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                os.unlink(path)
+            dir_fd = self._open_directory()
+            try:
+                if stat.S_ISREG(os.lstat(name, dir_fd=dir_fd).st_mode):
+                    os.unlink(name, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
         except FileNotFoundError:
             pass  # the probe took it
         except OSError as exc:

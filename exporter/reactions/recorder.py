@@ -64,7 +64,7 @@ _ERRNO_KINDS = {
     errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EFBIG: "disk_full",
     errno.EACCES: "permission", errno.EPERM: "permission", errno.EROFS: "read_only",
     errno.ENOTDIR: "not_a_directory", errno.EEXIST: "not_a_directory",
-    errno.ENOENT: "not_found", errno.EIO: "io",
+    errno.ENOENT: "not_found", errno.EIO: "io", errno.ELOOP: "symlink",
 }
 
 
@@ -278,7 +278,8 @@ class FlightRecorder:
                 for entry in entries:
                     leftover = LEFTOVER.match(entry.name)
                     if leftover and int(leftover.group(1)) != os.getpid():
-                        _remove(entry.path)
+                        if not entry.is_dir(follow_symlinks=False):  # a file or a link; never a directory
+                            _remove(entry.path)
                     elif RECORDING.match(entry.name) and entry.is_file(follow_symlinks=False):
                         st = entry.stat(follow_symlinks=False)
                         files.append((st.st_mtime, entry.name, st.st_size))
@@ -344,10 +345,13 @@ class FlightRecorder:
 
 
 def _remove(path: str) -> None:
+    """A leftover temporary file (or a link: unlink never follows it); one that cannot be
+    removed is left, never a reason to stop rotating."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("flight recorder could not remove leftover %s: %s", path, exc.strerror or exc)
 
 
 __all__ = ["TRIGGERS", "FlightRecorder", "RecorderStats", "error_kind"]

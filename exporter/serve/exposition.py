@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .. import __version__
 from ..catalogue import families as m
 from ..catalogue.family import Family
-from ..model import AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
+from ..model import BUDGETS, AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
 
 
 class StateCollector(Collector):
@@ -27,7 +27,7 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         # Families with no series (no vLLM endpoint configured, say) are left out entirely.
-        return (family for family in self._families() if family.samples)
+        return (_printable(family) for family in self._families() if family.samples)
 
     def _families(self) -> Iterable[Metric]:
         state = self.get_state()
@@ -68,6 +68,10 @@ class StateCollector(Collector):
         for (source, kind), n in sorted(state.errors_total.items()):
             errors.add_metric([source, kind], n)
         yield errors
+        dropped = m.EXPORTER_BUDGET_DROPPED_TOTAL.new()
+        for budget in BUDGETS:  # every budget from the start, so rate() sees the first drop
+            dropped.add_metric([budget], state.budget_dropped_total.get(budget, 0))
+        yield dropped
         yield m.EXPORTER_SAMPLES_TOTAL.of(state.samples_total)
         if state.last_sample_at is not None:
             yield m.EXPORTER_LAST_SAMPLE_TIMESTAMP_SECONDS.of(state.last_sample_at)
@@ -282,6 +286,19 @@ def _counted(family: Family, counts: Mapping[str, int]) -> Metric:
     for key, n in sorted(counts.items()):
         metric.add_metric([key], n)
     return metric
+
+
+def _printable(family: Metric) -> Metric:
+    """The family with every label value printable: process names (any local user sets its own
+    `comm`), model names and pod names come from outside, and an escape sequence in a label
+    would reach every terminal and log that prints the series. A character that is not
+    printable becomes U+FFFD; the exposition format escapes the rest (backslash, quote,
+    newline). One join and one test per series: the common, clean case costs little."""
+    for i, sample in enumerate(family.samples):
+        if not "".join(sample.labels.values()).isprintable():
+            family.samples[i] = sample._replace(labels={
+                k: "".join(c if c.isprintable() else "\ufffd" for c in v) for k, v in sample.labels.items()})
+    return family
 
 
 def _str(value: object) -> str:

@@ -10,6 +10,13 @@ an NVML process (host PID) when
 Only files named for a current GPU process are opened; every read is bounded, never follows a
 link or blocks on a FIFO. A bad file is counted under a stable kind and skipped; a file not
 rewritten for STALE_INTERVALS of its probe's interval is ignored (a hung or killed process).
+
+The directory is writable by the serving processes' users, so anyone among them can plant files
+named for another process. What one process can cost per tick is bounded (docs/memory.md): where
+its PID namespace is known only the two names it can have are opened (its namespace's, and 0,
+"unreadable"), and a file in its own namespace wins over one saying 0; where it is not known,
+files owned by another user than the process's are never opened, and at most
+MAX_FILES_PER_PROCESS of the rest are, the others counted (budget `probe_files`).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumem_probe import schema
 
@@ -30,6 +37,7 @@ from .source import ALLOCATOR, GPUS, PROCESS_IDENTITY, Reading
 SOURCE = "allocator"
 MAX_FILE_BYTES = 64 << 10  # a probe file is about 1 KiB per device
 MAX_ENTRIES = 8192  # directory entries looked at per tick: a flood of files cannot stall a tick
+MAX_FILES_PER_PROCESS = 4  # files opened per process per tick where its PID namespace is unknown
 STALE_INTERVALS = 3
 # Start times are btime + ticks/CLK_TCK on both sides; btime is whole seconds and follows clock
 # steps, so two readers can differ by up to a second. A reused PID differs by a whole lifetime.
@@ -92,6 +100,22 @@ def read_pid_namespace(proc_root: str, pid: int) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def read_process_owner(proc_root: str, pid: int) -> int | None:
+    """The user a host process runs as (its /proc directory's owner); None when gone."""
+    try:
+        return os.stat(f"{proc_root}/{pid}").st_uid
+    except OSError:
+        return None
+
+
+class _Candidate(NamedTuple):
+    """A directory entry named like a probe file of a current GPU process's pid."""
+
+    pid_ns: int  # from its name
+    name: str
+    entry: os.DirEntry[str]
+
+
 class AllocatorSource:
     """The `allocator` source: it needs the GPU processes and the identity (start time, NSpid)
     the host source gave them."""
@@ -102,11 +126,15 @@ class AllocatorSource:
 
     def __init__(self, directory: str, proc_root: str = "/proc",
                  pid_namespace: Callable[[int], int | None] | None = None,
-                 max_entries: int = MAX_ENTRIES, max_file_bytes: int = MAX_FILE_BYTES):
+                 max_entries: int = MAX_ENTRIES, max_file_bytes: int = MAX_FILE_BYTES,
+                 process_owner: Callable[[int], int | None] | None = None,
+                 max_files_per_process: int = MAX_FILES_PER_PROCESS):
         self.directory = directory
         self.max_entries = max_entries
         self.max_file_bytes = max_file_bytes
+        self.max_files_per_process = max(1, max_files_per_process)
         self._pid_namespace = pid_namespace or (lambda pid: read_pid_namespace(proc_root, pid))
+        self._process_owner = process_owner or (lambda pid: read_process_owner(proc_root, pid))
         self._namespaces: dict[tuple[int, float | None], int | None] = {}  # process identity -> its PID namespace
 
     def close(self) -> None:
@@ -115,51 +143,62 @@ class AllocatorSource:
     def collect(self, snapshot: Snapshot) -> Reading:
         """The snapshot with each probed process's `allocator` filled in. Staleness is judged
         against the snapshot's time (the simulator's clock when simulated)."""
-        errors: list[SourceError] = []
+        tick = _Tick(snapshot.timestamp)
         gpus = snapshot.gpus
         wanted = {_own_pid(p) for g in gpus for p in g.processes}
         try:
-            reports = self._read(wanted, snapshot.timestamp, errors)
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:  # the directory itself: the source is down, the processes untouched
             kind = "dir_missing" if isinstance(exc, FileNotFoundError) else "dir_unreadable"
-            errors.append(SourceError(SOURCE, kind, f"{self.directory}: {exc.strerror}"))
-            return Reading(snapshot, up=False, errors=tuple(errors))
+            tick.errors.append(SourceError(SOURCE, kind, f"{self.directory}: {exc.strerror}"))
+            return Reading(snapshot, up=False, errors=tuple(tick.errors))
         namespaces: dict[tuple[int, float | None], int | None] = {}
         out = []
-        for gpu in gpus:
-            procs = []
-            for p in gpu.processes:
-                report = self._match(p, reports.get(_own_pid(p), ()), namespaces, errors)
-                stats = _device_stats(report, gpu, p, gpus) if report is not None else None
-                procs.append(dataclasses.replace(p, allocator=stats) if stats is not None else p)
-            out.append(dataclasses.replace(gpu, processes=tuple(procs)))
-        self._namespaces = namespaces  # only live processes: bounded by the process table
-        return Reading(dataclasses.replace(snapshot, gpus=tuple(out)), errors=tuple(errors))
-
-    def _read(self, wanted: set[int], now: float, errors: list[SourceError]) -> dict[int, list[ProbeReport]]:
-        reports: dict[int, list[ProbeReport]] = {}
-        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
-            with os.scandir(dir_fd) as entries:
-                for seen, entry in enumerate(entries):
-                    if seen >= self.max_entries:
-                        errors.append(SourceError(SOURCE, "too_many_files",
-                                                  f"{self.directory}: more than {self.max_entries} entries"))
-                        break
-                    match = schema.FILE_NAME.fullmatch(entry.name)
-                    if match is None or int(match.group(2)) not in wanted:
-                        continue  # not a probe file, or no GPU process of that pid: never opened
-                    report = self._load(entry.name, dir_fd, now, errors)
-                    if report is not None:
-                        if (report.pid, report.pid_ns) != (int(match.group(2)), int(match.group(1))):
-                            errors.append(SourceError(SOURCE, "bad_schema", f"{entry.name}: names another process"))
-                            continue
-                        reports.setdefault(report.pid, []).append(report)
+            candidates = self._scan(dir_fd, wanted, tick)
+            for gpu in gpus:
+                procs = []
+                for p in gpu.processes:
+                    report = self._match(p, candidates.get(_own_pid(p), ()), namespaces, dir_fd, tick)
+                    stats = _device_stats(report, gpu, p, gpus) if report is not None else None
+                    procs.append(dataclasses.replace(p, allocator=stats) if stats is not None else p)
+                out.append(dataclasses.replace(gpu, processes=tuple(procs)))
+        except OSError as exc:  # listing the directory failed
+            tick.errors.append(SourceError(SOURCE, "dir_unreadable", f"{self.directory}: {exc.strerror}"))
+            return Reading(snapshot, up=False, errors=tuple(tick.errors))
         finally:
             os.close(dir_fd)
-        return reports
+        self._namespaces = namespaces  # only live processes: bounded by the process table
+        return Reading(dataclasses.replace(snapshot, gpus=tuple(out)), errors=tuple(tick.errors),
+                       dropped=(("probe_files", tick.dropped),) if tick.dropped else ())
 
-    def _load(self, name: str, dir_fd: int, now: float, errors: list[SourceError]) -> ProbeReport | None:
+    def _scan(self, dir_fd: int, wanted: set[int], tick: _Tick) -> dict[int, list[_Candidate]]:
+        """The entries named for a wanted pid, by pid (none opened yet)."""
+        found: dict[int, list[_Candidate]] = {}
+        with os.scandir(dir_fd) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= self.max_entries:
+                    tick.errors.append(SourceError(SOURCE, "too_many_files",
+                                                   f"{self.directory}: more than {self.max_entries} entries"))
+                    break
+                match = schema.FILE_NAME.fullmatch(entry.name)
+                if match is None or int(match.group(2)) not in wanted:
+                    continue  # not a probe file, or no GPU process of that pid: never opened
+                found.setdefault(int(match.group(2)), []).append(_Candidate(int(match.group(1)), entry.name, entry))
+        return found
+
+    def _load(self, candidate: _Candidate, pid: int, dir_fd: int, tick: _Tick) -> ProbeReport | None:
+        """The candidate's report (read once per tick), or None."""
+        if candidate.name in tick.loaded:
+            return tick.loaded[candidate.name]
+        report = self._read(candidate.name, dir_fd, tick.now, tick.errors)
+        if report is not None and (report.pid, report.pid_ns) != (pid, candidate.pid_ns):
+            tick.errors.append(SourceError(SOURCE, "bad_schema", f"{candidate.name}: names another process"))
+            report = None
+        tick.loaded[candidate.name] = report
+        return report
+
+    def _read(self, name: str, dir_fd: int, now: float, errors: list[SourceError]) -> ProbeReport | None:
         try:
             data, more = read_head(name, self.max_file_bytes, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -184,27 +223,65 @@ class AllocatorSource:
             return None
         return report
 
-    def _match(self, p: ProcessSample, candidates: Sequence[ProbeReport],
-               namespaces: dict[tuple[int, float | None], int | None],
-               errors: list[SourceError]) -> ProbeReport | None:
+    def _namespace(self, p: ProcessSample, namespaces: dict[tuple[int, float | None], int | None]) -> int | None:
+        if p.identity not in namespaces:
+            namespaces[p.identity] = (self._namespaces[p.identity] if p.identity in self._namespaces
+                                      else self._pid_namespace(p.pid))
+        return namespaces[p.identity]
+
+    def _opened(self, p: ProcessSample, candidates: Sequence[_Candidate],
+                namespaces: dict[tuple[int, float | None], int | None], tick: _Tick) -> list[_Candidate]:
+        """The candidates worth opening for this process, within its budget."""
+        ns = self._namespace(p, namespaces) if any(c.pid_ns for c in candidates) else None
+        if ns is not None:
+            return [c for c in candidates if c.pid_ns in (0, ns)]  # at most two names
+        owner = self._process_owner(p.pid) if len(candidates) > 1 else None
+        if owner is not None:  # planted by another user: never opened
+            candidates = [c for c in candidates if _owner(c) == owner]
+        if len(candidates) > self.max_files_per_process:
+            tick.dropped += len(candidates) - self.max_files_per_process
+            candidates = sorted(candidates)[:self.max_files_per_process]
+        return list(candidates)
+
+    def _match(self, p: ProcessSample, candidates: Sequence[_Candidate],
+               namespaces: dict[tuple[int, float | None], int | None], dir_fd: int,
+               tick: _Tick) -> ProbeReport | None:
         """The one report that is this process's, or None."""
-        if p.start_time is None:
+        if p.start_time is None or not candidates:
             return None
-        same_start = [r for r in candidates if abs(r.start_time - p.start_time) <= START_TOLERANCE_SECONDS]
+        if p.identity not in tick.opened:  # a process on several GPUs is looked at once
+            tick.opened[p.identity] = self._opened(p, candidates, namespaces, tick)
+        reports = [r for c in tick.opened[p.identity]
+                   if (r := self._load(c, _own_pid(p), dir_fd, tick)) is not None]
+        same_start = [r for r in reports if abs(r.start_time - p.start_time) <= START_TOLERANCE_SECONDS]
         if not same_start:
             return None  # no probe, or the file of a dead process that had this PID
-        if any(r.pid_ns for r in same_start):
-            if p.identity not in namespaces:
-                namespaces[p.identity] = (self._namespaces[p.identity] if p.identity in self._namespaces
-                                          else self._pid_namespace(p.pid))
-            ns = namespaces[p.identity]
-            if ns is not None:
-                same_start = [r for r in same_start if r.pid_ns in (0, ns)]
+        ns = namespaces.get(p.identity)
+        if ns is not None:  # its own namespace's file wins over one that could not say ("0")
+            same_start = [r for r in same_start if r.pid_ns == ns] or same_start
         if len(same_start) > 1:
-            errors.append(SourceError(SOURCE, "ambiguous", f"pid {p.pid}: {len(same_start)} probe files match "
-                                                           "(PID namespace unreadable)"))
+            tick.errors.append(SourceError(SOURCE, "ambiguous", f"pid {p.pid}: {len(same_start)} probe files "
+                                                                "match (PID namespace unreadable)"))
             return None
-        return same_start[0] if same_start else None
+        return same_start[0]
+
+
+class _Tick:
+    """What one collect() gathers: faults, files read (each once), files kept out."""
+
+    def __init__(self, now: float):
+        self.now = now
+        self.errors: list[SourceError] = []
+        self.loaded: dict[str, ProbeReport | None] = {}
+        self.opened: dict[tuple[int, float | None], list[_Candidate]] = {}  # process identity -> files
+        self.dropped = 0
+
+
+def _owner(candidate: _Candidate) -> int | None:
+    try:
+        return candidate.entry.stat(follow_symlinks=False).st_uid
+    except OSError:
+        return None
 
 
 def _own_pid(p: ProcessSample) -> int:

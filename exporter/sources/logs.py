@@ -4,8 +4,11 @@
 rotation (a new inode: the rest of the old file is read, then the new one from its start),
 truncation (copytruncate: back to offset 0), deletion (quietly waits for the file to come back)
 and unreadable files (reported on `error`/`error_kind`, never raised). Each poll reads at most
-`max_read_bytes`, so a burst of logging cannot stall a sampling tick; the rest comes next poll.
-Over-long lines are cut to `max_line_bytes`.
+`max_read_bytes` of lines, so a burst of logging cannot stall a sampling tick; the rest comes next
+poll. Over-long lines are cut to `max_line_bytes`, and the rest of such a line is skipped without
+being kept or decoded, at up to `max_skip_bytes` a poll: a 100 MiB line costs one poll, not
+twenty-five, so the lines after it (and an OOM among them) are not held back until a rotation or
+truncation loses them.
 
 `LogSource`, the `logs` source, tails several files, feeding each through its own `OomParser`
 (which keeps the context a multi-line message needs) and reports messages and faults for one
@@ -28,6 +31,13 @@ from .source import LOG_EVENTS, Reading
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 DEFAULT_MAX_READ_BYTES = 4 * 1024 * 1024
+# The rest of an over-long line is looked through for its end at up to this much a poll (only a
+# newline search on 1 MiB chunks: the text is never kept).
+DEFAULT_MAX_SKIP_BYTES = 64 * DEFAULT_MAX_READ_BYTES
+SKIP_CHUNK_BYTES = 1024 * 1024
+# OOM messages one tick keeps, every file together: an incident logs a handful; a flood of
+# distinct OOM lines must not become a tick, a history and a trace of thousands.
+MAX_EVENTS_PER_TICK = 64
 SOURCE = "logs"
 
 
@@ -38,6 +48,11 @@ class _LineSplitter:
         self.max_line_bytes = max(1, int(max_line_bytes))
         self._partial = bytearray()
         self._discarding = False  # inside the dropped rest of an over-long line
+        self.cut_lines = 0  # lines cut at max_line_bytes (the caller reads and resets it)
+
+    @property
+    def discarding(self) -> bool:
+        return self._discarding
 
     def reset(self) -> None:
         self._partial.clear()
@@ -65,6 +80,7 @@ class _LineSplitter:
                 lines.append(bytes(self._partial) + rest[:room])
                 self._partial.clear()
                 self._discarding = True
+                self.cut_lines += 1
             else:
                 self._partial += rest
         return lines
@@ -94,10 +110,12 @@ class LogTailer:
     """Follows one log file; `poll()` returns the complete lines added since the last poll."""
 
     def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-                 start_at_end: bool = True, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 start_at_end: bool = True, max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+                 max_skip_bytes: int = DEFAULT_MAX_SKIP_BYTES):
         self.path = str(path)
         self.start_at_end = start_at_end
         self.max_read_bytes = max(1, int(max_read_bytes))
+        self.max_skip_bytes = max(0, int(max_skip_bytes))
         self.error = ""  # why the last poll could not read the file ("" when fine)
         self.error_kind = ""  # permission | not_a_file | io
         self._splitter = _LineSplitter(max_line_bytes)
@@ -125,6 +143,11 @@ class LogTailer:
                 pass
         self._fh = None
         self._identity = None
+
+    def take_cut_lines(self) -> int:
+        """Lines cut at max_line_bytes since the last call."""
+        n, self._splitter.cut_lines = self._splitter.cut_lines, 0
+        return n
 
     def poll(self) -> list[tuple[int, str]]:
         self.error = ""
@@ -200,14 +223,40 @@ class LogTailer:
         self._splitter.reset()
 
     def _read(self, out: list[tuple[int, str]], budget: int) -> int:
-        """Read up to `budget` bytes of the open file into `out`; returns bytes read."""
+        """Read up to `budget` bytes of the open file into `out`; returns bytes read (the
+        skipped rest of an over-long line is not counted: it is never kept)."""
         assert self._fh is not None
-        data = self._fh.read(budget) or b""
-        self._offset += len(data)
-        for raw in self._splitter.feed(data):
-            self._line_no += 1
-            out.append((self._line_no, _decode(raw)))
-        return len(data)
+        total = 0
+        while total < budget:
+            if self._splitter.discarding:
+                self._skip_rest_of_line()
+            # In chunks, so that a line cut early in one is skipped, not read through the budget.
+            data = self._fh.read(min(budget - total, SKIP_CHUNK_BYTES)) or b""
+            self._offset += len(data)
+            total += len(data)
+            for raw in self._splitter.feed(data):
+                self._line_no += 1
+                out.append((self._line_no, _decode(raw)))
+            if not data:
+                break
+        return total
+
+    def _skip_rest_of_line(self) -> None:
+        """Move past the rest of a cut line up to its newline (left for the splitter to end the
+        line with), looking at most max_skip_bytes this poll, one bounded chunk at a time."""
+        assert self._fh is not None
+        left = self.max_skip_bytes
+        while left > 0:
+            chunk = self._fh.read(min(SKIP_CHUNK_BYTES, left)) or b""
+            if not chunk:
+                return
+            newline = chunk.find(b"\n")
+            if newline >= 0:
+                self._offset += newline
+                self._fh.seek(self._offset)
+                return
+            self._offset += len(chunk)
+            left -= len(chunk)
 
 
 def iter_file_lines(fh: BinaryIO, max_bytes: int, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
@@ -240,35 +289,46 @@ class LogSource:
 
     def __init__(self, paths: list[str] | tuple[str, ...], *,
                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, start_at_end: bool = True,
-                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 max_read_bytes: int = DEFAULT_MAX_READ_BYTES, max_events: int = MAX_EVENTS_PER_TICK):
         self.paths = tuple(dict.fromkeys(str(p) for p in paths))  # unique, in order
         self._tailers = {p: LogTailer(p, max_line_bytes, start_at_end, max_read_bytes)
                          for p in self.paths}
         self._parsers = {p: OomParser(p) for p in self.paths}
+        self.max_events = max(1, int(max_events))
+        self._dropped: dict[str, int] = {}  # budget -> count, for the tick being sampled
 
     def collect(self, snapshot: Snapshot) -> Reading:
         events, errors = self.sample(now=snapshot.timestamp)
-        return Reading(replace(snapshot, log_events=events), up=not errors, errors=errors)
+        dropped = tuple((budget, n) for budget, n in self._dropped.items() if n)
+        return Reading(replace(snapshot, log_events=events), up=not errors, errors=errors, dropped=dropped)
 
     def sample(self, now: float | None = None) -> tuple[tuple[OomMessage, ...], tuple[SourceError, ...]]:
-        """New messages since the last call (stamped with `now` when given) and this tick's faults."""
+        """New messages since the last call (stamped with `now` when given; at most max_events,
+        the first ones) and this tick's faults."""
         events: list[OomMessage] = []
         errors: list[SourceError] = []
+        found = cut = 0
         for path in self.paths:
             tailer, parser = self._tailers[path], self._parsers[path]
             lines = tailer.poll()
             for line_no, text in lines:
-                events += parser.feed(line_no, text)
+                new = parser.feed(line_no, text)
+                found += len(new)
+                events += new[:self.max_events - len(events)]
             if not lines:
                 # The log went quiet: a message still open (waiting for a continuation line
                 # that may never come) is finished now rather than held back.
-                events += parser.flush()
+                new = parser.flush()
+                found += len(new)
+                events += new[:self.max_events - len(events)]
+            cut += tailer.take_cut_lines()
             if tailer.error:
                 errors.append(SourceError(SOURCE, tailer.error_kind, tailer.error))
             if parser.faults:
                 errors.append(SourceError(SOURCE, "parse_error",
                                           f"{path}: {parser.faults} line(s) could not be parsed"))
                 parser.faults = 0
+        self._dropped = {"log_events": found - len(events), "log_lines": cut}
         if now is not None:
             events = [replace(e, timestamp=now) for e in events]
         return tuple(events), tuple(errors)

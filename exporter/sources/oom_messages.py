@@ -97,6 +97,45 @@ def _strip(text: str) -> tuple[str, int | None, int]:
     return body, pid, len(text) - len(text.lstrip())
 
 
+# Records that quote what a client sent, by the shape of the record their logger writes: vLLM's
+# request logger (vllm/entrypoints/logger.py: "Received request <id>: prompt: %r, ...", "Request
+# <id> details: prompt: %r", "Generated response <id>: output: %r", "Received raw HTTP request
+# <id>: <json>"), vLLM's note of request fields it ignored (its JSON keys), and uvicorn's access
+# log ('<client> - "<method> <path> HTTP/1.1" <status>'). Their text is a prompt, a model's output
+# or a request line: evidence of a request, never an out-of-memory incident, whatever it quotes.
+# Matched on the whole physical line after its log prefix, before escaped newlines are split: a
+# prompt's "\n" must not start a line of its own.
+_REQUEST_RECORD = re.compile(
+    r"""(?:Received\ request[ ]|Received\ raw\ HTTP\ request[ ]|Generated\ response[ ]
+         |Request\ .{1,300}?\ details:\ prompt:
+         |The\ following\ fields\ were\ present\ in\ the\ request\ but\ ignored:
+         |[^\s"]{1,100}\ -\ "[A-Z]{1,16}\ [^\s"]{0,8192}\ HTTP/\d(?:\.\d)?"\ \d{3}\b)""",
+    re.VERBOSE)
+# vLLM's logger prefix at a routine level. vLLM reports out-of-memory failures as errors (and
+# warnings); its INFO and DEBUG records are routine work, and many quote clients: request ids
+# (a client may set its own), prompts, outputs, tool-call text.
+_VLLM_ROUTINE = re.compile(
+    r"\s*(?:INFO|DEBUG)\s\d{2}-\d{2}\s\d{2}:\d{2}:\d{2}(?:\.\d+)?\s(?:\[[\w.\-/]+:\d+\]|[\w.\-/]+:\d+\])")
+_ROUTINE_WORDS = ("request", "response", "HTTP/", "INFO", "DEBUG")  # cheap test before any regex
+
+
+def is_routine_record(text: str) -> bool:
+    """Whether a physical log line is a record that cannot report an incident, whatever text it
+    quotes: a client's request as vLLM's request logger or uvicorn's access log writes it, or
+    any record vLLM's logger writes at INFO or DEBUG."""
+    if not any(word in text for word in _ROUTINE_WORDS):
+        return False
+    text = _ANSI.sub("", text[:MAX_LINE_CHARS])
+    for _ in range(8):  # the prefixes _strip() removes, looked at one by one
+        m = _PREFIX.match(text)
+        if not m or m.end() == 0:
+            break
+        if _VLLM_ROUTINE.match(m.group(0)):
+            return True
+        text = text[m.end():]
+    return bool(_REQUEST_RECORD.match(text.strip()))
+
+
 def strip_prefixes(text: str) -> str:
     """The line without leading log decorations (bounded number of passes)."""
     return _strip(text)[0]
@@ -371,6 +410,7 @@ class OomParser:
         self._recent: list[tuple[int, tuple[object, ...]]] = []  # (line, signature) of recent messages
         self._last_line = 0
         self.faults = 0  # lines dropped because the parser itself failed (a bug, counted)
+        self.routine_records = 0  # lines skipped as routine records (is_routine_record)
 
     def feed(self, line_no: int, text: str) -> list[OomMessage]:
         try:
@@ -399,6 +439,9 @@ class OomParser:
             out += self.flush()
             self._recent.clear()
         self._last_line = line_no
+        if is_routine_record(text):
+            self.routine_records += 1
+            return out
         for part in logical_lines(text):
             out += self._feed_part(line_no, part)
         return out

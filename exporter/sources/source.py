@@ -42,6 +42,7 @@ class Reading:
     up: bool = True
     errors: tuple[SourceError, ...] = ()  # faults seen this tick, counted by the daemon
     error: str = ""  # why it is down, where its errors say nothing; up, what is wrong all the same
+    dropped: tuple[tuple[str, int], ...] = ()  # (model.BUDGETS entry, count) its budgets kept out
 
 
 class Source(Protocol):
@@ -62,8 +63,35 @@ class Source(Protocol):
         """Release what the source holds (threads, sessions, files)."""
 
 
+# Fault kinds kept per source per tick; faults of further kinds are counted under "other".
+MAX_ERROR_KINDS = 16
+
+
+def fold_errors(errors: Iterable[SourceError]) -> tuple[tuple[SourceError, ...], int]:
+    """One record per (source, kind): its first message and how many there were, so a tick's
+    faults take room by kind, not by number (8,000 bad files are one record). Kinds past
+    MAX_ERROR_KINDS for a source are folded into kind "other"; returns the records and how many
+    records that folded away (the `source_errors` budget)."""
+    folded: dict[tuple[str, str], SourceError] = {}
+    kinds: dict[str, int] = {}
+    spilled = 0
+    for e in errors:
+        key = (e.source, e.kind)
+        if key not in folded:
+            if kinds.get(e.source, 0) >= MAX_ERROR_KINDS:
+                key = (e.source, "other")
+                spilled += 1
+            else:
+                kinds[e.source] = kinds.get(e.source, 0) + 1
+        have = folded.get(key)
+        folded[key] = (replace(e, kind=key[1]) if have is None
+                       else replace(have, count=have.count + e.count))
+    return tuple(folded.values()), spilled
+
+
 def collect(source: Source, snapshot: Snapshot) -> Snapshot:
-    """Run one source, timed; its status and faults go into the snapshot it returns."""
+    """Run one source, timed; its status, faults (folded by kind) and what its budgets kept out
+    go into the snapshot it returns."""
     started = time.perf_counter()
     try:
         reading = source.collect(snapshot)
@@ -77,7 +105,10 @@ def collect(source: Source, snapshot: Snapshot) -> Snapshot:
         next((e.message for e in reading.errors if e.message), "") or reading.error)
     status = SourceStatus(source.name, reading.up, time.perf_counter() - started, why)
     filled = reading.snapshot
-    return replace(filled, sources=filled.sources + (status,), errors=filled.errors + reading.errors)
+    errors, spilled = fold_errors(reading.errors)
+    dropped = reading.dropped + ((("source_errors", spilled),) if spilled else ())
+    return replace(filled, sources=filled.sources + (status,), errors=filled.errors + errors,
+                   dropped=filled.dropped + dropped)
 
 
 def in_order(sources: Iterable[Source]) -> tuple[Source, ...]:

@@ -85,6 +85,7 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
     return VllmSample(
         endpoint=endpoint.label, up=True, scrape_duration_seconds=clock() - started,
         engines=engines, cache_config=cache_config, rejected_metrics=metrics.rejected,
+        truncated=metrics.truncated,
     )
 
 
@@ -158,7 +159,9 @@ class VllmSource:
         gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
                                                                                       self.host))
         down = [s for s in samples if not s.up]
-        return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "")
+        cut = sum(s.truncated for s in samples)  # pages past their budget: counted, the rest unread
+        return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "",
+                       dropped=(("vllm_pages", cut),) if cut else ())
 
     def sample(self, candidates: Sequence[int] = ()) -> tuple[VllmSample, ...]:
         """Scrape every endpoint; `candidates` (the GPU processes' PIDs) feed the

@@ -8,13 +8,20 @@ in the same place, and prefer the current name when a release exposes both.
 
 A real page is mostly histograms (fourteen request histograms per engine, the API server's
 `http_*` families, Python's collectors: about 500 lines) and we read none of them. Only the
-`vllm:` samples that are not histogram or summary series go to the parser, a small fraction of
-the page (bench/vllm_parse.py). The price: a malformed line in a family we never read no longer
-fails the scrape.
+`vllm:` samples we read go to the parser, a small fraction of the page (bench/vllm_parse.py).
+The price: a malformed line in a family we never read no longer fails the scrape.
+
+The work a page can cost is bounded whatever it holds (docs/memory.md): `vllm:` lines are found
+by a regex anchored on newlines (a page of other metrics is one fast scan); at most MAX_VLLM_LINES of them are looked at
+and MAX_SAMPLE_LINES handed to the parser (a page cut there counts in the `vllm_pages` budget);
+and a page without any is parsed only as far as MAX_SNIFF_CHARS to say what it is. A series
+without an `engine` label (V0 names, before data parallelism) is engine "0", so a page that
+switches between V0 and V1 names does not switch its series' labels.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..model import CacheConfig, VllmEngineStats
+from ..units import MAX_BYTES
 
 # Field of VllmEngineStats -> metric base names, preferred first.
 FIELD_METRICS: dict[str, tuple[str, ...]] = {
@@ -44,11 +52,21 @@ SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 RATIO_SLACK = 1e-6
 MAX_REJECTED_NAMES = 16
 
-# A `vllm:` sample line; histogram and summary series (and `_created`) are never read.
-_VLLM_LINE = re.compile(r"^[ \t]*vllm:[^\n]*", re.MULTILINE)
-_SERIES_SUFFIX = re.compile(r"[ \t]*[^{ \t]*_(?:bucket|sum|count|created)[{ \t]")
 _CACHE_CONFIG_LINE = re.compile(r"[ \t]*vllm:cache_config_info[{ \t]")
+# A `vllm:` sample line, and its metric name.
+_VLLM_SAMPLE = re.compile(r"\n[ \t]*(vllm:[^{ \t\n]*)[^\n]*")
+_VLLM_FIRST = re.compile(r"[ \t]*(vllm:[^{ \t\n]*)[^\n]*")
 MAX_CACHED_LINE_CHARS = 4096
+# The per-page budget: `vllm:` lines looked at (a 64-engine V1 page has about 25,000), sample
+# lines handed to the parser (about 12 per engine are read), and how much of a page without any
+# is parsed to tell "not exposition text" from "no vllm: metrics".
+MAX_VLLM_LINES = 32_768
+MAX_SAMPLE_LINES = 1024
+MAX_SNIFF_CHARS = 8 * 1024
+# Counts and sizes past these are not a server's numbers: dropped as out of range (2^53: exact in
+# a float; sizes as units.MAX_BYTES).
+MAX_COUNT = float(1 << 53)
+_READ = frozenset({*_WANTED, *(f"{name}_total" for name in _WANTED), SLEEP_STATE_METRIC, CACHE_CONFIG_METRIC})
 
 # A hostile or broken server must not blow up our own label cardinality or memory.
 MAX_ENGINES = 64
@@ -66,6 +84,24 @@ class NormalisedMetrics:
     # Names of the metrics whose values were impossible (a negative counter, a KV usage of -5,
     # NaN): dropped, never passed on as numbers. Bounded.
     rejected: tuple[str, ...] = ()
+    truncated: bool = False  # the page held more vllm: lines than the budget: the rest unread
+
+
+def _vllm_lines(text: str) -> tuple[list[str], bool, bool]:
+    """The `vllm:` sample lines we read (histogram series, `_created` and families we do not
+    read are skipped), whether the page has any `vllm:` sample line at all, and whether the
+    budget cut the page. One regex whose every match starts at a newline: a page of other
+    metrics costs one scan in C."""
+    lines: list[str] = []
+    seen = 0
+    first = _VLLM_FIRST.match(text)  # the first line has no newline before it
+    for match in itertools.chain((first,) if first else (), _VLLM_SAMPLE.finditer(text)):
+        seen += 1
+        if seen > MAX_VLLM_LINES or len(lines) >= MAX_SAMPLE_LINES:
+            return lines, True, True
+        if match.group(1) in _READ:
+            lines.append(match.group(0).lstrip("\n"))
+    return lines, seen > 0, False
 
 
 def normalise(text: str) -> NormalisedMetrics:
@@ -74,9 +110,11 @@ def normalise(text: str) -> NormalisedMetrics:
     sleep: dict[tuple[str, str], dict[str, float]] = {}
     rejected: set[str] = set()
     cache_labels: list[dict[str, str]] = []
-    lines = [line for line in _VLLM_LINE.findall(text) if not _SERIES_SUFFIX.match(line)]
+    lines, any_vllm, truncated = _vllm_lines(text)
     if not lines:
-        _raise_why_no_vllm(text)
+        _check_head(text)  # raises ParseError when the page is not exposition text at all
+        if not any_vllm:
+            raise ParseError("no vllm: metrics in the response")
     try:
         samples = []
         for line in lines:
@@ -95,7 +133,8 @@ def normalise(text: str) -> NormalisedMetrics:
                 if value is None:
                     _reject(rejected, base)
                     continue
-                key = (_label(sample.labels, "model_name"), _label(sample.labels, "engine"))
+                # No engine label (V0 names, one engine): engine "0", as V1 labels its first.
+                key = (_label(sample.labels, "model_name"), _label(sample.labels, "engine") or "0")
                 if key not in values:
                     if len(values) >= MAX_ENGINES:
                         continue
@@ -116,7 +155,8 @@ def normalise(text: str) -> NormalisedMetrics:
         for (model, engine), fields in sorted(values.items())
     )
     cache_config = _cache_config(cache_labels, rejected)
-    return NormalisedMetrics(engines=engines, cache_config=cache_config, rejected=tuple(sorted(rejected)))
+    return NormalisedMetrics(engines=engines, cache_config=cache_config, rejected=tuple(sorted(rejected)),
+                             truncated=truncated)
 
 
 def _valid(field: str | None, value: object) -> float | None:
@@ -125,7 +165,7 @@ def _valid(field: str | None, value: object) -> float | None:
     if not _finite(value):
         return None
     number = float(value)  # type: ignore[arg-type]
-    if number < 0:
+    if number < 0 or number > MAX_COUNT:
         return None
     if field == "kv_cache_usage_ratio" and number > 1:
         return 1.0 if number <= 1 + RATIO_SLACK else None
@@ -170,15 +210,17 @@ def _parse_info_line(line: str) -> tuple[tuple[str, str], ...]:
 _cached_info_line = functools.lru_cache(maxsize=64)(_parse_info_line)
 
 
-def _raise_why_no_vllm(text: str) -> None:
-    """No vLLM sample: say whether the body is exposition text at all (a wrong URL answers
-    with HTML or JSON) or valid text from something else."""
+def _check_head(text: str) -> None:
+    """Nothing on the page that we read: raise ParseError when it is not exposition text at all
+    (a wrong URL answers with HTML or JSON), judged from its first MAX_SNIFF_CHARS (whole lines):
+    parsing all of a large page would cost seconds of a core every tick."""
+    if len(text) > MAX_SNIFF_CHARS:
+        text = text[:text.rfind("\n", 0, MAX_SNIFF_CHARS) + 1]
     try:
         for _ in text_string_to_metric_families(text):
             pass
     except Exception as exc:
         raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
-    raise ParseError("no vllm: metrics in the response")
 
 
 def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: float) -> None:
@@ -206,8 +248,8 @@ def _cache_config(candidates: list[dict[str, str]], rejected: set[str]) -> Cache
             return None
         return value
 
-    def count(key: str) -> int | None:
-        value = number(key, lambda v: v >= 0 and v == int(v))
+    def count(key: str, most: float = MAX_COUNT) -> int | None:
+        value = number(key, lambda v: 0 <= v <= most and v == int(v))
         return None if value is None else int(value)
 
     dtype = labels.get("cache_dtype", "")
@@ -216,9 +258,9 @@ def _cache_config(candidates: list[dict[str, str]], rejected: set[str]) -> Cache
         num_gpu_blocks=count("num_gpu_blocks"),
         block_size=count("block_size") or None,
         cache_dtype="" if dtype in ("None", "") else dtype[:64],
-        kv_cache_memory_bytes=count("kv_cache_memory_bytes"),
+        kv_cache_memory_bytes=count("kv_cache_memory_bytes", MAX_BYTES),
         kv_cache_size_tokens=count("kv_cache_size_tokens"),
-        kv_cache_max_concurrency=number("kv_cache_max_concurrency", lambda v: v >= 0),
+        kv_cache_max_concurrency=number("kv_cache_max_concurrency", lambda v: 0 <= v <= MAX_COUNT),
     )
 
 
