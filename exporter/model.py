@@ -487,6 +487,16 @@ class AllocHistoryStats:
 
 
 @dataclass(frozen=True)
+class ListenerStats:
+    """One HTTP listener's connection budgets (serve/admission.py), read at scrape time."""
+
+    listener: str  # the configuration key it serves: listen, health_listen
+    open_connections: int
+    refused_total: Mapping[str, int]  # the limit that refused -> connections closed at once
+    evicted_total: int  # connections displaced to make room
+
+
+@dataclass(frozen=True)
 class ReloadStats:
     """How the last configuration load went (SIGHUP's reload; the start counts as one, as in
     Prometheus's prometheus_config_last_reload_* metrics)."""

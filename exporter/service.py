@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError, parse_listen
 from .config import load as load_config
-from .model import ReloadStats, State
+from .model import ListenerStats, ReloadStats, State
 from .reload import Reloader
 
 if TYPE_CHECKING:  # imported where used, so `snapshot` and `check-config` load only what they need
@@ -148,16 +148,17 @@ class Service:
         from .serve.web import HEALTH_PATHS, make_app
 
         clock = self.runtime.clock
-        args = (build_registry(self.state, clock.now), self.state, clock.now,
+        args = (build_registry(self.state, clock.now, self._listener_stats), self.state, clock.now,
                 lambda: self.reloader.config.effective_stale_after)
         auth = BasicAuth(web.basic_auth_users) if web and web.basic_auth_users else None
-        listeners = [(self.config.listen, make_app(*args, auth=auth, host=sampled), web)]
+        listeners = [("listen", self.config.listen, make_app(*args, auth=auth, host=sampled), web)]
         if self.config.health_listen:  # probes keep working when basic auth is on
-            listeners.append((self.config.health_listen, make_app(*args, paths=HEALTH_PATHS), None))
+            listeners.append(("health_listen", self.config.health_listen, make_app(*args, paths=HEALTH_PATHS),
+                              None))
         try:
-            for where, app, web_config in listeners:
+            for name, where, app, web_config in listeners:
                 try:
-                    self.servers.append(HttpServer(app, *parse_listen(where), web_config).start())
+                    self.servers.append(HttpServer(app, *parse_listen(where), web_config, name=name).start())
                 except OSError as exc:
                     hint = (" (another exporter on that port? choose one with --listen HOST:PORT, or "
                             "`make run LISTEN=127.0.0.1:9843`)") if exc.errno == errno.EADDRINUSE else ""
@@ -198,6 +199,10 @@ class Service:
                  parse_listen(self.config.listen)[0], server.port, self.config.interval_seconds)
         if self.config.health_listen:
             log.info("serving /healthz and /admission without auth on http://%s", self.config.health_listen)
+
+    def _listener_stats(self) -> tuple[ListenerStats, ...]:
+        return tuple(ListenerStats(s.name, s.admission.open, dict(s.admission.refused_by), s.admission.evicted)
+                     for s in self.servers)
 
     def _stop_servers(self) -> None:
         for server in self.servers:

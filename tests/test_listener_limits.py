@@ -337,3 +337,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_the_daemon_exports_what_its_listener_budgets_refused():
+    """A budget that bites is counted and exported (#21 item 1): one peer past its 128
+    connections is refused, and a scraper at another address reads how many, and why."""
+    from helpers.daemon import Daemon
+
+    daemon = Daemon("--simulate", "steady")
+    held: list[socket.socket] = []
+    try:
+        daemon.wait_healthy()
+        port = int(daemon.url.rsplit(":", 1)[1])
+        held = [connect_from("127.0.0.2", port) for _ in range(140)]
+
+        def refused() -> float:
+            text = daemon.get("/metrics").text
+            found = re.search(r'^gpumem_exporter_listener_refused_total\{listener="listen",'
+                              r'reason="peer_connections"\} (\S+)$', text, re.M)
+            return float(found.group(1)) if found else -1.0
+        deadline = time.monotonic() + HANG
+        while refused() < 12 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert refused() >= 12, daemon.get("/metrics").text[-3000:]
+        opened = re.search(r'^gpumem_exporter_listener_connections\{listener="listen"\} (\S+)$',
+                           daemon.get("/metrics").text, re.M)
+        # Never more than the peer's 128 and the scrape (fewer once the held ones time out).
+        assert opened is not None and 1 <= float(opened.group(1)) <= 130
+    finally:
+        for s in held:
+            s.close()
+        daemon.stop()

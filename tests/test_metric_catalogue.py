@@ -16,7 +16,7 @@ from prometheus_client.registry import CollectorRegistry
 from exporter.catalogue import docs
 from exporter.catalogue.families import BY_NAME, FAMILIES, SECTIONS
 from exporter.catalogue.family import UNITS, Stability, Type
-from exporter.model import AllocatorStats, AllocHistoryStats, KvCache, ReloadStats
+from exporter.model import AllocatorStats, AllocHistoryStats, KvCache, ListenerStats, ReloadStats
 from exporter.postmortem import promquery, trace
 from exporter.serve.exposition import StateCollector
 from helpers.dashboards import DASHBOARD_FILES, label_values_selector, load, queries, variable_queries
@@ -53,7 +53,8 @@ def served() -> dict[str, object]:
     """The families a scrape of the full state serves, parsed back from the text format, by the
     name they are queried by (a counter's with `_total`)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(full_state, lambda: 1_000_005.0))
+    listener = ListenerStats("listen", open_connections=3, refused_total={"peer_connections": 2}, evicted_total=1)
+    registry.register(StateCollector(full_state, lambda: 1_000_005.0, lambda: (listener,)))
     out = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         out[family.name + ("_total" if family.type == "counter" else "")] = family

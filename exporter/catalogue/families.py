@@ -422,6 +422,26 @@ EXPORTER_SAMPLE_AGE_SECONDS = gauge(
     section=EXPORTER, unit="seconds", doc=(
         "Age of the data this scrape shows. It grows if sampling is stuck, and `/healthz` turns 503 past "
         "`stale_after_seconds` (3 intervals by default)."))
+EXPORTER_LISTENER_CONNECTIONS = gauge(
+    "gpumem_exporter_listener_connections",
+    "Connections the HTTP listener holds open.", ("listener",),
+    section=EXPORTER, doc=(
+        "Connections each HTTP listener holds (`listen`, and `health_listen` where set), at most 1,024, "
+        "128 from one peer ([architecture.md](architecture.md), \"The listener's budgets\")."))
+EXPORTER_LISTENER_REFUSED_TOTAL = counter(
+    "gpumem_exporter_listener_refused_total",
+    "Connections the HTTP listener closed at once, by the limit that refused them.", ("listener", "reason"),
+    section=EXPORTER, doc=(
+        "New connections closed at once because a budget was full: `peer_connections` (the peer holds its "
+        "128), `peer_handshakes` (16 unfinished TLS handshakes of its own), `connections` (1,024 in all, "
+        "and none could make way), `handshakes` (64 unfinished in all). A rise while scrapes fail means a "
+        "client, or an attacker at the scraper's address, holds the budget."))
+EXPORTER_LISTENER_EVICTED_TOTAL = counter(
+    "gpumem_exporter_listener_evicted_total",
+    "Connections the HTTP listener closed to make room for another peer's.", ("listener",),
+    section=EXPORTER, doc=(
+        "Connections displaced at a total: answered ones lingering for their client's close first, then "
+        "the oldest idle one of the peer holding the most."))
 EXPORTER_CONFIG_LAST_RELOAD_SUCCESSFUL = gauge(
     "gpumem_exporter_config_last_reload_successful",
     "1 if the last configuration load (start or SIGHUP reload) succeeded.",

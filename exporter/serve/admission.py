@@ -26,6 +26,10 @@ from collections.abc import Callable
 # be displaced; ANSWER holds a worker thread and is never cut short.
 HANDSHAKE, HEAD, ANSWER, WRITE, LINGER = "handshake", "head", "answer", "write", "linger"
 
+# The limits a new connection can be refused by (the `reason` of gpumem_exporter_listener_refused_total).
+PEER_CONNECTIONS, PEER_HANDSHAKES, CONNECTIONS, HANDSHAKES = LIMITS = (
+    "peer_connections", "peer_handshakes", "connections", "handshakes")
+
 
 def peer_of(address: str) -> str:
     """The peer a connection counts against: an IPv4 address (IPv4-mapped IPv6 included), or an
@@ -62,8 +66,14 @@ class Admission:
         self._lingering: dict[Slot, None] = {}  # answered ones, oldest first
         self._handshakes: Counter[str] = Counter()
         self.open = 0
-        self.refused = 0  # connections closed at once (tests and benchmarks read these two)
+        # Connections closed at once, by the limit that refused them, and connections displaced:
+        # exported (gpumem_exporter_listener_*_total), read by tests and benchmarks.
+        self.refused_by: Counter[str] = Counter()
         self.evicted = 0
+
+    @property
+    def refused(self) -> int:
+        return sum(self.refused_by.values())
 
     @property
     def handshakes(self) -> int:
@@ -73,15 +83,17 @@ class Admission:
         """A slot for a new connection from `peer` (displacing another if the rules allow), or
         None: close it at once."""
         held = len(self._by_peer.get(peer, ()))
-        if (held >= self.max_per_peer and not self._end_lingering(peer)) or (
-                tls and self._handshakes[peer] >= self.max_handshakes_per_peer):
-            self.refused += 1
+        if held >= self.max_per_peer and not self._end_lingering(peer):
+            self.refused_by[PEER_CONNECTIONS] += 1
+            return None
+        if tls and self._handshakes[peer] >= self.max_handshakes_per_peer:
+            self.refused_by[PEER_HANDSHAKES] += 1
             return None
         if self.open >= self.max_connections and not self._make_room_for(peer):
-            self.refused += 1
+            self.refused_by[CONNECTIONS] += 1
             return None
         if tls and self.handshakes >= self.max_handshakes and not self._make_handshake_room_for(peer):
-            self.refused += 1
+            self.refused_by[HANDSHAKES] += 1
             return None
         slot = Slot(peer, HANDSHAKE if tls else HEAD)
         self._by_peer.setdefault(peer, {})[slot] = None

@@ -17,13 +17,26 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .. import __version__
 from ..catalogue import families as m
 from ..catalogue.family import Family
-from ..model import BUDGETS, AllocHistoryStats, Analysis, ProcessSample, RecorderStats, ReloadStats, Snapshot, State
+from ..model import (
+    BUDGETS,
+    AllocHistoryStats,
+    Analysis,
+    ListenerStats,
+    ProcessSample,
+    RecorderStats,
+    ReloadStats,
+    Snapshot,
+    State,
+)
+from .admission import LIMITS as LISTENER_LIMITS
 
 
 class StateCollector(Collector):
-    def __init__(self, get_state: Callable[[], State], now: Callable[[], float]):
+    def __init__(self, get_state: Callable[[], State], now: Callable[[], float],
+                 listeners: Callable[[], Iterable[ListenerStats]] = tuple):
         self.get_state = get_state
         self.now = now
+        self.listeners = listeners  # the HTTP listeners' budgets, read live (not part of a tick)
 
     def collect(self) -> Iterable[Metric]:
         # Families with no series (no vLLM endpoint configured, say) are left out entirely.
@@ -32,6 +45,7 @@ class StateCollector(Collector):
     def _families(self) -> Iterable[Metric]:
         state = self.get_state()
         yield from self._self_metrics(state)
+        yield from self._listeners(tuple(self.listeners()))
         if state.reload is not None:
             yield from self._reload(state.reload)
         snap = state.snapshot
@@ -271,6 +285,16 @@ class StateCollector(Collector):
         if stats.last_write_timestamp is not None:
             yield m.RECORDER_LAST_WRITE_TIMESTAMP_SECONDS.of(stats.last_write_timestamp)
 
+    def _listeners(self, listeners: tuple[ListenerStats, ...]) -> Iterator[Metric]:
+        opened, refused, evicted = (m.EXPORTER_LISTENER_CONNECTIONS.new(), m.EXPORTER_LISTENER_REFUSED_TOTAL.new(),
+                                    m.EXPORTER_LISTENER_EVICTED_TOTAL.new())
+        for s in listeners:
+            opened.add_metric([s.listener], s.open_connections)
+            for reason in LISTENER_LIMITS:
+                refused.add_metric([s.listener, reason], s.refused_total.get(reason, 0))
+            evicted.add_metric([s.listener], s.evicted_total)
+        yield from (opened, refused, evicted)
+
     def _reload(self, stats: ReloadStats) -> Iterator[Metric]:
         yield m.EXPORTER_CONFIG_LAST_RELOAD_SUCCESSFUL.of(1 if stats.successful else 0)
         yield m.EXPORTER_CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS.of(stats.last_success_at)
@@ -305,9 +329,10 @@ def _str(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def build_registry(get_state: Callable[[], State], now: Callable[[], float]) -> CollectorRegistry:
+def build_registry(get_state: Callable[[], State], now: Callable[[], float],
+                   listeners: Callable[[], Iterable[ListenerStats]] = tuple) -> CollectorRegistry:
     """A registry with our collector plus the exporter's own process metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(get_state, now))
+    registry.register(StateCollector(get_state, now, listeners))
     ProcessCollector(registry=registry)
     return registry

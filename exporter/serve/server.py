@@ -269,7 +269,8 @@ class HttpServer:
                  max_connections: int = MAX_CONNECTIONS, max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
                  max_handshakes: int = MAX_HANDSHAKES, max_handshakes_per_peer: int = MAX_HANDSHAKES_PER_PEER,
                  head_timeout: float = HEAD_TIMEOUT_SECONDS, write_timeout: float = WRITE_TIMEOUT_SECONDS,
-                 workers: int = WORKERS) -> None:
+                 workers: int = WORKERS, name: str = "listen") -> None:
+        self.name = name  # the configuration key it serves (the `listener` label)
         self._ssl = ssl_context(web) if web and web.tls else None  # a bad certificate fails before binding
         self.tls = self._ssl is not None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
