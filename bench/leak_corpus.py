@@ -11,6 +11,7 @@ would read (torch allocated and reserved, every 5 s), with the leak in one compo
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -40,7 +41,7 @@ FAMILIES = (
     Family("startup_flat", "start-up, then flat (2-8 MiB white noise)", False),
     Family("warmup", "start-up, then the allocator warming up to a plateau in shrinking steps", False),
     Family("sawtooth", "allocator caching cycles: 1-12 min teeth of 64 MiB-2 GiB", False),
-    Family("level_shifts", "a second model loading (+4-20 GiB), a sleep and wake, a step given back", False),
+    Family("level_shifts", "a second model loading (+4-20 GiB), a sleep and wake, a step given back, the cache emptied and refilling", False),
     Family("correlated", "noise that wanders (AR(1), 0.5-8 min memory, 4-16 MiB)", False),
     Family("noisy", "16-32 MiB white noise with 1 % one-sample spikes", False),
     Family("mixed", "warm-up, a small sawtooth and a step together", False),
@@ -167,9 +168,10 @@ def sawtooth(rng: random.Random, start: float, amp_range=(64 * MiB, 2 * GiB),
 
 def level_shifts(rng: random.Random, start: float) -> Curve:
     """One or two of: a second model loading into the process, a sleep and wake, a step partly
-    given back later."""
+    given back later, the cache emptied (torch.cuda.empty_cache) and filling up again."""
     events: list[tuple[float, float]] = [(start - 1, 0.0)]
-    kinds = rng.sample(("model", "sleep", "giveback"), rng.randint(1, 2))
+    ramps: list[tuple[float, float, float]] = []  # (start, end, height): the cache refilling
+    kinds = rng.sample(("model", "sleep", "giveback", "refill"), rng.randint(1, 2))
     t = start
     level = 0.0
     for kind in kinds:
@@ -181,13 +183,26 @@ def level_shifts(rng: random.Random, start: float) -> Curve:
             events.append((t, -0.44 * TOTAL))
             t += rng.uniform(5, 40) * 60
             events.append((t, level))
-        else:
+        elif kind == "giveback":
             up = rng.uniform(256 * MiB, 3 * GiB)
             events.append((t, level + up))
             t += rng.uniform(20, 60) * 60
             level += up * rng.uniform(0.0, 0.7)
             events.append((t, level))
-    return _step_fn(events)
+        else:
+            size = rng.uniform(256 * MiB, 2 * GiB)
+            refill = rng.uniform(5, 30) * 60
+            ramps.append((t, t + refill, size))
+            t += refill
+    step = _step_fn(events)
+
+    def f(tt: float) -> float:
+        v = step(tt)
+        for a, b, size in ramps:  # down by `size` at a, back up linearly by b
+            if a <= tt < b:
+                v -= size * (1 - (tt - a) / (b - a))
+        return v
+    return f
 
 
 def steps(rng: random.Random, start: float) -> Curve:
@@ -330,7 +345,7 @@ def _trough_noise(tooth: tuple[Curve, float], sigma: float, quant: float,
     curve, period = tooth
     starts = curve.tooth_starts  # type: ignore[attr-defined]
     mins = []
-    for a, b in zip(starts, starts[1:], strict=False):
+    for a, b in itertools.pairwise(starts):
         if b > DURATION:
             break
         phase = rng.uniform(0, DT)  # where the 5 s sampling falls in the tooth
@@ -353,14 +368,20 @@ def _frange(a: float, b: float, step: float):
 
 def limit_seconds(trace: Trace, z: float = 5.0) -> float | None:
     """The statistical limit for this trace's leak: how long after the onset a least-squares
-    slope over the informative samples since the onset (the test knows when the leak started)
-    first reaches z, T = (z sigma sqrt(12 dt) / r)^(2/3); for a staircase never less than three
-    step intervals (until its fourth step a staircase is a warm-up's few steps)."""
-    if trace.leak_rate is None:
+    slope (free intercept) over the informative samples since the onset -- the test knows when
+    the leak started and what the noise is -- first reaches z. In continuous time that is
+    T = (z sigma sqrt(12 dt) / r)^(2/3); here counted in whole samples, the first of them half a
+    sample interval after the onset on average, and at least three of them (a line needs them):
+    m samples give z = r dt sqrt(m (m^2 - 1) / 12) / sigma. A staircase is never found before
+    three step intervals (until its fourth step it is a warm-up's few steps)."""
+    if trace.leak_rate is None or trace.noise_sigma <= 0:
         return None
     r = trace.leak_rate * MiB / 60
-    t = (z * trace.noise_sigma * math.sqrt(12 * trace.noise_dt) / r) ** (2 / 3)
-    t = max(t, 2 * trace.noise_dt)  # a line needs at least three samples
+    dt = trace.noise_dt
+    m = 3
+    while r * dt * math.sqrt(m * (m * m - 1) / 12) / trace.noise_sigma < z:
+        m += 1
+    t = dt / 2 + (m - 1) * dt
     if trace.stair_interval:
         t = max(t, 3 * trace.stair_interval)
     return t

@@ -35,8 +35,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+import operator
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
@@ -44,12 +46,13 @@ from .trend_test import Prefix, WindowResult, kappas, robust_sigma, scan, thresh
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+_T = TypeVar("_T")
 
 Evidence = tuple[tuple[str, float | int | str], ...]
 
 # Window lengths tested, in minutes, shortest first: about 12 % apart, so the best window for
 # any rate is within a few percent of one of them.
-WINDOWS_MINUTES = (5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 22, 25, 28, 32, 36, 40, 45, 50, 56, 63,
+WINDOWS_MINUTES = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 22, 25, 28, 32, 36, 40, 45, 50, 56, 63,
                    71, 80, 90, 100, 112, 126, 142, 160, 180, 200, 225, 250, 280, 320)
 # Block sizes (points) at which the noise's correlations are measured.
 KAPPA_SCALES = (2, 4, 8, 16, 32)
@@ -69,7 +72,7 @@ class LeakConfig:
     large_step_bytes: float = 1 * GiB
     large_step_fraction: float = 0.25
     # How long after a large step the series is left alone (CUDA graph capture, first warm-up).
-    settle_seconds: float = 300
+    settle_seconds: float = 120
     # A jump of at least max(min_shift_bytes, shift_noise_factor x noise) that stands out from
     # the jumps around it by as much is a level shift: windows never span it, and the series is
     # left alone this long after it.
@@ -105,6 +108,13 @@ class LeakConfig:
     # factor higher, and no staircase is called (a warm-up's first steps make one).
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
+    first_tooth_seconds: float = 900
+    # The growth must take the level above every earlier one of this long before it by this
+    # fraction of itself.
+    earlier_level_seconds: float = 1800
+    earlier_level_margin: float = 0.25
+    # The noise (its deviation and correlations) is measured again this often per series.
+    noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
     max_shapes: int = 6
     # Noise below this is taken as this (NVML reports whole pages).
@@ -177,8 +187,8 @@ class LeakAssessor:
     forgotten, so it holds only the series still asked about."""
 
     def __init__(self) -> None:
-        # key -> (view, total_bytes, config, signals, verdict)
-        Kept = tuple[SeriesView, int | None, LeakConfig, int, LeakAssessment]
+        # key -> (view, total_bytes, config, signals, verdict, the series' noise memo)
+        Kept = tuple[SeriesView, int | None, LeakConfig, int, LeakAssessment, NoiseMemo]
         self._kept: dict[Hashable, Kept] = {}
         self._asked: dict[Hashable, Kept] = {}
 
@@ -188,12 +198,13 @@ class LeakAssessor:
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
         kept = self._kept.get(key) or self._asked.get(key)
+        memo = kept[5] if kept is not None and (kept[2] is config or kept[2] == config) else NoiseMemo()
         if kept is not None and kept[0] is series and kept[1] == total_bytes and kept[3] == signals and \
                 (kept[2] is config or kept[2] == config):
             result = kept[4]
         else:
-            result = verdict(series, total_bytes, config, signals)
-        self._asked[key] = (series, total_bytes, config, signals, result)
+            result = verdict(series, total_bytes, config, signals, memo)
+        self._asked[key] = (series, total_bytes, config, signals, result, memo)
         return result
 
     def prune(self) -> None:
@@ -225,10 +236,34 @@ class _Found:
     points: int
 
 
+class NoiseMemo:
+    """What verdict() measures about a series' noise, kept between its calls on the same series
+    for `noise_refresh_seconds` (the noise changes slowly; measuring it is most of the cost).
+    Measured afresh after a large step, and whenever the series is new to it."""
+
+    __slots__ = ("base_time", "measured_at", "values")
+
+    def __init__(self) -> None:
+        self.base_time: float | None = None
+        self.measured_at = -math.inf
+        self.values: dict[str, object] = {}
+
+    def get(self, name: str, now: float, base_time: float, config: LeakConfig,
+            measure: Callable[[], _T]) -> _T:
+        if base_time != self.base_time or now - self.measured_at >= config.noise_refresh_seconds:
+            self.base_time, self.measured_at = base_time, now
+            self.values = {}
+        if name not in self.values:
+            self.values[name] = measure()
+        return self.values[name]  # type: ignore[return-value]
+
+
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
-            signals: int = 2) -> LeakAssessment:
-    """assess() without the staleness check: a function of the series' points alone, so a
-    caller may keep it for as long as it holds the same SeriesView."""
+            signals: int = 2, memo: NoiseMemo | None = None) -> LeakAssessment:
+    """assess() without the staleness check: a function of the series' points (and, with a
+    memo, of the noise measured on them up to noise_refresh_seconds before), so a caller may
+    keep it for as long as it holds the same SeriesView."""
+    memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
     lows = series.lows if len(series.lows) == len(times) else medians
@@ -243,24 +278,30 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
     threshold = config.threshold(signals)
     lo = max(base, n - config.noise_points)
-    drops = _drops(times, lows, base, max(config.min_drop_bytes,
-                                          config.drop_noise_factor * robust_sigma(lows[lo:])), config)
+    low_noise, median_noise = memo.get("series", end, times[base], config,
+                                       lambda: (robust_sigma(lows[lo:]), robust_sigma(medians[lo:])))
+    drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
     tooth = _tooth(drops, times[base], config)
     tested: list[tuple[str, Sequence[float], Sequence[float]]] = []
     if tooth is None:
         # The medians where they are the quieter view (white noise); where cycles faster than a
-        # minute make them jitter, the minima alone.
-        lo_noise = robust_sigma(lows[lo:])
-        if robust_sigma(medians[lo:]) <= lo_noise or lo_noise == 0:
+        # minute make them jitter, the minima alone. The minima are read over blocks of the
+        # length that makes them quietest: a cycle of two or three minutes has a trough in
+        # every such block, where per-minute minima would alternate between trough and ramp.
+        if median_noise <= low_noise or low_noise == 0:
             tested.append(("median", times[base:], medians[base:]))
-        tested.append(("floor", times[base:], lows[base:]))
+        block = memo.get("block", end, times[base], config, lambda: _quietest_block(lows, lo))
+        if block == 1:
+            tested.append(("floor", times[base:], lows[base:]))
+        else:
+            tested.append(("floor", *_block_floor(times, lows, base, block)))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
         tested.append(("troughs", *_troughs(times, lows, base, drops)))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
     young = tooth is None and end < settled_from + config.young_seconds
     why = "no_window"
     for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young)
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, times[base])
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
@@ -291,16 +332,19 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
 
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
-                 threshold: float, config: LeakConfig, young: bool) -> _Found | str:
+                 threshold: float, config: LeakConfig, young: bool, memo: NoiseMemo,
+                 base_time: float) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
     why not."""
     n = len(times)
     if n < config.min_points:
         return "too_few_points"
+    end = times[-1]
     settled = bisect.bisect_left(times, settled_from)
     if name != "troughs":  # one point per tooth: no steps to tell from a trend there
-        recent = values[max(settled, n - config.noise_points):]
-        shift_size = max(config.min_shift_bytes, config.shift_noise_factor * _step_sigma(recent))
+        step_noise = memo.get(name + ".steps", end, base_time, config,
+                              lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
+        shift_size = max(config.min_shift_bytes, config.shift_noise_factor * step_noise)
         steps = _steps(values, shift_size)
         if not young:  # a warm-up's first steps look like a staircase
             stair = _staircase(times, [s for s in steps if times[s[0]] >= settled_from], config)
@@ -313,9 +357,12 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     settled = bisect.bisect_left(times, settled_from)
     if n - settled < config.min_points:
         return "settling"
-    sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
     prefix = Prefix(times, values)
-    table = kappas(prefix, settled, sigma, KAPPA_SCALES)
+
+    def noise() -> tuple[float, list[tuple[int, float]]]:
+        sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
+        return sigma, kappas(prefix, settled, sigma, KAPPA_SCALES)
+    sigma, table = memo.get(name, end, base_time, config, noise)
     if young:  # warm-up and first cycles are expected: a higher bar
         threshold *= config.young_threshold_factor
     windows = scan(prefix, settled, sigma, table, config.windows_minutes, config.min_points, threshold)
@@ -343,16 +390,20 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
         return "slope_too_small"
     if w.slope * minutes < config.min_growth_bytes:
         return "growth_too_small"
-    if young and minutes * 60 < config.max_tooth_seconds:
+    if young and minutes * 60 < config.first_tooth_seconds:
         # Soon after start-up, before any cycle was seen: a rise shorter than the longest tooth
         # may be the first tooth of an allocator's sawtooth.
         return "maybe_first_tooth"
-    # The line's end must stand above every earlier level since the last large step, levels
-    # read as block means a quarter of the window long.
+    # The line's end must stand above every earlier level of the last earlier_level_seconds
+    # before the window (since the last large step; levels read as block means a quarter of the
+    # window long), by a quarter of the window's growth: a cache filling up again after being
+    # emptied climbs back to where it was, a sawtooth's next tooth to where the last one
+    # peaked; a leak goes on.
     b = max(1, (w.end - w.start) // 4)
-    margin = 2.0 * sigma * math.sqrt(w.kappa / b)
+    margin = max(2.0 * sigma * math.sqrt(w.kappa / b), config.earlier_level_margin * w.slope * minutes)
     i = w.start
-    while i - b >= settled:
+    since = prefix.u[w.start] - config.earlier_level_seconds / 60
+    while i - b >= settled and prefix.u[i - b] >= since:
         if prefix.mean(i - b, i) + margin > w.level_end:
             return "not_above_earlier_level"
         i -= b
@@ -381,30 +432,41 @@ def _step_sigma(values: Sequence[float]) -> float:
 def _steps(values: Sequence[float], size: float) -> list[tuple[int, float]]:
     """(index, jump) of the level shifts: a jump of at least `size` between two points (or split
     over two, the step fell mid-bucket), standing out by as much from the median of the jumps
-    around it (a steady climb is no shift). The index is the first point at the new level; the
+    on either side of it (a steady climb is no shift, nor is the onset of one). The index is the first point at the new level; the
     jump is measured between the medians of up to three points on either side, the one or two
     that may straddle it left out."""
     out: list[tuple[int, float]] = []
     n = len(values)
-    d = [0.0] + [b - a for a, b in itertools.pairwise(values)]
-    i = 1
-    while i < n:
+    d = [0.0, *map(operator.sub, values[1:], values[:-1])]
+    quarter = size / 4
+    candidates = [i for i, x in enumerate(d) if x >= quarter or x <= -quarter]
+    done = 0
+    for i in candidates:
+        if i < done or i == 0:
+            continue
         width = 1
-        if i + 1 < n and (d[i] > size / 4 and d[i + 1] > size / 4 or d[i] < -size / 4 and d[i + 1] < -size / 4) \
+        if i + 1 < n and (d[i] > quarter and d[i + 1] > quarter or d[i] < -quarter and d[i + 1] < -quarter) \
                 and not -size < d[i] + d[i + 1] < size:
             jump, width = d[i] + d[i + 1], 2  # split over two points: one step
         elif not -size < d[i] < size:
             jump = d[i]
         else:
-            i += 1
             continue
-        around = [d[k] for k in (i - 2, i - 1, i + width, i + width + 1) if 1 <= k < n]
-        if not around or abs(jump - median(around)) >= size:
+        # It must stand out from the jumps on each side (the onset of a fast climb stands out
+        # only from those before it).
+        # (A jump over two points is compared with the jumps over two points beside it.)
+        if width == 1:
+            before = [d[k] for k in (i - 2, i - 1) if k >= 1]
+            after = [d[k] for k in (i + 1, i + 2) if k < n]
+        else:
+            before = [d[i - 2] + d[i - 1]] if i >= 3 else []
+            after = [d[i + 2] + d[i + 3]] if i + 3 < n else []
+        if all(abs(jump - median(side)) >= size for side in (before, after) if side):
             first = i + width - 1  # the first point wholly at the new level
-            before = values[max(0, i - 4):max(1, i - 1)]
-            after = values[first + 1:first + 4] or values[first:first + 1]
-            out.append((first, median(after) - median(before)))
-        i += width
+            lower = values[max(0, i - 4):max(1, i - 1)]
+            upper = values[first + 1:first + 4] or values[first:first + 1]
+            out.append((first, median(upper) - median(lower)))
+        done = i + width
     return out
 
 
@@ -416,18 +478,19 @@ def _destep(times: Sequence[float], values: Sequence[float],
     ups = [(i, d) for i, d in steps if d > 0]
     if not ups:
         return times, values
-    skip = set()
-    for i, _ in ups:
-        skip.update((i - 2, i - 1, i) if i < len(values) - 1 else (i - 2, i - 1))
-    offsets = dict(ups)
+    n = len(values)
     ts: list[float] = []
     vs: list[float] = []
     offset = 0.0
-    for k, (t, v) in enumerate(zip(times, values, strict=True)):
-        offset += offsets.get(k, 0.0)
-        if k not in skip:
-            ts.append(t)
-            vs.append(v - offset)
+    lo = 0
+    for i, d in ups:  # keep [lo, i - 2) at the current offset, skip the two before the step
+        hi = max(lo, i - 2)
+        ts.extend(times[lo:hi])
+        vs.extend([v - offset for v in values[lo:hi]] if offset else values[lo:hi])
+        offset += d
+        lo = max(lo, i + 1 if i < n - 1 else i)  # the newest point is all there is after it
+    ts.extend(times[lo:])
+    vs.extend([v - offset for v in values[lo:]])
     return ts, vs
 
 
@@ -462,6 +525,41 @@ def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: L
     high = max(sizes[1:]) / min(gaps)
     return _Found("steps", "staircase", rate, (high - low) / 2 / 1.96, math.inf, at[-1] - at[0] + 60, sum(sizes[1:]),
                   0.0, 1.0, len(run))
+
+
+FLOOR_BLOCKS = (1, 2, 3, 4, 6)
+
+
+def _quietest_block(lows: Sequence[float], lo: int) -> int:
+    """The block length (minutes) whose minima make the quietest floor for a slope: least
+    noise variance per minute of series (sigma_b^2 x b), from the points since `lo`."""
+    best, best_b = math.inf, 1
+    for b in FLOOR_BLOCKS:
+        if (len(lows) - lo) // b < 8:
+            break
+        floors = [min(lows[k - b:k]) for k in range(len(lows), lo + b - 1, -b)]
+        cost = robust_sigma(floors) ** 2 * b
+        if cost < 0.8 * best:  # a longer block only where it is clearly quieter
+            best, best_b = cost, b
+    return best_b
+
+
+def _block_floor(times: Sequence[float], lows: Sequence[float], base: int,
+                 block: int) -> tuple[list[float], list[float]]:
+    """The least minimum of each block of `block` points (aligned to the newest), at the time
+    it occurred."""
+    ts: list[float] = []
+    vs: list[float] = []
+    hi = len(times)
+    while hi - block >= base:
+        seg = lows[hi - block:hi]
+        m = min(seg)
+        ts.append(times[hi - block + seg.index(m)])
+        vs.append(m)
+        hi -= block
+    ts.reverse()
+    vs.reverse()
+    return ts, vs
 
 
 def _troughs(times: Sequence[float], lows: Sequence[float], base: int,

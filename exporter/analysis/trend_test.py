@@ -160,14 +160,17 @@ def best_split(prefix: Prefix, i: int, j: int) -> tuple[float, int]:
     """(RSS, split) of the best one-step model on [i, j): two levels, split before some point k,
     the point at the split (which may straddle the step inside its bucket) optionally left out.
     (inf, -1) when [i, j) is too short to split."""
-    best, at = math.inf, -1
-    level_rss = prefix.level_rss
-    for k in range(i + 2, j - 1):
-        left = level_rss(i, k)
-        rss = left + min(level_rss(k, j), level_rss(k + 1, j))
-        if rss < best:
-            best, at = rss, k
-    return best, at
+    if j - i < 4:
+        return math.inf, -1
+    sy, syy = prefix.sy, prefix.syy
+    yi, yyi, yj, yyj = sy[i], syy[i], sy[j], syy[j]
+    ks = range(i + 2, j - 1)
+    left = [(syy[k] - yyi) - (sy[k] - yi) ** 2 / (k - i) for k in ks]
+    right = [(yyj - syy[k]) - (yj - sy[k]) ** 2 / (j - k) for k in ks]
+    skip = [(yyj - syy[k + 1]) - (yj - sy[k + 1]) ** 2 / (j - k - 1) for k in ks]
+    rss = [a + (b if b < c else c) for a, b, c in zip(left, right, skip, strict=True)]
+    best = min(rss)
+    return max(0.0, best), i + 2 + rss.index(best)
 
 
 def best_two_step_rss(prefix: Prefix, i: int, j: int, first: int) -> float:
@@ -225,7 +228,9 @@ class WindowResult:
     def shape(self, prefix: Prefix, sigma1: float) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
         slope's z with its error from the model's own residuals (their lag-1 correlation)."""
-        noise = sigma1 * sigma1 * self.kappa
+        # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
+        # step models reads the noise as at most twice white, so steps cannot hide behind it.
+        noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, split = best_split(prefix, self.start, self.end)
         two = best_two_step_rss(prefix, self.start, self.end, split)
         return Shape((one - self.rss) / noise, (two - self.rss) / noise,
@@ -284,6 +289,13 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
         return out
     end_u = u[-1]
     su, suu, suy, sy, syy = prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
+    kappa_at: dict[int, float] = {}
+
+    def kappa_of(points: int) -> float:
+        k = kappa_at.get(points)
+        if k is None:
+            k = kappa_at[points] = kappa_for(points, table)
+        return k
     for w in windows_minutes:
         i = bisect.bisect_left(u, end_u - w + 1e-9)
         if i < start:
@@ -295,7 +307,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
         if m >= min_points:
             slope, mean_u, mean_y, sxx, rss = prefix.line(i, n)
             if sxx > 0 and slope > 0:
-                kappa = kappa_for(m, table)
+                kappa = kappa_of(m)
                 # The model's error, or the scatter about the line where that is larger (a noise
                 # model that does not fit this window must not make it look significant).
                 se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (m - 2) if m > 2 else 0.0) / sxx)
@@ -321,7 +333,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
         if slope <= 0:
             continue
         rss = max(0.0, (syy[n] - syy[b]) - s_y * s_y / big_n - slope * sxy)
-        kappa = kappa_for(big_n, table)
+        kappa = kappa_of(big_n)
         se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (big_n - 2) if big_n > 2 else 0.0) / sxx)
         if slope >= threshold * se:
             level_end = s_y / big_n + slope * ((end_u - ui) - sh / big_n)
