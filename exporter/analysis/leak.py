@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
-from .trend_test import Prefix, WindowResult, kappas, robust_sigma, scan, threshold_z
+from .trend_test import Prefix, WindowResult, kappas, refine, robust_sigma, scan, threshold_z
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -56,6 +56,8 @@ WINDOWS_MINUTES = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 22, 25, 28, 
                    71, 80, 90, 100, 112, 126, 142, 160, 180, 200, 225, 250, 280, 320)
 # Block sizes (points) at which the noise's correlations are measured.
 KAPPA_SCALES = (2, 4, 8, 16, 32)
+# Fewest settled points a signal's noise is measured on before it is tested.
+MIN_NOISE_POINTS = 8
 MINUTES_PER_DAY = 1440
 
 
@@ -234,28 +236,31 @@ class _Found:
     noise: float
     kappa: float
     points: int
+    threshold: float = math.inf  # the z the test had to reach (none for a staircase)
 
 
 class NoiseMemo:
     """What verdict() measures about a series' noise, kept between its calls on the same series
-    for `noise_refresh_seconds` (the noise changes slowly; measuring it is most of the cost).
-    Measured afresh after a large step, and whenever the series is new to it."""
+    for up to `noise_refresh_seconds` (the noise changes slowly; measuring it is most of the
+    cost). Measured afresh after a large step, and each time a signal has a quarter more points
+    than when last measured (a young series' first estimates rest on few)."""
 
     __slots__ = ("base_time", "measured_at", "values")
 
     def __init__(self) -> None:
         self.base_time: float | None = None
         self.measured_at = -math.inf
-        self.values: dict[str, object] = {}
+        self.values: dict[str, tuple[int, object]] = {}  # name -> (points then, value)
 
-    def get(self, name: str, now: float, base_time: float, config: LeakConfig,
+    def get(self, name: str, now: float, base_time: float, points: int, config: LeakConfig,
             measure: Callable[[], _T]) -> _T:
         if base_time != self.base_time or now - self.measured_at >= config.noise_refresh_seconds:
             self.base_time, self.measured_at = base_time, now
             self.values = {}
-        if name not in self.values:
-            self.values[name] = measure()
-        return self.values[name]  # type: ignore[return-value]
+        kept = self.values.get(name)
+        if kept is None or points > kept[0] * 1.25:
+            kept = self.values[name] = (points, measure())
+        return kept[1]  # type: ignore[return-value]
 
 
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
@@ -278,7 +283,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
     threshold = config.threshold(signals)
     lo = max(base, n - config.noise_points)
-    low_noise, median_noise = memo.get("series", end, times[base], config,
+    low_noise, median_noise = memo.get("series", end, times[base], n - lo, config,
                                        lambda: (robust_sigma(lows[lo:]), robust_sigma(medians[lo:])))
     drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
     tooth = _tooth(drops, times[base], config)
@@ -290,7 +295,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # every such block, where per-minute minima would alternate between trough and ramp.
         if median_noise <= low_noise or low_noise == 0:
             tested.append(("median", times[base:], medians[base:]))
-        block = memo.get("block", end, times[base], config, lambda: _quietest_block(lows, lo))
+        block = memo.get("block", end, times[base], n - lo, config, lambda: _quietest_block(lows, lo))
         if block == 1:
             tested.append(("floor", times[base:], lows[base:]))
         else:
@@ -312,14 +317,15 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
             ("slope_bytes_per_second", round(found.slope, 3)),
             ("slope_low_bytes_per_second", round(found.slope - 1.96 * found.se, 3)),
             ("slope_high_bytes_per_second", round(found.slope + 1.96 * found.se, 3)),
-            ("z", round(found.z, 2)),
-            ("threshold_z", round(threshold, 2)),
-            ("false_alarms_per_day", config.false_alarms_per_day),
-            ("growth_bytes", int(found.growth)),
-            ("points", found.points),
-            ("noise_bytes", int(found.noise)),
-            ("noise_inflation", round(found.kappa, 2)),
         )
+        if found.model == "staircase":
+            evidence += (("steps", found.points),)
+        else:
+            evidence += (("z", round(found.z, 2)), ("threshold_z", round(found.threshold, 2)),
+                         ("false_alarms_per_day", config.false_alarms_per_day))
+        evidence += (("growth_bytes", int(found.growth)), ("points", found.points))
+        if found.model != "staircase":
+            evidence += (("noise_bytes", int(found.noise)), ("noise_inflation", round(found.kappa, 2)))
         if tooth is not None:
             evidence += (("sawtooth_period_seconds", round(tooth)),)
         if total_bytes:
@@ -341,28 +347,28 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         return "too_few_points"
     end = times[-1]
     settled = bisect.bisect_left(times, settled_from)
-    if name != "troughs":  # one point per tooth: no steps to tell from a trend there
-        step_noise = memo.get(name + ".steps", end, base_time, config,
-                              lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
-        shift_size = max(config.min_shift_bytes, config.shift_noise_factor * step_noise)
-        steps = _steps(values, shift_size)
-        if not young:  # a warm-up's first steps look like a staircase
-            stair = _staircase(times, [s for s in steps if times[s[0]] >= settled_from], config)
-            if stair is not None:
-                return stair
-        # The up-steps taken out (and the points that may straddle them): what is left grows
-        # only where the series grows between them.
-        times, values = _destep(times, values, steps)
+    step_noise = memo.get(name + ".steps", end, base_time, n - settled, config,
+                          lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
+    shift_size = max(config.min_shift_bytes, config.shift_noise_factor * step_noise)
+    steps = _steps(values, shift_size)
+    if not young:  # a warm-up's first steps look like a staircase
+        stair = _staircase(times, [(i, d) for i, d, _ in steps if times[i] >= settled_from], config)
+        if stair is not None:
+            return stair
+    # The up-steps taken out (and the points that may straddle them): what is left grows only
+    # where the series grows between them.
+    step_times = [times[i] for i, d, _ in steps if d > 0]
+    times, values, cuts = _destep(times, values, steps)
     n = len(times)
     settled = bisect.bisect_left(times, settled_from)
-    if n - settled < config.min_points:
-        return "settling"
-    prefix = Prefix(times, values)
+    if n - settled < max(config.min_points, MIN_NOISE_POINTS):
+        return "settling"  # too few points to tell the noise
+    prefix = Prefix(times, values, cuts)
 
     def noise() -> tuple[float, list[tuple[int, float]]]:
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         return sigma, kappas(prefix, settled, sigma, KAPPA_SCALES)
-    sigma, table = memo.get(name, end, base_time, config, noise)
+    sigma, table = memo.get(name, end, base_time, n - settled, config, noise)
     if young:  # warm-up and first cycles are expected: a higher bar
         threshold *= config.young_threshold_factor
     windows = scan(prefix, settled, sigma, table, config.windows_minutes, config.min_points, threshold)
@@ -371,24 +377,29 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     why = "trend_not_significant"
     best: WindowResult | None = None
     for w in windows[:config.max_shapes]:  # highest z first; the first that is a leak
-        why = _reject(prefix, w, settled, sigma, config, young, threshold)
+        # Each step taken out leaves an error of about the noise in what is left: growth of that
+        # order across the steps in the window is no evidence.
+        taken = bisect.bisect_left(step_times, times[w.onset])
+        stepped = 3.0 * sigma * math.sqrt(len(step_times) - taken)
+        why = _reject(prefix, w, settled, sigma, config, young, threshold, stepped)
         if not why:
             best = w
             break
     if best is None:
         return why
-    seconds = times[-1] - times[best.onset]
-    return _Found(name, "hinge" if best.hinge else "line", best.slope / 60.0, best.se / 60.0, best.z, seconds, best.slope * seconds / 60.0,
-                  sigma, best.kappa, best.end - best.onset)
+    rate = refine(prefix, best, sigma, table, config.min_points)  # the onset to the point, for the rate
+    seconds = times[-1] - times[rate.onset]
+    return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
+                  rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)
 
 
 def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config: LeakConfig,
-            young: bool, threshold: float) -> str:
+            young: bool, threshold: float, stepped: float = 0.0) -> str:
     """Why a window whose slope is significant is still no leak ("" when it is one)."""
     minutes = prefix.u[-1] - prefix.u[w.onset]
     if w.slope < config.min_slope_bytes_per_second * 60:
         return "slope_too_small"
-    if w.slope * minutes < config.min_growth_bytes:
+    if w.slope * minutes < config.min_growth_bytes + stepped:
         return "growth_too_small"
     if young and minutes * 60 < config.first_tooth_seconds:
         # Soon after start-up, before any cycle was seen: a rise shorter than the longest tooth
@@ -429,7 +440,7 @@ def _step_sigma(values: Sequence[float]) -> float:
     return d[int(0.3 * (len(d) - 1))] / 0.545
 
 
-def _steps(values: Sequence[float], size: float) -> list[tuple[int, float]]:
+def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]:
     """(index, jump) of the level shifts: a jump of at least `size` between two points (or split
     over two, the step fell mid-bucket), standing out by as much from the median of the jumps
     on either side of it (a steady climb is no shift, nor is the onset of one). The index is the first point at the new level; the
@@ -463,35 +474,38 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float]]:
             after = [d[i + 2] + d[i + 3]] if i + 3 < n else []
         if all(abs(jump - median(side)) >= size for side in (before, after) if side):
             first = i + width - 1  # the first point wholly at the new level
-            lower = values[max(0, i - 4):max(1, i - 1)]
-            upper = values[first + 1:first + 4] or values[first:first + 1]
-            out.append((first, median(upper) - median(lower)))
+            lower = values[max(0, i - 3):i]
+            upper = values[first:first + 3]
+            out.append((first, median(upper) - median(lower), width))
         done = i + width
     return out
 
 
 def _destep(times: Sequence[float], values: Sequence[float],
-            steps: list[tuple[int, float]]) -> tuple[Sequence[float], Sequence[float]]:
-    """The series with its up-steps taken out and the points about each step (which may
-    straddle it) left out. Down-steps stay: growth back to a level seen before is then still
-    seen as such."""
-    ups = [(i, d) for i, d in steps if d > 0]
+            steps: list[tuple[int, float, int]]) -> tuple[list[float], list[float], list[int]]:
+    """The series with its up-steps taken out, the point that straddles a step (holding part
+    of it) left out, and where each step's segment now begins (the fits give each segment its
+    own intercept: what is left grows only where the series grows between the steps, whatever
+    error the step's size was measured with). Down-steps stay: growth back to a level seen
+    before is then still seen as such."""
+    ups = [(i, d, width) for i, d, width in steps if d > 0]
     if not ups:
-        return times, values
-    n = len(values)
+        return list(times), list(values), []
     ts: list[float] = []
     vs: list[float] = []
+    cuts: list[int] = []
     offset = 0.0
     lo = 0
-    for i, d in ups:  # keep [lo, i - 2) at the current offset, skip the two before the step
-        hi = max(lo, i - 2)
+    for i, d, width in ups:  # keep [lo, i) at the current offset (less a straddling point)
+        hi = i - 1 if width == 2 else i
         ts.extend(times[lo:hi])
         vs.extend([v - offset for v in values[lo:hi]] if offset else values[lo:hi])
         offset += d
-        lo = max(lo, i + 1 if i < n - 1 else i)  # the newest point is all there is after it
+        lo = i
+        cuts.append(len(ts))
     ts.extend(times[lo:])
     vs.extend([v - offset for v in values[lo:]])
-    return ts, vs
+    return ts, vs, cuts
 
 
 def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: LeakConfig) -> _Found | None:

@@ -138,7 +138,7 @@ def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, t
         gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
         endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) GPU {gpu.index} memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + (f" {where}" if where else "")
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + (f" {where}" if where else "")
                  + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=False, component=why.component))
 
@@ -163,8 +163,19 @@ def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Sna
         first_detected_at=snapshot.timestamp, gpu=None, uuid="", pid=p.pid, process=p.name,
         role=p.role, endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) host memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min{where}" + _full_in(left)),
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + where + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=True))
+
+
+def _sure(a: LeakAssessment) -> str:
+    """How sure the test is: the rate's 95 % interval and the false-alarm budget in force."""
+    if a.interval is None:
+        return ""
+    ev = dict(a.evidence)
+    low, high = (x * 60 / (1 << 20) for x in a.interval)
+    budget = ev.get("false_alarms_per_day")
+    return (f" (95 % interval {max(low, 0.0):.1f}-{high:.1f}"
+            + (f"; budget {budget:g} false alarms/day" if budget is not None else "") + ")")
 
 
 def _full_in(seconds: float | None) -> str:

@@ -27,9 +27,10 @@ so a series of a few hundred points costs tens of microseconds.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from statistics import NormalDist
@@ -62,33 +63,54 @@ def threshold_z(false_alarms_per_day: float, tests_per_day: float) -> float:
 
 class Prefix:
     """Prefix sums of u (minutes from the first point), y (bytes from the first point), u^2,
-    y^2 and u*y over a point series: any window's least squares in O(1)."""
+    y^2 and u*y over a point series: any window's least squares in O(1).
 
-    __slots__ = ("su", "suu", "suy", "sy", "syy", "u", "y")
+    `cuts` are the points where a new segment begins (a level shift taken out of the series):
+    a fit across them gives each segment its own intercept (fixed effects), so the slope is
+    read only from growth within the segments, whatever the shifts' sizes."""
 
-    def __init__(self, times: Sequence[float], values: Sequence[float]):
+    __slots__ = ("cuts", "su", "suu", "suy", "sy", "syy", "u", "y")
+
+    def __init__(self, times: Sequence[float], values: Sequence[float], cuts: Sequence[int] = ()):
         t0, y0 = times[0], values[0]
         u = [(t - t0) / 60.0 for t in times]
         y = [v - y0 for v in values]
         self.u, self.y = u, y
+        self.cuts = sorted(cuts)
         self.su = [0.0, *accumulate(u)]
         self.sy = [0.0, *accumulate(y)]
         self.suu = [0.0, *accumulate(map(operator.mul, u, u))]
         self.syy = [0.0, *accumulate(map(operator.mul, y, y))]
         self.suy = [0.0, *accumulate(map(operator.mul, u, y))]
 
+    def pieces(self, i: int, j: int) -> list[tuple[int, int]]:
+        """[i, j) split at the cuts inside it."""
+        cuts = self.cuts
+        if not cuts:
+            return [(i, j)]
+        lo = bisect.bisect_right(cuts, i)
+        hi = bisect.bisect_left(cuts, j)
+        edges = [i, *cuts[lo:hi], j]
+        return list(itertools.pairwise(edges))
+
     def line(self, i: int, j: int) -> tuple[float, float, float, float, float]:
-        """Least squares over points [i, j): (slope per minute, mean u, mean y, Sxx, RSS)."""
-        n = j - i
-        su = self.su[j] - self.su[i]
-        sy = self.sy[j] - self.sy[i]
-        sxx = (self.suu[j] - self.suu[i]) - su * su / n
-        sxy = (self.suy[j] - self.suy[i]) - su * sy / n
-        syy = (self.syy[j] - self.syy[i]) - sy * sy / n
+        """Least squares over points [i, j), an intercept per segment: (slope per minute, mean u
+        and mean y of the last segment, Sxx, RSS)."""
+        sxx = sxy = syy = 0.0
+        su_, suu_, suy_, sy_, syy_ = self.su, self.suu, self.suy, self.sy, self.syy
+        mu = my = 0.0
+        for a, b in self.pieces(i, j):
+            n = b - a
+            su = su_[b] - su_[a]
+            sy = sy_[b] - sy_[a]
+            sxx += (suu_[b] - suu_[a]) - su * su / n
+            sxy += (suy_[b] - suy_[a]) - su * sy / n
+            syy += (syy_[b] - syy_[a]) - sy * sy / n
+            mu, my = su / n, sy / n
         if sxx <= 0:
-            return 0.0, su / n, sy / n, 0.0, max(0.0, syy)
+            return 0.0, mu, my, 0.0, max(0.0, syy)
         slope = sxy / sxx
-        return slope, su / n, sy / n, sxx, max(0.0, syy - slope * sxy)
+        return slope, mu, my, sxx, max(0.0, syy - slope * sxy)
 
     def level_rss(self, i: int, j: int) -> float:
         """Residual sum of squares of a constant fitted to points [i, j)."""
@@ -135,8 +157,8 @@ def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
     smaller block's. For AR(1) noise of any memory this lies within about 25 % of the exact
     inflation of a least-squares slope (kappa at half the window would fall short by up to 2x,
     at the whole window overshoot by as much). A window longer than the largest block measured
-    gets that kappa extrapolated, where it still grew clearly between the two largest blocks
-    (noise still wandering at the longest scale seen is assumed to go on wandering)."""
+    gets that kappa extrapolated at the rate it grew between the two largest blocks (noise
+    still wandering at the longest scale seen is assumed to go on wandering)."""
     x = 0.7 * window_points
     prev_b, prev_k = 1.0, 1.0
     best = 1.0
@@ -148,11 +170,13 @@ def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
             f = math.log(x / prev_b) / math.log(b / prev_b)
             return max(best, prev_k * (k / prev_k) ** f)
         best, prev_b, prev_k = k, float(b), k
-    if len(table) >= 2:
+    if len(table) >= 2:  # beyond the largest block measured: at the rate it last grew
         (b1, k1), (b2, k2) = table[-2], table[-1]
-        if k2 >= 2.0 and k2 >= 1.5 * k1:
-            growth = min(1.0, math.log(k2 / max(k1, 1.0)) / math.log(b2 / b1))
-            best = max(best, k2 * (x / b2) ** growth)
+        growth = min(1.0, max(0.0, math.log(max(k2, 1.0) / max(k1, 1.0)) / math.log(b2 / b1)))
+        best = max(best, k2 * (x / b2) ** growth)
+    elif table:  # one block size measured: no rate to go by, assume the worst (a random walk)
+        b1, k1 = table[0]
+        best = max(best, k1 * x / b1) if k1 > 1.5 else best
     return best
 
 
@@ -210,6 +234,60 @@ def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
         return 0.0
     c = sum(map(operator.mul, q, y)) / sqq
     return c / (sigma / math.sqrt(sqq))
+
+
+def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int], float],
+          min_points: int) -> WindowResult | None:
+    """The joined line over [b, n): flat over [b, i), growing from point i on (an intercept per
+    segment where cuts fall inside); None where it cannot be fitted or does not grow."""
+    n = len(prefix.u)
+    big_n = n - b
+    if n - i < 3 or i - b < 2 or big_n < min_points:  # two growing points are a step as much
+        return None
+    u, su, suu, suy, sy, syy = prefix.u, prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
+    ui = u[i]
+    sxx = sxy = syy_c = 0.0
+    sh = s_y = count = 0.0
+    for a, c in prefix.pieces(b, n):
+        count = c - a
+        s_y = sy[c] - sy[a]
+        g = max(a, i)  # the piece's growing part [g, c)
+        if g < c:
+            s_u = su[c] - su[g]
+            k = c - g
+            sh = s_u - k * ui
+            shh = (suu[c] - suu[g]) - 2 * ui * s_u + k * ui * ui
+            shy = (suy[c] - suy[g]) - ui * (sy[c] - sy[g])
+        else:
+            sh = shh = shy = 0.0
+        sxx += shh - sh * sh / count
+        sxy += shy - sh * s_y / count
+        syy_c += (syy[c] - syy[a]) - s_y * s_y / count
+    if sxx <= 0:
+        return None
+    slope = sxy / sxx
+    if slope <= 0:
+        return None
+    rss = max(0.0, syy_c - slope * sxy)
+    kappa = kappa_of(big_n)
+    se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (big_n - 2) if big_n > 2 else 0.0) / sxx)
+    level_end = s_y / count + slope * ((u[-1] - ui) - sh / count)  # in the last segment
+    return WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss)
+
+
+def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
+           min_points: int) -> WindowResult:
+    """The growth `w` found, its onset read to the point: over the same points, the joined
+    line (flat, then growing) with the least residual, where it fits better than `w` (a free
+    line over a window that began before the onset dilutes the rate with the flat stretch it
+    holds). For the rate and its interval; the decision stays `w`'s."""
+    best = w
+    n = len(prefix.u)
+    for i in range(w.start + 2, n - 1):
+        h = hinge(prefix, w.start, i, sigma1, lambda points: kappa_for(points, table), min_points)
+        if h is not None and h.rss < best.rss:
+            best = h
+    return best
 
 
 @dataclass(frozen=True)
@@ -315,28 +393,8 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
                     out.append(WindowResult(i, i, n, False, slope, se, slope / se, kappa,
                                             mean_y + slope * (end_u - mean_u), rss))
         # Hinge: flat over [b, i), growing from u[i] on.
-        b = max(start, i - int(baseline * m))
-        big_n = n - b
-        if i - b < 2 or big_n < min_points:
-            continue
-        ui = u[i]
-        s_u = su[n] - su[i]
-        sh = s_u - m * ui
-        shh = (suu[n] - suu[i]) - 2 * ui * s_u + m * ui * ui
-        shy = (suy[n] - suy[i]) - ui * (sy[n] - sy[i])
-        s_y = sy[n] - sy[b]
-        sxx = shh - sh * sh / big_n
-        if sxx <= 0:
-            continue
-        sxy = shy - sh * s_y / big_n
-        slope = sxy / sxx
-        if slope <= 0:
-            continue
-        rss = max(0.0, (syy[n] - syy[b]) - s_y * s_y / big_n - slope * sxy)
-        kappa = kappa_of(big_n)
-        se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (big_n - 2) if big_n > 2 else 0.0) / sxx)
-        if slope >= threshold * se:
-            level_end = s_y / big_n + slope * ((end_u - ui) - sh / big_n)
-            out.append(WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss))
+        h = hinge(prefix, max(start, i - int(baseline * m)), i, sigma1, kappa_of, min_points)
+        if h is not None and h.z >= threshold:
+            out.append(h)
     out.sort(key=lambda w: -w.z)
     return out

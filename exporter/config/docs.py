@@ -40,7 +40,7 @@ Sizes (keys ending in `_bytes`) take a whole number of bytes or a string such as
 
 `kill -HUP` reloads the file. A file that fails in any way keeps the running configuration, and
 the log says why. Endpoints, log files, the allocator's probe directory, interval, staleness limit,
-`admission` thresholds and the NVML back-off take effect at the next sample; `listen`,
+`admission` thresholds, the `leak` budget and the NVML back-off take effect at the next sample; `listen`,
 `health_listen`, `web_config_file`, `host`, `history`, `recorder` and `kubelet` change only on
 restart (the log names them).
 """

@@ -184,6 +184,15 @@ class AdmissionConfig(Section):
                        f"(got open_below={self.open_below:g}, close_above={self.close_above:g})")
 
 
+class LeakSection(Section):
+    """The leak detector's trend test (docs/architecture.md)."""
+
+    false_alarms_per_day: Annotated[float, Field(gt=0, le=10), Doc("number")] = Field(0.01, description=(
+        "False leak findings the test may raise per process and day on noise alone: it sets the z "
+        "the growth must reach (about 5.3 at 0.01, 4.4 at 1). Larger finds leaks sooner, smaller later; "
+        "each leak finding's evidence names the budget and the threshold in force."))
+
+
 class RecorderConfig(Section):
     """The flight recorder: off while `directory` is empty."""
 
@@ -286,6 +295,7 @@ class Config(Section):
     host: HostConfig = Field(default_factory=EMPTY, description="Processes and memory of the host.")
     logs: LogsConfig = Field(default_factory=EMPTY, description="Server logs.")
     admission: AdmissionConfig = Field(default_factory=EMPTY, description="The admission signal, with hysteresis.")
+    leak: LeakSection = Field(default_factory=EMPTY, description="The leak detector.")
     recorder: RecorderConfig = Field(default_factory=EMPTY, description="The flight recorder.")
     kubelet: KubeletConfig = Field(default_factory=EMPTY, description="Pod names for processes (Kubernetes).")
     vllm: VllmConfig = Field(default_factory=EMPTY, description="vLLM servers.")
@@ -299,9 +309,11 @@ class Config(Section):
     def analysis(self) -> AnalysisConfig:
         """The detectors' settings that come from this file."""
         from ..analysis.engine import AnalysisConfig
+        from ..analysis.leak import LeakConfig
 
         return AnalysisConfig(admission_close_above=self.admission.close_above,
                               admission_open_below=self.admission.open_below,
+                              leak=LeakConfig(false_alarms_per_day=self.leak.false_alarms_per_day),
                               history_raw_seconds=self.history.raw_seconds,
                               history_retention_seconds=self.history.retention_seconds)
 
