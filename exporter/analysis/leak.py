@@ -119,8 +119,8 @@ class LeakConfig:
     noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
     max_shapes: int = 6
-    # Noise below this is taken as this (NVML reports whole pages).
-    min_noise_bytes: float = 1 * MiB
+    # Noise below this is taken as this (NVML reports whole 2 MiB pages).
+    min_noise_bytes: float = 2 * MiB
     # Points the noise is measured over (the newest).
     noise_points: int = 240
     # Window of the slope reported when no leak is suspected.

@@ -43,7 +43,8 @@ _SQRT6 = math.sqrt(6.0)  # a second difference of white noise has deviation sqrt
 
 def robust_sigma(values: Sequence[float], min_sigma: float = 0.0) -> float:
     """Deviation of white noise from the series' second differences (MAD, so a step or a kink
-    counts as one outlier; blind to a linear trend). 0 with fewer than 3 second differences."""
+    counts as one outlier; blind to a linear trend). `min_sigma` with fewer than 3 second
+    differences, and never less (values rounded to whole pages tie, and their MAD can be 0)."""
     if len(values) < 5:
         return min_sigma
     d2 = list(map(operator.sub, map(operator.sub, values[2:], values[1:-1]),
@@ -159,7 +160,7 @@ def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
     at the whole window overshoot by as much). A window longer than the largest block measured
     gets that kappa extrapolated at the rate it grew between the two largest blocks (noise
     still wandering at the longest scale seen is assumed to go on wandering)."""
-    x = 0.7 * window_points
+    x = float(window_points)
     prev_b, prev_k = 1.0, 1.0
     best = 1.0
     for b, k in table:
