@@ -199,12 +199,12 @@ def test_a_larger_false_alarm_budget_finds_a_leak_no_later():
 
 def test_the_threshold_is_the_budget_spread_over_every_test_of_a_day():
     config = LeakConfig(false_alarms_per_day=0.01)
-    tests_per_day = 1440 * 2 * len(WINDOWS_MINUTES) * 2  # each minute: two models per window, two signals
+    tests_per_day = 1440 * 2 * len(WINDOWS_MINUTES)  # each minute: two models per window
     assert config.threshold() == pytest.approx(NormalDist().inv_cdf(1 - 0.01 / tests_per_day))
     budgets = [0.001, 0.01, 0.1, 1.0]
     thresholds = [LeakConfig(false_alarms_per_day=b).threshold() for b in budgets]
     assert thresholds == sorted(thresholds, reverse=True)
-    assert config.threshold(signals=6) > config.threshold(signals=2)  # shared with a probe's series
+    assert config.threshold(signals=3) > config.threshold(signals=1)  # shared with a probe's series
     with pytest.raises(ValueError):
         LeakConfig(false_alarms_per_day=0)
 

@@ -19,7 +19,7 @@ What is not a leak is modelled explicitly rather than waited out:
     blocks longer than a tooth, i.e. the troughs) instead of the medians, so a tooth's ramp is
     never taken for growth while growth under the teeth lifts the troughs;
   * returning to a level seen before (since the last large step) is no leak.
-Two signals are tested where there is no sawtooth, the per-minute medians and the per-minute
+One signal is tested per series: where there is no sawtooth, the per-minute medians or the per-minute
 minima (which see through cycles faster than a minute); the budget is split between them.
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
@@ -137,7 +137,7 @@ class LeakConfig:
         if self.min_points < 3 or self.staircase_steps < 3:
             raise ValueError("leak: min_points and staircase_steps must be at least 3")
 
-    def threshold(self, signals: int = 2) -> float:
+    def threshold(self, signals: int = 1) -> float:
         """The z a window's slope must reach, for `signals` series tested per process."""
         # Two models (free line, hinge) per window length, every minute.
         return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * 2 * len(self.windows_minutes) * signals)
@@ -169,7 +169,7 @@ DEFAULT_CONFIG = LeakConfig()
 
 
 def assess(series: SeriesView, total_bytes: int | None, now: float,
-           config: LeakConfig = DEFAULT_CONFIG, signals: int = 2) -> LeakAssessment:
+           config: LeakConfig = DEFAULT_CONFIG, signals: int = 1) -> LeakAssessment:
     """Assess one series (History's per-minute tier) for leak-like growth, causally at `now`.
 
     The verdict depends only on the series and `total_bytes` (for the time-to-full evidence);
@@ -195,7 +195,7 @@ class LeakAssessor:
         self._asked: dict[Hashable, Kept] = {}
 
     def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
-                 config: LeakConfig = DEFAULT_CONFIG, signals: int = 2) -> LeakAssessment:
+                 config: LeakConfig = DEFAULT_CONFIG, signals: int = 1) -> LeakAssessment:
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
@@ -215,6 +215,8 @@ class LeakAssessor:
 
 def last_large_step(values: Sequence[float], config: LeakConfig = DEFAULT_CONFIG) -> int:
     """Index of the first point after the last large up-step (0 when there is none)."""
+    if len(values) < 2 or max(map(operator.sub, values[1:], values[:-1])) < config.large_step_bytes:
+        return 0  # the usual case, found without a loop in Python
     for i in range(len(values) - 1, 0, -1):
         jump = values[i] - values[i - 1]
         if jump >= config.large_step_bytes and jump >= config.large_step_fraction * values[i - 1]:
@@ -264,7 +266,7 @@ class NoiseMemo:
 
 
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
-            signals: int = 2, memo: NoiseMemo | None = None) -> LeakAssessment:
+            signals: int = 1, memo: NoiseMemo | None = None) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
     memo, of the noise measured on them up to noise_refresh_seconds before), so a caller may
     keep it for as long as it holds the same SeriesView."""
@@ -279,24 +281,26 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     end = times[-1]
     slope = _recent_slope(times, medians, base, config)
     settled_from = times[base] + config.settle_seconds
+    # What the noise memo is valid for: the last large step (not the oldest point kept, which
+    # moves as the history's retention drops points).
+    era = times[base] if base else -math.inf
     if end - 60 * config.windows_minutes[0] < settled_from:
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
     threshold = config.threshold(signals)
     lo = max(base, n - config.noise_points)
-    low_noise, median_noise = memo.get("series", end, times[base], n - lo, config,
-                                       lambda: (robust_sigma(lows[lo:]), robust_sigma(medians[lo:])))
+    low_noise = memo.get("series", end, era, n - lo, config, lambda: robust_sigma(lows[lo:]))
     drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
     tooth = _tooth(drops, times[base], config)
     tested: list[tuple[str, Sequence[float], Sequence[float]]] = []
     if tooth is None:
-        # The medians where they are the quieter view (white noise); where cycles faster than a
-        # minute make them jitter, the minima alone. The minima are read over blocks of the
-        # length that makes them quietest: a cycle of two or three minutes has a trough in
-        # every such block, where per-minute minima would alternate between trough and ramp.
-        if median_noise <= low_noise or low_noise == 0:
+        # The quietest view of the level for a slope: the medians (white noise), or the minima
+        # where cycles faster than a minute make the medians jitter, read over blocks of the
+        # length that makes them quietest (a cycle of two or three minutes has a trough in
+        # every such block, where per-minute minima would alternate between trough and ramp).
+        block = memo.get("block", end, era, n - lo, config, lambda: _quietest_block(medians, lows, lo))
+        if block == 0:
             tested.append(("median", times[base:], medians[base:]))
-        block = memo.get("block", end, times[base], n - lo, config, lambda: _quietest_block(lows, lo))
-        if block == 1:
+        elif block == 1:
             tested.append(("floor", times[base:], lows[base:]))
         else:
             tested.append(("floor", *_block_floor(times, lows, base, block)))
@@ -306,7 +310,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     young = tooth is None and end < settled_from + config.young_seconds
     why = "no_window"
     for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, times[base])
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, era)
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
@@ -365,13 +369,17 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         return "settling"  # too few points to tell the noise
     prefix = Prefix(times, values, cuts)
 
-    def noise() -> tuple[float, list[tuple[int, float]]]:
+    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float]]:
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
-        return sigma, kappas(prefix, settled, sigma, KAPPA_SCALES)
-    sigma, table = memo.get(name, end, base_time, n - settled, config, noise)
+        return sigma, kappas(prefix, settled, sigma, KAPPA_SCALES), {}
+    sigma, table, kappa_at = memo.get(name, end, base_time, n - settled, config, noise)
     if young:  # warm-up and first cycles are expected: a higher bar
         threshold *= config.young_threshold_factor
-    windows = scan(prefix, settled, sigma, table, config.windows_minutes, config.min_points, threshold)
+    # Windows longer than an hour move slowly: each is tested every third minute only (which
+    # third, from the clock), a third of the cost for a minute more at most on slow leaks.
+    turn = int(end // 60) % 3
+    lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
+    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at)
     if not windows:
         return "trend_not_significant"
     why = "trend_not_significant"
@@ -450,6 +458,8 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
     n = len(values)
     d = [0.0, *map(operator.sub, values[1:], values[:-1])]
     quarter = size / 4
+    if max(d) < quarter and min(d) > -quarter:
+        return out  # the usual case: no jump anywhere near a step's size
     candidates = [i for i, x in enumerate(d) if x >= quarter or x <= -quarter]
     done = 0
     for i in candidates:
@@ -544,16 +554,17 @@ def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: L
 FLOOR_BLOCKS = (1, 2, 3, 4, 6)
 
 
-def _quietest_block(lows: Sequence[float], lo: int) -> int:
-    """The block length (minutes) whose minima make the quietest floor for a slope: least
-    noise variance per minute of series (sigma_b^2 x b), from the points since `lo`."""
-    best, best_b = math.inf, 1
+def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) -> int:
+    """The quietest view of the level for a slope, from the points since `lo`: 0 for the
+    medians, else the block length (minutes) of the minima; least noise variance per minute of
+    series (sigma_b^2 x b), a longer block or the minima only where clearly quieter."""
+    best, best_b = robust_sigma(medians[lo:]) ** 2, 0
     for b in FLOOR_BLOCKS:
         if (len(lows) - lo) // b < 8:
             break
-        floors = [min(lows[k - b:k]) for k in range(len(lows), lo + b - 1, -b)]
+        floors = lows[lo:] if b == 1 else [min(lows[k - b:k]) for k in range(len(lows), lo + b - 1, -b)]
         cost = robust_sigma(floors) ** 2 * b
-        if cost < 0.8 * best:  # a longer block only where it is clearly quieter
+        if cost < 0.8 * best:
             best, best_b = cost, b
     return best_b
 
@@ -617,14 +628,14 @@ def _tooth(drops: list[float], since: float, config: LeakConfig) -> float | None
 def _recent_slope(times: Sequence[float], values: Sequence[float], base: int, config: LeakConfig) -> float | None:
     """Theil–Sen slope over the last slope_window_seconds, never across a large step.
 
-    Thinned to at most 16 evenly spaced points (120 pairs): this runs for every process on every
+    Thinned to at most 12 evenly spaced points (66 pairs): this runs for every process on every
     bucket, and the slope of 1-min medians loses little from the thinning.
     """
     j = max(base, bisect.bisect_left(times, times[-1] - config.slope_window_seconds))
     n = len(times) - j
     if n < 3:
         return None
-    stride = -(-n // 16)
+    stride = -(-n // 12)
     idx = range(len(times) - 1, j - 1, -stride)
     return theil_sen([times[i] for i in idx][::-1], [values[i] for i in idx][::-1])
 

@@ -31,7 +31,7 @@ from .sleep import quiet_endpoints
 # The probe's parts of a process's GPU memory tested as series of their own (torch_cached is the
 # allocator's cache: its growth is fragmentation, told by the attribution, not a leak to test).
 PROBED_SERIES = ("torch_allocated", "non_torch")
-SIGNALS_PER_SERIES = 2  # each series is read as its medians and its minima (leak.py)
+SIGNALS_PER_SERIES = 1  # each series is read as its medians or its minima (leak.py)
 
 
 @dataclass(frozen=True)

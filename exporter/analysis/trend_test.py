@@ -97,6 +97,17 @@ class Prefix:
     def line(self, i: int, j: int) -> tuple[float, float, float, float, float]:
         """Least squares over points [i, j), an intercept per segment: (slope per minute, mean u
         and mean y of the last segment, Sxx, RSS)."""
+        if not self.cuts:  # the common case, without the loop
+            n = j - i
+            su = self.su[j] - self.su[i]
+            sy = self.sy[j] - self.sy[i]
+            sxx = (self.suu[j] - self.suu[i]) - su * su / n
+            sxy = (self.suy[j] - self.suy[i]) - su * sy / n
+            syy = (self.syy[j] - self.syy[i]) - sy * sy / n
+            if sxx <= 0:
+                return 0.0, su / n, sy / n, 0.0, max(0.0, syy)
+            slope = sxy / sxx
+            return slope, su / n, sy / n, sxx, max(0.0, syy - slope * sxy)
         sxx = sxy = syy = 0.0
         su_, suu_, suy_, sy_, syy_ = self.su, self.suu, self.suy, self.sy, self.syy
         mu = my = 0.0
@@ -249,7 +260,7 @@ def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int
     ui = u[i]
     sxx = sxy = syy_c = 0.0
     sh = s_y = count = 0.0
-    for a, c in prefix.pieces(b, n):
+    for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
         count = c - a
         s_y = sy[c] - sy[a]
         g = max(a, i)  # the piece's growing part [g, c)
@@ -352,7 +363,7 @@ class Shape:
 
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
          windows_minutes: Sequence[float], min_points: int, threshold: float,
-         baseline: float = 2.0) -> list[WindowResult]:
+         baseline: float = 2.0, kappa_at: dict[int, float] | None = None) -> list[WindowResult]:
     """Every growth ending at the newest point, begun a window length ago (the given lengths),
     at or after `start`, whose slope reaches `threshold`, in two models:
       free line   y = a + r t over the window;
@@ -368,7 +379,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
         return out
     end_u = u[-1]
     su, suu, suy, sy, syy = prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
-    kappa_at: dict[int, float] = {}
+    kappa_at = {} if kappa_at is None else kappa_at  # (a caller's cache for this table)
 
     def kappa_of(points: int) -> float:
         k = kappa_at.get(points)
@@ -393,9 +404,15 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
                 if slope >= threshold * se:
                     out.append(WindowResult(i, i, n, False, slope, se, slope / se, kappa,
                                             mean_y + slope * (end_u - mean_u), rss))
-        # Hinge: flat over [b, i), growing from u[i] on.
-        h = hinge(prefix, max(start, i - int(baseline * m)), i, sigma1, kappa_of, min_points)
-        if h is not None and h.z >= threshold:
-            out.append(h)
+        # Hinge: flat over [b, i), growing from u[i] on. Fitted only where the mean since the
+        # onset stands above the baseline's by 0.4 x the threshold in z: the difference of the
+        # means is about 0.8 x the hinge's z, so this leaves out only fits that fall far short.
+        b = max(start, i - int(baseline * m))
+        if i - b >= 2:
+            rise = (sy[n] - sy[i]) / m - (sy[i] - sy[b]) / (i - b)
+            if rise > 0.4 * threshold * sigma1 * math.sqrt(kappa_of(n - b) * (1 / m + 1 / (i - b))):
+                h = hinge(prefix, b, i, sigma1, kappa_of, min_points)
+                if h is not None and h.z >= threshold:
+                    out.append(h)
     out.sort(key=lambda w: -w.z)
     return out
