@@ -41,7 +41,8 @@ FAMILIES = (
     Family("startup_flat", "start-up, then flat (2-8 MiB white noise)", False),
     Family("warmup", "start-up, then the allocator warming up to a plateau in shrinking steps", False),
     Family("sawtooth", "allocator caching cycles: 1-12 min teeth of 64 MiB-2 GiB", False),
-    Family("level_shifts", "a second model loading (+4-20 GiB), a sleep and wake, a step given back, the cache emptied and refilling", False),
+    Family("level_shifts", "a second model loading (+4-20 GiB), a sleep and wake, a step given back, "
+           "the cache emptied and refilling", False),
     Family("correlated", "noise that wanders (AR(1), 0.5-8 min memory, 4-16 MiB)", False),
     Family("noisy", "16-32 MiB white noise with 1 % one-sample spikes", False),
     Family("mixed", "warm-up, a small sawtooth and a step together", False),

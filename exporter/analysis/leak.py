@@ -449,12 +449,13 @@ def _step_sigma(values: Sequence[float]) -> float:
 
 
 def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]:
-    """(index, jump) of the level shifts: a jump of at least `size` between two points (or split
-    over two, the step fell mid-bucket), standing out by as much from the median of the jumps
-    on either side of it (a steady climb is no shift, nor is the onset of one). The index is the first point at the new level; the
-    jump is measured between the medians of up to three points on either side, the one or two
-    that may straddle it left out."""
-    out: list[tuple[int, float]] = []
+    """The level shifts: a jump of at least `size` between two points (or split over two, the
+    step fell mid-bucket), standing out by as much from the median of the jumps on either side
+    of it (a steady climb is no shift, nor is the onset of one). (index, jump, width): the index
+    is the first point wholly at the new level, the width 2 where the step straddled a bucket
+    (the point before it holds part of it); the jump is measured between the medians of up to
+    three points on either side."""
+    out: list[tuple[int, float, int]] = []
     n = len(values)
     d = [0.0, *map(operator.sub, values[1:], values[:-1])]
     quarter = size / 4
@@ -466,7 +467,7 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
         if i < done or i == 0:
             continue
         width = 1
-        if i + 1 < n and (d[i] > quarter and d[i + 1] > quarter or d[i] < -quarter and d[i + 1] < -quarter) \
+        if i + 1 < n and ((d[i] > quarter and d[i + 1] > quarter) or (d[i] < -quarter and d[i + 1] < -quarter)) \
                 and not -size < d[i] + d[i + 1] < size:
             jump, width = d[i] + d[i + 1], 2  # split over two points: one step
         elif not -size < d[i] < size:

@@ -78,11 +78,11 @@ class Prefix:
         y = [v - y0 for v in values]
         self.u, self.y = u, y
         self.cuts = sorted(cuts)
-        self.su = [0.0, *accumulate(u)]
-        self.sy = [0.0, *accumulate(y)]
-        self.suu = [0.0, *accumulate(map(operator.mul, u, u))]
-        self.syy = [0.0, *accumulate(map(operator.mul, y, y))]
-        self.suy = [0.0, *accumulate(map(operator.mul, u, y))]
+        self.su: list[float] = [0.0, *accumulate(u)]
+        self.sy: list[float] = [0.0, *accumulate(y)]
+        self.suu: list[float] = [0.0, *accumulate(map(operator.mul, u, u))]
+        self.syy: list[float] = [0.0, *accumulate(map(operator.mul, y, y))]
+        self.suy: list[float] = [0.0, *accumulate(map(operator.mul, u, y))]
 
     def pieces(self, i: int, j: int) -> list[tuple[int, int]]:
         """[i, j) split at the cuts inside it."""
@@ -180,7 +180,7 @@ def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
             if x <= prev_b:
                 return best
             f = math.log(x / prev_b) / math.log(b / prev_b)
-            return max(best, prev_k * (k / prev_k) ** f)
+            return max(best, float(prev_k * (k / prev_k) ** f))
         best, prev_b, prev_k = k, float(b), k
     if len(table) >= 2:  # beyond the largest block measured: at the rate it last grew
         (b1, k1), (b2, k2) = table[-2], table[-1]
@@ -244,7 +244,7 @@ def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
     sqq = sum(map(operator.mul, q, q))
     if sqq <= 0:
         return 0.0
-    c = sum(map(operator.mul, q, y)) / sqq
+    c: float = sum(map(operator.mul, q, y)) / sqq
     return c / (sigma / math.sqrt(sqq))
 
 
@@ -378,7 +378,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
     if sigma1 <= 0 or n - start < min_points:
         return out
     end_u = u[-1]
-    su, suu, suy, sy, syy = prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
+    sy = prefix.sy
     kappa_at = {} if kappa_at is None else kappa_at  # (a caller's cache for this table)
 
     def kappa_of(points: int) -> float:
