@@ -1,34 +1,46 @@
 """Leak detector: is this process's memory growing the way a leak grows?
 
 Input is History's per-minute tier (bucket medians and minima). The verdict is a sequential
-test of the trend (trend_test.py): every minute, every window length ending now, the
-least-squares slope's z against the series' own noise (correlations included); the first
-minute some window reaches the threshold, the leak is suspected. The threshold comes from a
-false-alarm budget per series and day, so a fast leak is found in minutes and a slow one once
-a window long enough for its rate has passed, close to what the noise allows.
+test of the trend (trend_test.py): every minute, for every window length ending now, the
+least-squares slope of a free line, and of a joined line (flat, then growing from the window's
+start: the level before the onset read from the points before it), its z against the series'
+own noise with the noise's correlations measured at several block sizes; the first minute some
+window reaches the threshold and no model of a non-leak explains it better, the leak is
+suspected. The threshold comes from a false-alarm budget per series and day (a Bonferroni
+bound over every test of a day), so a fast leak is found in minutes and a slow one once a window
+long enough for its rate has passed, close to what the noise allows (bench/leak_quality.py).
 
 What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
-    KV cache preallocation, a second model, a wake from sleep), whenever it happens;
-  * level shifts: a jump that stands out from its neighbours starts a new segment, and windows
-    never span one (`shift_settle_seconds` after it); within a window the line must fit
-    clearly better than one step (two levels);
+    KV cache preallocation, a second model, a wake from sleep); then, while the series is
+    young, a higher bar and no rise shorter than a sawtooth's first tooth;
+  * level shifts: a jump that stands out from the jumps on either side is taken out, each
+    segment between them fitted with its own intercept, so the slope is read within segments
+    only; within a window the line must fit clearly better than one step, and two steps must
+    not fit clearly better than it (small steps below the shift size);
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
-    up to a plateau, not a leak;
-  * sawtooth allocator cycles: when drops recur, the test reads the floor (the minimum over
-    blocks longer than a tooth, i.e. the troughs) instead of the medians, so a tooth's ramp is
-    never taken for growth while growth under the teeth lifts the troughs;
-  * returning to a level seen before (since the last large step) is no leak.
-One signal is tested per series: where there is no sawtooth, the per-minute medians or the per-minute
-minima (which see through cycles faster than a minute); the budget is split between them.
+    up to a plateau; a staircase that shrinks or slows is one too;
+  * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
+    tooth) instead of the medians, so a tooth's ramp is never taken for growth while growth
+    under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
+    blocks of a few minutes;
+  * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
+    take the level clearly above every level of the half hour before it is no leak;
+  * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
+    correlation) bound the slope's error.
+One view of each series is tested: the per-minute medians, or where cycles faster than a
+minute make them jitter, the minima (over the block length that makes them quietest), or the
+troughs under a sawtooth. The budget is shared among the series tested for one process (the
+allocator probe's parts, leak_detector.py).
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
 pattern instead: at least `staircase_steps` up-shifts in a row at a steady pace, none much
-smaller than the others, the last one recent.
+smaller than the others, neither shrinking nor slowing, the last one recent.
 
-The finding says how sure it is: the slope with its 95 % interval, the z reached, the
-threshold and the budget it comes from. assess() is pure; LeakLatch adds the hysteresis a
-caller raising and clearing findings needs.
+The finding says how sure it is: the rate with its 95 % interval (read from the best-fitting
+onset within the window that passed), the z reached, the threshold and the budget it comes
+from. assess() is pure; LeakLatch adds the hysteresis a caller raising and clearing findings
+needs.
 """
 from __future__ import annotations
 
@@ -64,7 +76,8 @@ MINUTES_PER_DAY = 1440
 @dataclass(frozen=True)
 class LeakConfig:
     # False alarms per series and day the test may raise on noise alone: sets its threshold (a
-    # Bonferroni bound over every window and signal tested each minute).
+    # Bonferroni bound over every window and model tested each minute, and every series tested
+    # for the process).
     false_alarms_per_day: float = 0.01
     windows_minutes: tuple[float, ...] = WINDOWS_MINUTES
     # Fewest points a window may have.
@@ -76,8 +89,8 @@ class LeakConfig:
     # How long after a large step the series is left alone (CUDA graph capture, first warm-up).
     settle_seconds: float = 120
     # A jump of at least max(min_shift_bytes, shift_noise_factor x noise) that stands out from
-    # the jumps around it by as much is a level shift: windows never span it, and the series is
-    # left alone this long after it.
+    # the jumps on either side by as much is a level shift: taken out, the fits give each
+    # segment between shifts its own intercept.
     min_shift_bytes: float = 16 * MiB
     shift_noise_factor: float = 8.0
     # A leak grows at least this fast (0.25 MiB/min) ...
@@ -106,7 +119,7 @@ class LeakConfig:
     max_tooth_seconds: float = 900
     # For this long after the settling period, while no sawtooth was measured, the series is
     # young: an allocator warms up and a sawtooth's first tooth comes then. Rises shorter than
-    # max_tooth_seconds are not judged (they may be that first tooth), the threshold is this
+    # first_tooth_seconds are not judged (they may be that first tooth), the threshold is this
     # factor higher, and no staircase is called (a warm-up's first steps make one).
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
