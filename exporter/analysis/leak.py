@@ -105,7 +105,7 @@ class LeakConfig:
     max_concavity_z: float = 2.5
     # A staircase: this many up-shifts in a row, gaps at most staircase_max_gap_seconds and
     # within a factor staircase_gap_ratio of each other, no step under staircase_size_ratio of
-    # the largest, the last no longer ago than 1.5 gaps, neither shrinking (the last at least
+    # the largest, the last no longer ago than the longest gap, neither shrinking (the last at least
     # 0.6 x the first) nor slowing (the last gap at most 1.5 x the first).
     staircase_steps: int = 4
     staircase_max_gap_seconds: float = 1200
@@ -452,13 +452,17 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
 
 
 def _step_sigma(values: Sequence[float]) -> float:
-    """Noise from first differences, read at their 30th percentile of size: steps (a few large
-    differences) barely move it, where they would inflate a median of second differences."""
+    """Noise from first differences read at their 30th percentile of size: steps (a few large
+    differences) barely move it, where they would inflate a median of second differences. The
+    smaller of that about 0 (blind to steps, not to a steady climb) and about the differences'
+    median (blind to a steady climb, not to many steps)."""
     if len(values) < 4:
         return 0.0
-    d = sorted(abs(b - a) for a, b in itertools.pairwise(values))
+    d = list(map(operator.sub, values[1:], values[:-1]))
+    centre = median(d)
+    k = int(0.3 * (len(d) - 1))
     # |N(0, 2 sigma^2)| has its 30th percentile at 0.385 * sqrt(2) sigma.
-    return d[int(0.3 * (len(d) - 1))] / 0.545
+    return min(sorted(map(abs, d))[k], sorted(abs(x - centre) for x in d)[k]) / 0.545
 
 
 def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]:
@@ -550,7 +554,7 @@ def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: L
     gaps = [b - a for a, b in itertools.pairwise(at)]
     if max(gaps) > config.staircase_max_gap_seconds or max(gaps) > config.staircase_gap_ratio * min(gaps):
         return None
-    if times[-1] - at[-1] > 1.5 * max(gaps) or min(sizes) < config.staircase_size_ratio * max(sizes):
+    if times[-1] - at[-1] > max(gaps) or min(sizes) < config.staircase_size_ratio * max(sizes):
         return None
     # A warm-up's steps shrink and come ever later; a leak's keep their size and pace.
     if sizes[-1] < 0.6 * sizes[0] or gaps[-1] > 1.5 * gaps[0]:
@@ -571,14 +575,15 @@ FLOOR_BLOCKS = (1, 2, 3, 4, 6)
 def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) -> int:
     """The quietest view of the level for a slope, from the points since `lo`: 0 for the
     medians, else the block length (minutes) of the minima; least noise variance per minute of
-    series (sigma_b^2 x b), a longer block or the minima only where clearly quieter."""
+    series (sigma_b^2 x b), the minima only where clearly quieter, a longer block only where it
+    halves that and has 16 blocks to show it (the choice must not flip from minute to minute)."""
     best, best_b = robust_sigma(medians[lo:]) ** 2, 0
     for b in FLOOR_BLOCKS:
-        if (len(lows) - lo) // b < 8:
+        if (len(lows) - lo) // b < 16:
             break
         floors = lows[lo:] if b == 1 else [min(lows[k - b:k]) for k in range(len(lows), lo + b - 1, -b)]
         cost = robust_sigma(floors) ** 2 * b
-        if cost < 0.8 * best:
+        if cost < (0.8 if b == 1 else 0.5) * best:  # longer blocks only where far quieter
             best, best_b = cost, b
     return best_b
 

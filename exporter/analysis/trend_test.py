@@ -329,23 +329,25 @@ class WindowResult:
 
     def residual_se(self, prefix: Prefix) -> float:
         """The slope's standard error as AR(1) residuals would make it: their variance and
-        lag-1 correlation (bias-corrected for a short window) measured about the fitted model.
-        Noise that wanders more slowly than the window is long shows up here even where the
-        series is too young for the block estimates of kappa."""
+        lag-1 correlation (bias-corrected for a short window) measured about the fitted model
+        (an intercept per segment, as it was fitted). Noise that wanders more slowly than the
+        window is long shows up here even where the series is too young for the block
+        estimates of kappa."""
         u, y = prefix.u, prefix.y
         b, i, n = self.start, self.onset, self.end
         m = n - b
         if m < 5:
             return self.se
-        hs = [0.0 if k < i else u[k] - u[i] for k in range(b, n)] if self.hinge else u[b:n]
-        mh = sum(hs) / m
-        my = sum(y[b:n]) / m
-        sxx = sum((h - mh) ** 2 for h in hs)
-        if sxx <= 0:
-            return self.se
-        res = [yy - my - self.slope * (h - mh) for h, yy in zip(hs, y[b:n], strict=True)]
+        res: list[float] = []
+        sxx = 0.0
+        for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
+            hs = [0.0 if k < i else u[k] - u[i] for k in range(a, c)] if self.hinge else u[a:c]
+            mh = sum(hs) / (c - a)
+            my = sum(y[a:c]) / (c - a)
+            sxx += sum((h - mh) ** 2 for h in hs)
+            res += [yy - my - self.slope * (h - mh) for h, yy in zip(hs, y[a:c], strict=True)]
         ss = sum(e * e for e in res)
-        if ss <= 0:
+        if sxx <= 0 or ss <= 0:
             return self.se
         rho = sum(map(operator.mul, res[1:], res[:-1])) / ss
         rho = min(0.95, rho + (1 + 3 * max(rho, 0.0)) / m)
