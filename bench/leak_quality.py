@@ -1,8 +1,8 @@
 """How near the statistical limit does the leak detector find leaks, against today's detector
 and the PromQL rules people write instead, and at what cost per tick?
 
-    python bench/leak_quality.py [--seeds 8] [--workers 2] [--families a,b] [--code DIR ...]
-                                 [--perf] [--check-promtool] [--json FILE]
+    python bench/leak_quality.py [--seeds 8] [--first-seed 0] [--workers 2] [--families a,b]
+                                 [--code DIR ...] [--perf] [--check-promtool] [--json FILE]
 
 The corpus (bench/leak_corpus.py) is one family per shape real vLLM memory takes: start-up,
 warm-up plateaus, allocator sawtooth, level shifts (a second model, a sleep and wake), noise
@@ -491,6 +491,8 @@ def real_entries() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=8, help="traces per family")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the first trace's seed (another range of seeds is a corpus not tuned on)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--families", default="", help="comma-separated subset of the families")
     ap.add_argument("--code", nargs="+", default=[str(ROOT)], metavar="DIR",
@@ -508,7 +510,7 @@ def main(argv=None) -> int:
     codes = [str(Path(c).resolve()) for c in args.code]
     names = {c: ("this tree" if c == str(ROOT) else Path(c).name) for c in codes}
     fams = [f for f in FAMILIES if not args.families or f.name in args.families.split(",")]
-    specs = [(f.name, s) for f in fams for s in range(args.seeds)]
+    specs = [(f.name, s) for f in fams for s in range(args.first_seed, args.first_seed + args.seeds)]
     probed = [i for i, (f, _) in enumerate(specs) if f.startswith("probed_")]
     started = time.time()
     requests = [{"op": "replay", "spec": list(s), "probe": False} for s in specs]
