@@ -147,6 +147,14 @@ def test_the_detectors_own_needs_are_part_of_the_one_validation():
         "history.raw_seconds: the detectors need: history.raw_seconds (600) must cover stale.lookback_seconds (900)"]
 
 
+def test_the_leak_budget_reaches_the_detector_and_is_checked():
+    config = build({"leak": {"false_alarms_per_day": 0.5}})
+    assert config.analysis().leak.false_alarms_per_day == 0.5
+    assert build({}).analysis().leak.threshold() > config.analysis().leak.threshold()
+    assert problems({"leak": {"false_alarms_per_day": 0}})[0].startswith("leak.false_alarms_per_day:")
+    assert problems({"leak": {"false_alarms_per_day": 100}})[0].startswith("leak.false_alarms_per_day:")
+
+
 def test_web_config_reports_every_problem(tmp_path):
     path = write(tmp_path, "tls_server_config: {cipher: x, min_version: TLS9}\nbasic_auth_users: {'a:b': x}\n")
     with pytest.raises(ConfigError) as err:
