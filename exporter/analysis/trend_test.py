@@ -157,9 +157,8 @@ def kappas(prefix: Prefix, start: int, sigma1: float, scales: Sequence[int],
         means = [(sy[e] - sy[e - b]) / b for e in ends]
         step = b // stride  # blocks apart that are adjacent
         d2 = [means[k] - 2 * means[k + step] + means[k + 2 * step] for k in range(len(means) - 2 * step)]
-        # Read at the 30th percentile of size (|N(0, s^2)| has it at 0.385 s), not the median:
-        # one event (a cache refilling, a step) spans many overlapping blocks' differences.
-        sb = sorted(map(abs, d2))[int(0.3 * (len(d2) - 1))] / 0.385 / _SQRT6
+        centre = median(d2)
+        sb = _MAD_SIGMA * median([abs(d - centre) for d in d2]) / _SQRT6
         out.append((b, max(1.0, b * sb * sb / (sigma1 * sigma1))))
     return out
 
