@@ -465,11 +465,11 @@ def _step_sigma(values: Sequence[float]) -> float:
     median (blind to a steady climb, not to many steps)."""
     if len(values) < 4:
         return 0.0
-    d = list(map(operator.sub, values[1:], values[:-1]))
+    d: list[float] = [b - a for a, b in itertools.pairwise(values)]
     centre = median(d)
     k = int(0.3 * (len(d) - 1))
     # |N(0, 2 sigma^2)| has its 30th percentile at 0.385 * sqrt(2) sigma.
-    return min(sorted(map(abs, d))[k], sorted(abs(x - centre) for x in d)[k]) / 0.545
+    return min(sorted(abs(x) for x in d)[k], sorted(abs(x - centre) for x in d)[k]) / 0.545
 
 
 def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]:
