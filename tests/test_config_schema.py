@@ -171,6 +171,17 @@ def test_each_detector_declares_its_section_and_checks_it_itself():
     assert problems({"detectors": {"leak": {"min_z": 2}}})[0].startswith("detectors.leak.min_z: unknown key")
 
 
+def test_the_leak_budget_reaches_the_detector_and_is_checked():
+    from exporter.analysis import leak_detector
+
+    config = build({"detectors": {"leak": {"false_alarms_per_day": 0.5}}})
+    leak = config.analysis().section(leak_detector.DETECTOR)
+    assert leak.false_alarms_per_day == 0.5
+    assert build({}).analysis().section(leak_detector.DETECTOR).threshold() > leak.threshold()
+    assert problems({"detectors": {"leak": {"false_alarms_per_day": 0}}})[0].startswith("detectors.leak")
+    assert problems({"detectors": {"leak": {"false_alarms_per_day": 2000}}})[0].startswith("detectors.leak")
+
+
 def test_web_config_reports_every_problem(tmp_path):
     path = write(tmp_path, "tls_server_config: {cipher: x, min_version: TLS9}\nbasic_auth_users: {'a:b': x}\n")
     with pytest.raises(ConfigError) as err:

@@ -1,116 +1,198 @@
 """Leak detector: is this process's memory growing the way a leak grows?
 
-Input is History's per-minute tier. A leak is memory that never comes back, so the detector
-tests the *floor* of the series (per-minute minima, then the minimum per sub-window): a
-sawtooth from an allocator caching and freeing keeps a flat floor, growth hidden under it
-lifts the floor.
+Input is History's per-minute tier (bucket medians and minima). The verdict is a sequential
+test of the trend (trend_test.py): every minute, for every window length ending now, the
+least-squares slope of a free line, and of a joined line (flat, then growing from the window's
+start: the level before the onset read from the points before it), its z against the series'
+own noise with the noise's correlations measured at several block sizes; the first minute some
+window reaches the threshold and no model of a non-leak explains it better, the leak is
+suspected. The threshold comes from a false-alarm budget per series and day (a Bonferroni
+bound over every test of a day), so a fast leak is found in minutes and a slow one once a window
+long enough for its rate has passed, close to what the noise allows (bench/leak_quality.py).
 
-Suspected when, for some window length W (8 min ... 5 h 20 min, shortest first), all hold:
-  1. the window lies wholly after the settling period that follows the last large up-step
-     (weights load, KV cache preallocation, a second model), so start-up is never judged,
-     whenever it happens, with no fixed grace period after start;
-  2. the floor rises in every one of `blocks` consecutive sub-windows, each rise above the
-     floor's noise, the rises are of comparable size (one or two steps are no trend) and do
-     not shrink (an allocator warming up decelerates, a leak keeps its pace) — also compared
-     with the sub-windows just before the window;
-  3. when the series has a sawtooth (recurring drops), sub-windows are longer than a tooth, so
-     a tooth's ramp is never mistaken for a leak;
-  4. the latest floor is above every earlier floor since the last large step (growth that
-     merely returns to a level seen before is no leak);
-  5. Mann–Kendall on the (binned) floor is significant (p < 0.001) and the Theil–Sen slope and
-     the growth over the window exceed small absolute minimums.
+What is not a leak is modelled explicitly rather than waited out:
+  * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
+    KV cache preallocation, a second model, a wake from sleep); then, while the series is
+    young, a higher bar and no rise shorter than a sawtooth's first tooth;
+  * level shifts: a jump that stands out from the jumps on either side is taken out, each
+    segment between them fitted with its own intercept, so the slope is read within segments
+    only; within a window the line must fit clearly better than one step, and two steps must
+    not fit clearly better than it (small steps below the shift size);
+  * warm-up: growth that slows down (a significantly concave window) is an allocator warming
+    up to a plateau; a staircase that shrinks or slows is one too;
+  * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
+    tooth) instead of the medians, so a tooth's ramp is never taken for growth while growth
+    under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
+    blocks of a few minutes;
+  * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
+    take the level clearly above every level of the half hour before it is no leak;
+  * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
+    correlation) bound the slope's error.
+One view of each series is tested: the per-minute medians, or where cycles faster than a
+minute make them jitter, the minima (over the block length that makes them quietest), or the
+troughs under a sawtooth. The budget is shared among the series tested for one process (the
+allocator probe's parts, leak_detector.py).
 
-Fast leaks pass at short windows, slow ones once a long window shows enough growth, so the
-delay scales with the leak rate instead of being one fixed `for:` duration. assess() is pure;
-LeakLatch adds the hysteresis a caller raising and clearing findings needs.
+A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
+pattern instead: at least `staircase_steps` up-shifts in a row at a steady pace, none much
+smaller than the others, neither shrinking nor slowing, the last one recent.
+
+The finding says how sure it is: the rate with its 95 % interval (read from the best-fitting
+onset within the window that passed), the z reached, the threshold and the budget it comes
+from. assess() is pure; LeakLatch adds the hysteresis a caller raising and clearing findings
+needs.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .history import SeriesView
-from .trend import mad, mann_kendall, median, theil_sen, theil_sen_line
+from .trend import mann_kendall, median, theil_sen, theil_sen_line
+from .trend_test import Prefix, WindowResult, kappas, refine, robust_sigma, scan, threshold_z
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+_T = TypeVar("_T")
 
 Evidence = tuple[tuple[str, float | int | str], ...]
+
+# Window lengths tested, in minutes, shortest first: about 12 % apart, so the best window for
+# any rate is within a few percent of one of them.
+WINDOWS_MINUTES = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 22, 25, 28, 32, 36, 40, 45, 50, 56, 63,
+                   71, 80, 90, 100, 112, 126, 142, 160, 180, 200, 225, 250, 280, 320)
+# Block sizes (points) at which the noise's correlations are measured.
+KAPPA_SCALES = (2, 4, 8, 16, 32)
+# Fewest settled points a signal's noise is measured on before it is tested.
+MIN_NOISE_POINTS = 8
+MINUTES_PER_DAY = 1440
 
 
 @dataclass(frozen=True)
 class LeakConfig:
-    # Window lengths tried, shortest first; each needs that much settled history.
-    windows_seconds: tuple[float, ...] = tuple(
-        60.0 * m for m in (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128,
-                           160, 192, 224, 256, 320))
-    # Sub-windows whose floors must each rise: the trend has to persist, not be one step.
-    blocks: int = 4
-    # Points per window fed to Mann–Kendall/Theil–Sen (longer windows are binned by minimum).
-    max_bins: int = 32
+    # False alarms per series and day the test may raise on noise alone: sets its threshold (a
+    # Bonferroni bound over every window and model tested each minute, and every series tested
+    # for the process).
+    false_alarms_per_day: float = 0.01
+    windows_minutes: tuple[float, ...] = WINDOWS_MINUTES
     # Fewest points a window may have.
-    min_points: int = 6
+    min_points: int = 5
     # An up-step of at least this many bytes *and* this fraction of the level before it starts a
-    # new settling period (start-up ramp, KV cache preallocation, model reload).
+    # new settling period (start-up ramp, KV cache preallocation, model reload, wake).
     large_step_bytes: float = 1 * GiB
     large_step_fraction: float = 0.25
     # How long after a large step the series is left alone (CUDA graph capture, first warm-up).
-    settle_seconds: float = 600
-    # Mann–Kendall z the floor series must reach (3.09 = one-sided p 0.001).
-    min_z: float = 3.09
-    # The floor must grow at least this much over the window ...
-    min_growth_bytes: float = 32 * MiB
-    # ... at a robust slope of at least this (0.25 MiB/min).
+    settle_seconds: float = 120
+    # A jump of at least max(min_shift_bytes, shift_noise_factor x noise) that stands out from
+    # the jumps on either side by as much is a level shift: taken out, the fits give each
+    # segment between shifts its own intercept.
+    min_shift_bytes: float = 16 * MiB
+    shift_noise_factor: float = 8.0
+    # A leak grows at least this fast (0.25 MiB/min) ...
     min_slope_bytes_per_second: float = 0.25 * MiB / 60
-    # Each sub-window's floor must exceed the previous one by max(min_step, noise_factor x noise).
-    min_step_bytes: float = 2 * MiB
-    noise_factor: float = 3.0
-    # The last sub-window's rise must be at least this fraction of the first's (no plateauing),
-    # and the smallest rise at least this fraction of the largest (one or two steps are no trend).
-    min_rise_ratio: float = 0.5
-    min_rise_balance: float = 0.3
-    # The floor's median rate of rise must be at least this fraction of its median rate over the
-    # sub-windows just before the window (settling period included).
-    min_pace_ratio: float = 0.7
-    # A fall between consecutive points of at least max(min_drop_bytes, drop_noise_factor x
-    # noise) is a "drop" (a cache being freed). When drops recur, a rising stretch is likely just
-    # the next tooth of a sawtooth: sub-windows must then be at least 1.25 x the median tooth
-    # (gaps over max_tooth_seconds are no sawtooth), so their floors sit on the troughs.
+    # ... and has grown at least this much over the window that shows it.
+    min_growth_bytes: float = 4 * MiB
+    # The line must beat the best one-step model by this many noise variances, and the best
+    # two-step model must not beat the line by this many times log(points) noise variances.
+    min_step_margin: float = 2.0
+    two_step_penalty: float = 2.0
+    # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
+    max_concavity_z: float = 2.5
+    # A staircase: this many up-shifts in a row, gaps at most staircase_max_gap_seconds and
+    # within a factor staircase_gap_ratio of each other, no step under staircase_size_ratio of
+    # the largest, the last no longer ago than the longest gap, neither shrinking (the last at least
+    # 0.6 x the first) nor slowing (the last gap at most 1.5 x the first).
+    staircase_steps: int = 4
+    staircase_max_gap_seconds: float = 1200
+    staircase_gap_ratio: float = 2.5
+    staircase_size_ratio: float = 0.3
+    # A fall between consecutive minima of at least max(min_drop_bytes, drop_noise_factor x
+    # noise) is a "drop" (a cache being freed). When drops recur (gaps up to max_tooth_seconds),
+    # the floor is read once per tooth: its trough.
     min_drop_bytes: float = 16 * MiB
     drop_noise_factor: float = 4.0
-    max_tooth_seconds: float = 1800
-    drop_lookback_seconds: float = 7200
+    max_tooth_seconds: float = 900
+    # For this long after the settling period, while no sawtooth was measured, the series is
+    # young: an allocator warms up and a sawtooth's first tooth comes then. Rises shorter than
+    # first_tooth_seconds are not judged (they may be that first tooth), the threshold is this
+    # factor higher, and no staircase is called (a warm-up's first steps make one).
+    young_seconds: float = 1800
+    young_threshold_factor: float = 1.5
+    first_tooth_seconds: float = 900
+    # The growth must take the level above every earlier one of this long before it by this
+    # fraction of itself.
+    earlier_level_seconds: float = 1800
+    earlier_level_margin: float = 0.25
+    # The noise (its deviation and correlations) is measured again this often per series.
+    noise_refresh_seconds: float = 600
+    # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
+    max_shapes: int = 6
+    # Noise below this is taken as this (NVML reports whole 2 MiB pages).
+    min_noise_bytes: float = 2 * MiB
+    # Points the noise is measured over (the newest).
+    noise_points: int = 240
     # Window of the slope reported when no leak is suspected.
     slope_window_seconds: float = 1800
     # No verdict on a series whose newest point is older than this (process gone or not sampled).
     stale_seconds: float = 300
 
+    def __post_init__(self) -> None:
+        if not 0 < self.false_alarms_per_day < MINUTES_PER_DAY:
+            raise ValueError("leak: false_alarms_per_day must be > 0 and below one a minute")
+        if not self.windows_minutes or list(self.windows_minutes) != sorted(self.windows_minutes) \
+                or self.windows_minutes[0] <= 0:
+            raise ValueError("leak: windows_minutes must be positive and ascending")
+        if self.min_points < 3 or self.staircase_steps < 3:
+            raise ValueError("leak: min_points and staircase_steps must be at least 3")
+
+    def threshold(self, signals: int = 1) -> float:
+        """The z a window's slope must reach, for `signals` series tested per process."""
+        # Two models (free line, hinge) per window length, every minute.
+        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * 2 * len(self.windows_minutes) * signals)
+
+
+_THRESHOLDS: dict[tuple[float, float], float] = {}
+
+
+def _threshold(budget: float, tests: float) -> float:
+    key = (budget, tests)
+    z = _THRESHOLDS.get(key)
+    if z is None:
+        if len(_THRESHOLDS) > 64:
+            _THRESHOLDS.clear()
+        z = _THRESHOLDS[key] = threshold_z(budget, tests)
+    return z
+
 
 @dataclass(frozen=True)
 class LeakAssessment:
     suspected: bool
-    slope_bytes_per_second: float | None  # robust (Theil–Sen) slope; None if too few points
+    slope_bytes_per_second: float | None  # the test's slope when suspected, else a robust recent one
     evidence: Evidence = ()
+    # When suspected: (low, high) 95 % interval of the slope, bytes per second.
+    interval: tuple[float, float] | None = field(default=None, compare=False)
 
 
 DEFAULT_CONFIG = LeakConfig()
 
 
 def assess(series: SeriesView, total_bytes: int | None, now: float,
-           config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
+           config: LeakConfig = DEFAULT_CONFIG, signals: int = 1) -> LeakAssessment:
     """Assess one series (History's per-minute tier) for leak-like growth, causally at `now`.
 
     The verdict depends only on the series and `total_bytes` (for the time-to-full evidence);
-    `now` only withholds a verdict on a stale series. Reported slope: Theil–Sen of the floor
-    over the window that matched, else over the last slope_window_seconds.
+    `now` only withholds a verdict on a stale series. `signals` is how many series the caller
+    tests for the same process (the budget is shared between them).
     """
     times = series.times
     if times and now - times[-1] > config.stale_seconds:
         return LeakAssessment(False, None, (("reason", "stale"),))
-    return verdict(series, total_bytes, config)
+    return verdict(series, total_bytes, config, signals)
 
 
 class LeakAssessor:
@@ -120,30 +202,34 @@ class LeakAssessor:
     forgotten, so it holds only the series still asked about."""
 
     def __init__(self) -> None:
-        # key -> (view, total_bytes, config, verdict)
-        self._kept: dict[Hashable, tuple[SeriesView, int | None, LeakConfig, LeakAssessment]] = {}
-        self._asked: dict[Hashable, tuple[SeriesView, int | None, LeakConfig, LeakAssessment]] = {}
+        # key -> (view, total_bytes, config, signals, verdict, the series' noise memo)
+        Kept = tuple[SeriesView, int | None, LeakConfig, int, LeakAssessment, NoiseMemo]
+        self._kept: dict[Hashable, Kept] = {}
+        self._asked: dict[Hashable, Kept] = {}
 
     def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
-                 config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
+                 config: LeakConfig = DEFAULT_CONFIG, signals: int = 1) -> LeakAssessment:
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
         kept = self._kept.get(key) or self._asked.get(key)
-        if kept is not None and kept[0] is series and kept[1] == total_bytes and \
+        memo = kept[5] if kept is not None and (kept[2] is config or kept[2] == config) else NoiseMemo()
+        if kept is not None and kept[0] is series and kept[1] == total_bytes and kept[3] == signals and \
                 (kept[2] is config or kept[2] == config):
-            result = kept[3]
+            result = kept[4]
         else:
-            result = verdict(series, total_bytes, config)
-        self._asked[key] = (series, total_bytes, config, result)
+            result = verdict(series, total_bytes, config, signals, memo)
+        self._asked[key] = (series, total_bytes, config, signals, result, memo)
         return result
 
     def prune(self) -> None:
         self._kept, self._asked = self._asked, {}
 
 
-def last_large_step(values: tuple[float, ...] | list[float], config: LeakConfig = DEFAULT_CONFIG) -> int:
+def last_large_step(values: Sequence[float], config: LeakConfig = DEFAULT_CONFIG) -> int:
     """Index of the first point after the last large up-step (0 when there is none)."""
+    if len(values) < 2 or max(map(operator.sub, values[1:], values[:-1])) < config.large_step_bytes:
+        return 0  # the usual case, found without a loop in Python
     for i in range(len(values) - 1, 0, -1):
         jump = values[i] - values[i - 1]
         if jump >= config.large_step_bytes and jump >= config.large_step_fraction * values[i - 1]:
@@ -151,75 +237,402 @@ def last_large_step(values: tuple[float, ...] | list[float], config: LeakConfig 
     return 0
 
 
-def verdict(series: SeriesView, total_bytes: int | None,
-            config: LeakConfig = DEFAULT_CONFIG) -> LeakAssessment:
-    """assess() without the staleness check: a function of the series' points alone, so a
-    caller may keep it for as long as it holds the same SeriesView."""
+@dataclass(frozen=True)
+class _Found:
+    """One signal's positive verdict."""
+
+    signal: str
+    model: str  # line | hinge | staircase
+    slope: float  # bytes per second
+    se: float  # bytes per second
+    z: float
+    window_seconds: float
+    growth: float
+    noise: float
+    kappa: float
+    points: int
+    threshold: float = math.inf  # the z the test had to reach (none for a staircase)
+
+
+class NoiseMemo:
+    """What verdict() measures about a series' noise, kept between its calls on the same series
+    for up to `noise_refresh_seconds` (the noise changes slowly; measuring it is most of the
+    cost). Measured afresh after a large step, and each time a signal has a quarter more points
+    than when last measured (a young series' first estimates rest on few)."""
+
+    __slots__ = ("base_time", "measured_at", "values")
+
+    def __init__(self) -> None:
+        self.base_time: float | None = None
+        self.measured_at = -math.inf
+        self.values: dict[str, tuple[int, object]] = {}  # name -> (points then, value)
+
+    def get(self, name: str, now: float, base_time: float, points: int, config: LeakConfig,
+            measure: Callable[[], _T]) -> _T:
+        if base_time != self.base_time or now - self.measured_at >= config.noise_refresh_seconds:
+            self.base_time, self.measured_at = base_time, now
+            self.values = {}
+        kept = self.values.get(name)
+        if kept is None or points > kept[0] * 1.25:
+            kept = self.values[name] = (points, measure())
+        return kept[1]  # type: ignore[return-value]
+
+
+def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
+            signals: int = 1, memo: NoiseMemo | None = None) -> LeakAssessment:
+    """assess() without the staleness check: a function of the series' points (and, with a
+    memo, of the noise measured on them up to noise_refresh_seconds before), so a caller may
+    keep it for as long as it holds the same SeriesView."""
+    memo = memo or NoiseMemo()
     times = series.times
-    # The floor: bucket minima when History provides them, else the values themselves.
-    values = series.lows if len(series.lows) == len(times) else series.values
+    medians = series.values
+    lows = series.lows if len(series.lows) == len(times) else medians
     n = len(times)
     if n < config.min_points:
         return LeakAssessment(False, None, (("reason", "too_few_points"), ("points", n)))
-    base = last_large_step(values, config)
+    base = last_large_step(medians, config)
     end = times[-1]
-    slope = _recent_slope(times, values, base, config)
+    slope = _recent_slope(times, medians, base, config)
     settled_from = times[base] + config.settle_seconds
-    if end - config.windows_seconds[0] < settled_from:
+    # What the noise memo is valid for: the last large step (not the oldest point kept, which
+    # moves as the history's retention drops points).
+    era = times[base] if base else -math.inf
+    if end - 60 * config.windows_minutes[0] < settled_from:
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
-    noise = _noise(values, base)
-    drops = _drops(times, values, base, max(config.min_drop_bytes, config.drop_noise_factor * noise),
-                   config)
+    threshold = config.threshold(signals)
+    lo = max(base, n - config.noise_points)
+    low_noise = memo.get("series", end, era, n - lo, config, lambda: robust_sigma(lows[lo:]))
+    drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
     tooth = _tooth(drops, times[base], config)
-    why = "no_window"
-    for window in config.windows_seconds:
-        start = end - window
-        if start < settled_from:
-            break  # longer windows reach even further back into the settling period
-        if tooth is not None and window / config.blocks < tooth:
-            # Sub-windows shorter than a tooth: only a rise outlasting every tooth counts.
-            last_drop = drops[-1] if drops else times[base]
-            if last_drop > start or end - last_drop < 1.5 * tooth:
-                why = "sawtooth"
-                continue
-        hit = _window_test(times, values, base, settled_from, start, window, noise, config)
-        if isinstance(hit, str):
-            why = hit
+    tested: list[tuple[str, Sequence[float], Sequence[float]]] = []
+    if tooth is None:
+        # The quietest view of the level for a slope: the medians (white noise), or the minima
+        # where cycles faster than a minute make the medians jitter, read over blocks of the
+        # length that makes them quietest (a cycle of two or three minutes has a trough in
+        # every such block, where per-minute minima would alternate between trough and ramp).
+        block = memo.get("block", end, era, n - lo, config, lambda: _quietest_block(medians, lows, lo))
+        if block == 0:
+            tested.append(("median", times[base:], medians[base:]))
+        elif block == 1:
+            tested.append(("floor", times[base:], lows[base:]))
         else:
-            w_slope, evidence = hit
-            evidence = (("window_seconds", window),) + evidence
-            if tooth is not None:
-                evidence += (("sawtooth_period_seconds", round(tooth)),)
-            if total_bytes:
-                ttf = _seconds_to(total_bytes, values[-1], w_slope)
-                if ttf is not None:
-                    evidence += (("time_to_full_seconds", round(ttf, 1)),)
-            return LeakAssessment(True, w_slope, evidence)
-    # The reason the longest window tried gave for not suspecting a leak.
+            tested.append(("floor", *_block_floor(times, lows, base, block)))
+    else:  # the medians ride the teeth: only the troughs say whether the level grows
+        tested.append(("troughs", *_troughs(times, lows, base, drops)))
+    # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
+    young = tooth is None and end < settled_from + config.young_seconds
+    why = "no_window"
+    for name, ts, ys in tested:
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, era)
+        if isinstance(found, str):
+            why = found if why == "no_window" else why
+            continue
+        evidence: Evidence = (
+            ("signal", found.signal),
+            ("model", found.model),
+            ("window_seconds", round(found.window_seconds)),
+            ("slope_bytes_per_second", round(found.slope, 3)),
+            ("slope_low_bytes_per_second", round(found.slope - 1.96 * found.se, 3)),
+            ("slope_high_bytes_per_second", round(found.slope + 1.96 * found.se, 3)),
+        )
+        if found.model == "staircase":
+            evidence += (("steps", found.points),)
+        else:
+            evidence += (("z", round(found.z, 2)), ("threshold_z", round(found.threshold, 2)),
+                         ("false_alarms_per_day", config.false_alarms_per_day))
+        evidence += (("growth_bytes", int(found.growth)), ("points", found.points))
+        if found.model != "staircase":
+            evidence += (("noise_bytes", int(found.noise)), ("noise_inflation", round(found.kappa, 2)))
+        if tooth is not None:
+            evidence += (("sawtooth_period_seconds", round(tooth)),)
+        if total_bytes:
+            ttf = _seconds_to(total_bytes, medians[-1], found.slope)
+            if ttf is not None:
+                evidence += (("time_to_full_seconds", round(ttf, 1)),)
+        interval = (found.slope - 1.96 * found.se, found.slope + 1.96 * found.se)
+        return LeakAssessment(True, found.slope, evidence, interval)
     return LeakAssessment(False, slope, (("reason", why),))
 
 
-def _noise(values: Sequence[float], base: int) -> float:
-    """Robust sigma of point-to-point noise since the last large step.
+def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
+                 threshold: float, config: LeakConfig, young: bool, memo: NoiseMemo,
+                 base_time: float) -> _Found | str:
+    """The sequential test over one signal (points since the last large step): a _Found, or
+    why not."""
+    n = len(times)
+    if n < config.min_points:
+        return "too_few_points"
+    end = times[-1]
+    settled = bisect.bisect_left(times, settled_from)
+    step_noise = memo.get(name + ".steps", end, base_time, n - settled, config,
+                          lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
+    shift_size = max(config.min_shift_bytes, config.shift_noise_factor * step_noise)
+    steps = _steps(values, shift_size)
+    if not young:  # a warm-up's first steps look like a staircase
+        stair = _staircase(times, [(i, d) for i, d, _ in steps if times[i] >= settled_from], config)
+        if stair is not None:
+            return stair
+    # The up-steps taken out (and the points that may straddle them): what is left grows only
+    # where the series grows between them.
+    step_times = [times[i] for i, d, _ in steps if d > 0]
+    raw_times, raw_values = times, values
+    times, values, cuts = _destep(times, values, steps)
+    n = len(times)
+    settled = bisect.bisect_left(times, settled_from)
+    if n - settled < max(config.min_points, MIN_NOISE_POINTS):
+        return "settling"  # too few points to tell the noise
+    prefix = Prefix(times, values, cuts)
 
-    The smaller of two estimates: the MAD of first differences (blind to a steady climb) and
-    each point's distance to the median of it and its neighbours (zero wherever the series is
-    locally monotone, so blind to a sawtooth's ramps; 0.316 sigma for white noise).
-    """
-    diffs = [values[i] - values[i - 1] for i in range(base + 1, len(values))]
-    if len(diffs) < 3:
+    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float]]:
+        sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
+        # Steps down, left in for the test, would pass for wandering noise at the block sizes
+        # that span them: the noise is measured with them taken out too.
+        quiet, start = prefix, settled
+        if any(d < 0 for _, d, _ in steps):
+            t3, v3, c3 = _destep(raw_times, raw_values, steps, downs=True)
+            quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
+        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}
+    sigma, table, kappa_at = memo.get(name, end, base_time, n - settled, config, noise)
+    if young:  # warm-up and first cycles are expected: a higher bar
+        threshold *= config.young_threshold_factor
+    # Windows longer than an hour move slowly: each is tested every third minute only (which
+    # third, from the clock), a third of the cost for a minute more at most on slow leaks.
+    turn = int(end // 60) % 3
+    lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
+    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at)
+    if not windows:
+        return "trend_not_significant"
+    why = "trend_not_significant"
+    best: WindowResult | None = None
+    for w in windows[:config.max_shapes]:  # highest z first; the first that is a leak
+        # Each step taken out leaves an error of about the noise in what is left: growth of that
+        # order across the steps in the window is no evidence.
+        taken = bisect.bisect_left(step_times, times[w.onset])
+        stepped = 3.0 * sigma * math.sqrt(len(step_times) - taken)
+        why = _reject(prefix, w, settled, sigma, config, young, threshold, stepped)
+        if not why:
+            best = w
+            break
+    if best is None:
+        return why
+    rate = refine(prefix, best, sigma, table, config.min_points)  # the onset to the point, for the rate
+    seconds = times[-1] - times[rate.onset]
+    return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
+                  rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)
+
+
+def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config: LeakConfig,
+            young: bool, threshold: float, stepped: float = 0.0) -> str:
+    """Why a window whose slope is significant is still no leak ("" when it is one)."""
+    minutes = prefix.u[-1] - prefix.u[w.onset]
+    if w.slope < config.min_slope_bytes_per_second * 60:
+        return "slope_too_small"
+    if w.slope * minutes < config.min_growth_bytes + stepped:
+        return "growth_too_small"
+    if young and minutes * 60 < config.first_tooth_seconds:
+        # Soon after start-up, before any cycle was seen: a rise shorter than the longest tooth
+        # may be the first tooth of an allocator's sawtooth.
+        return "maybe_first_tooth"
+    # The line's end must stand above every earlier level of the last earlier_level_seconds
+    # before the window (since the last large step; levels read as block means a quarter of the
+    # window long), by a quarter of the window's growth: a cache filling up again after being
+    # emptied climbs back to where it was, a sawtooth's next tooth to where the last one
+    # peaked; a leak goes on.
+    b = max(1, (w.end - w.start) // 4)
+    margin = max(2.0 * sigma * math.sqrt(w.kappa / b), config.earlier_level_margin * w.slope * minutes)
+    i = w.start
+    since = prefix.u[w.start] - config.earlier_level_seconds / 60
+    while i - b >= settled and prefix.u[i - b] >= since:
+        if prefix.mean(i - b, i) + margin > w.level_end:
+            return "not_above_earlier_level"
+        i -= b
+    shape = w.shape(prefix, sigma)
+    if shape.residual_z < threshold:
+        return "correlated_noise"
+    if shape.step_margin < config.min_step_margin:
+        return "a_step"
+    if shape.two_step_margin < -config.two_step_penalty * math.log(w.end - w.start):
+        return "steps"
+    if shape.curvature < -config.max_concavity_z:
+        return "decelerating"
+    return ""
+
+
+def _step_sigma(values: Sequence[float]) -> float:
+    """Noise from first differences read at their 30th percentile of size: steps (a few large
+    differences) barely move it, where they would inflate a median of second differences. The
+    smaller of that about 0 (blind to steps, not to a steady climb) and about the differences'
+    median (blind to a steady climb, not to many steps)."""
+    if len(values) < 4:
         return 0.0
-    res = []
-    for i in range(base + 1, len(values) - 1):
-        a, b, c = values[i - 1], values[i], values[i + 1]
-        res.append(abs(b - (a if (a - b) * (a - c) <= 0 else (c if (c - a) * (c - b) <= 0 else b))))
-    return min(1.4826 * mad(diffs) / math.sqrt(2.0), median(res) / 0.316)
+    d: list[float] = [b - a for a, b in itertools.pairwise(values)]
+    centre = median(d)
+    k = int(0.3 * (len(d) - 1))
+    # |N(0, 2 sigma^2)| has its 30th percentile at 0.385 * sqrt(2) sigma.
+    return min(sorted(abs(x) for x in d)[k], sorted(abs(x - centre) for x in d)[k]) / 0.545
+
+
+def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]:
+    """The level shifts: a jump of at least `size` between two points (or split over two, the
+    step fell mid-bucket), standing out by as much from the median of the jumps on either side
+    of it (a steady climb is no shift, nor is the onset of one). (index, jump, width): the index
+    is the first point wholly at the new level, the width 2 where the step straddled a bucket
+    (the point before it holds part of it); the jump is measured between the medians of up to
+    three points on either side."""
+    out: list[tuple[int, float, int]] = []
+    n = len(values)
+    d = [0.0, *map(operator.sub, values[1:], values[:-1])]
+    quarter = size / 4
+    if max(d) < quarter and min(d) > -quarter:
+        return out  # the usual case: no jump anywhere near a step's size
+    candidates = [i for i, x in enumerate(d) if x >= quarter or x <= -quarter]
+    done = 0
+    for i in candidates:
+        if i < done or i == 0:
+            continue
+        width = 1
+        if i + 1 < n and ((d[i] > quarter and d[i + 1] > quarter) or (d[i] < -quarter and d[i + 1] < -quarter)) \
+                and not -size < d[i] + d[i + 1] < size:
+            jump, width = d[i] + d[i + 1], 2  # split over two points: one step
+        elif not -size < d[i] < size:
+            jump = d[i]
+        else:
+            continue
+        # It must stand out from the jumps on each side (the onset of a fast climb stands out
+        # only from those before it).
+        # (A jump over two points is compared with the jumps over two points beside it.)
+        if width == 1:
+            before = [d[k] for k in (i - 2, i - 1) if k >= 1]
+            after = [d[k] for k in (i + 1, i + 2) if k < n]
+        else:
+            before = [d[i - 2] + d[i - 1]] if i >= 3 else []
+            after = [d[i + 2] + d[i + 3]] if i + 3 < n else []
+        if all(abs(jump - median(side)) >= size for side in (before, after) if side):
+            first = i + width - 1  # the first point wholly at the new level
+            lower = values[max(0, i - 3):i]
+            upper = values[first:first + 3]
+            out.append((first, median(upper) - median(lower), width))
+        done = i + width
+    return out
+
+
+def _destep(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
+            downs: bool = False) -> tuple[list[float], list[float], list[int]]:
+    """The series with its up-steps taken out, the point that straddles a step (holding part
+    of it) left out, and where each step's segment now begins (the fits give each segment its
+    own intercept: what is left grows only where the series grows between the steps, whatever
+    error the step's size was measured with). Down-steps stay: growth back to a level seen
+    before is then still seen as such."""
+    ups = [(i, d, width) for i, d, width in steps if d > 0]
+    if not ups:
+        return list(times), list(values), []
+    ts: list[float] = []
+    vs: list[float] = []
+    cuts: list[int] = []
+    offset = 0.0
+    lo = 0
+    for i, d, width in ups:  # keep [lo, i) at the current offset (less a straddling point)
+        hi = i - 1 if width == 2 else i
+        ts.extend(times[lo:hi])
+        vs.extend([v - offset for v in values[lo:hi]] if offset else values[lo:hi])
+        offset += d
+        lo = i
+        cuts.append(len(ts))
+    ts.extend(times[lo:])
+    vs.extend([v - offset for v in values[lo:]])
+    return ts, vs, cuts
+
+
+def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: LeakConfig) -> _Found | None:
+    """A leak in steps, each a level shift: the newest run of up-steps at a steady pace."""
+    k = config.staircase_steps
+    run: list[tuple[int, float]] = []
+    for i, d in reversed(steps):
+        if d <= 0:
+            break
+        run.append((i, d))
+        if len(run) == k:
+            break
+    if len(run) < k:
+        return None
+    run.reverse()
+    at = [times[i] for i, _ in run]
+    sizes = [d for _, d in run]
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    if max(gaps) > config.staircase_max_gap_seconds or max(gaps) > config.staircase_gap_ratio * min(gaps):
+        return None
+    if times[-1] - at[-1] > max(gaps) or min(sizes) < config.staircase_size_ratio * max(sizes):
+        return None
+    # A warm-up's steps shrink and come ever later; a leak's keep their size and pace.
+    if sizes[-1] < 0.6 * sizes[0] or gaps[-1] > 1.5 * gaps[0]:
+        return None
+    rate = sum(sizes[1:]) / (at[-1] - at[0])
+    if rate < config.min_slope_bytes_per_second:
+        return None
+    # The rate's spread from the steps' and gaps' spread (no noise model for a staircase).
+    low = min(sizes[1:]) / max(gaps)
+    high = max(sizes[1:]) / min(gaps)
+    return _Found("steps", "staircase", rate, (high - low) / 2 / 1.96, math.inf, at[-1] - at[0] + 60, sum(sizes[1:]),
+                  0.0, 1.0, len(run))
+
+
+FLOOR_BLOCKS = (1, 2, 3, 4, 6)
+
+
+def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) -> int:
+    """The quietest view of the level for a slope, from the points since `lo`: 0 for the
+    medians, else the block length (minutes) of the minima; least noise variance per minute of
+    series (sigma_b^2 x b), the minima only where clearly quieter, a longer block only where it
+    halves that and has 16 blocks to show it (the choice must not flip from minute to minute)."""
+    best, best_b = robust_sigma(medians[lo:]) ** 2, 0
+    for b in FLOOR_BLOCKS:
+        if (len(lows) - lo) // b < 16:
+            break
+        floors = lows[lo:] if b == 1 else [min(lows[k - b:k]) for k in range(len(lows), lo + b - 1, -b)]
+        cost = robust_sigma(floors) ** 2 * b
+        if cost < (0.8 if b == 1 else 0.5) * best:  # longer blocks only where far quieter
+            best, best_b = cost, b
+    return best_b
+
+
+def _block_floor(times: Sequence[float], lows: Sequence[float], base: int,
+                 block: int) -> tuple[list[float], list[float]]:
+    """The least minimum of each block of `block` points (aligned to the newest), at the time
+    it occurred."""
+    ts: list[float] = []
+    vs: list[float] = []
+    hi = len(times)
+    while hi - block >= base:
+        seg = lows[hi - block:hi]
+        m = min(seg)
+        ts.append(times[hi - block + seg.index(m)])
+        vs.append(m)
+        hi -= block
+    ts.reverse()
+    vs.reverse()
+    return ts, vs
+
+
+def _troughs(times: Sequence[float], lows: Sequence[float], base: int,
+             drops: list[float]) -> tuple[list[float], list[float]]:
+    """One point per tooth of a sawtooth: the least minimum from the bucket of each drop (the
+    cache just freed) to the one before the next drop, at the time it occurred."""
+    ts: list[float] = []
+    vs: list[float] = []
+    cuts = [bisect.bisect_left(times, d, base) for d in drops]
+    for a, b in zip(cuts, cuts[1:] + [len(times)], strict=True):
+        if b > a:
+            seg = lows[a:b]
+            m = min(seg)
+            ts.append(times[a + seg.index(m)])
+            vs.append(m)
+    return ts, vs
 
 
 def _drops(times: Sequence[float], values: Sequence[float], base: int, threshold: float,
            config: LeakConfig) -> list[float]:
     """Times of sharp falls in the recent past; falls split over adjacent points count once."""
-    lo = max(base + 1, bisect.bisect_left(times, times[-1] - config.drop_lookback_seconds))
+    lo = base + 1
     out: list[float] = []
     for i in range(lo, len(values)):
         if values[i - 1] - values[i] >= threshold:
@@ -231,140 +644,26 @@ def _drops(times: Sequence[float], values: Sequence[float], base: int, threshold
 
 
 def _tooth(drops: list[float], since: float, config: LeakConfig) -> float | None:
-    """Typical sawtooth period with some slack, from the gaps between drops (None: no sawtooth)."""
-    if not drops:
+    """Typical sawtooth period from the gaps between recurring drops (None: no sawtooth)."""
+    if len(drops) < 2:
         return None
-    edges = drops if len(drops) > 1 else [since] + drops
-    teeth = [b - a for a, b in itertools.pairwise(edges) if b - a <= config.max_tooth_seconds]
-    return 1.25 * median(teeth) if teeth else None
+    teeth = [b - a for a, b in itertools.pairwise(drops) if b - a <= config.max_tooth_seconds]
+    return median(teeth) if teeth else None
 
 
 def _recent_slope(times: Sequence[float], values: Sequence[float], base: int, config: LeakConfig) -> float | None:
     """Theil–Sen slope over the last slope_window_seconds, never across a large step.
 
-    Thinned to at most 16 evenly spaced points (120 pairs): this runs for every process on every
+    Thinned to at most 12 evenly spaced points (66 pairs): this runs for every process on every
     bucket, and the slope of 1-min medians loses little from the thinning.
     """
     j = max(base, bisect.bisect_left(times, times[-1] - config.slope_window_seconds))
     n = len(times) - j
     if n < 3:
         return None
-    stride = -(-n // 16)
+    stride = -(-n // 12)
     idx = range(len(times) - 1, j - 1, -stride)
     return theil_sen([times[i] for i in idx][::-1], [values[i] for i in idx][::-1])
-
-
-def _floor(values: Sequence[float], lo: int, hi: int) -> float | None:
-    return min(values[lo:hi]) if hi > lo else None
-
-
-def _window_test(times: Sequence[float], values: Sequence[float], base: int, settled_from: float,
-                 start: float, window: float, noise: float,
-                 config: LeakConfig) -> str | tuple[float, Evidence]:
-    """The persistent-floor-growth test on [start, end]: (slope, evidence), or why not."""
-    n = len(times)
-    j = bisect.bisect_left(times, start)
-    if n - j < max(config.min_points, 2 * config.blocks):
-        return "too_few_points"
-    span = window / config.blocks
-    edges = [bisect.bisect_left(times, start + k * span, j) for k in range(config.blocks)] + [n]
-    floors: list[float] = []
-    for k in range(config.blocks):
-        f = _floor(values, edges[k], edges[k + 1])
-        if f is None:
-            return "sampling_gap"  # not enough evidence
-        floors.append(f)
-    rises = [floors[k + 1] - floors[k] for k in range(config.blocks - 1)]
-    # Cheap tests first: most series fail here.
-    if min(rises) < config.min_step_bytes:
-        return "floor_not_rising_throughout"
-    growth = floors[-1] - floors[0]
-    if growth < config.min_growth_bytes:
-        return "growth_too_small"
-    if min(rises) < config.min_rise_balance * max(rises):
-        return "uneven_rises"  # a step or two, not a steady climb
-    if rises[-1] < config.min_rise_ratio * rises[0]:
-        return "decelerating"
-    # Floors of the earlier sub-windows of the same length back to the last large step, most
-    # recent first, as (start time, floor or None when unsampled). The oldest may be cut short
-    # by the step (kept if at least a quarter long); the first two minutes after the step (CUDA
-    # graph capture finishing) are left out.
-    earlier: list[tuple[float, float | None]] = []
-    first_t = times[base] + 120
-    first = bisect.bisect_left(times, first_t, base)
-    hi = j
-    k = 1
-    while hi > first:
-        lo_t = start - k * span
-        if lo_t < first_t:
-            if start - (k - 1) * span - first_t < span / 4:
-                break
-            lo_t = first_t
-        lo = bisect.bisect_left(times, lo_t, first, hi)
-        earlier.append((lo_t, _floor(values, lo, hi)))
-        hi = lo
-        k += 1
-    # Noise of the floor at this sub-window length, from the settled floors' second differences
-    # (blind to a steady trend and to the onset of one; the MAD ignores the odd step). Too few
-    # floors: the series' point-to-point noise.
-    settled = [f for t, f in earlier[:4 * config.blocks] if t >= settled_from and f is not None]
-    seq = settled[::-1] + floors
-    if len(seq) >= 8:
-        d2 = [seq[i + 1] - 2 * seq[i] + seq[i - 1] for i in range(1, len(seq) - 1)]
-        noise = 1.4826 * mad(d2) / math.sqrt(6.0)
-    margin = max(config.min_step_bytes, config.noise_factor * noise)
-    if min(rises) < margin:
-        return "floor_not_rising_throughout"
-    # Growth that only returns to a floor seen before (since the last large step) is no leak.
-    if any(f is not None and f + margin > floors[-1] for _, f in earlier):
-        return "not_above_earlier_level"
-    # An allocator warming up decelerates; a leak keeps its pace. Compare the median rate of
-    # rise between sub-windows with that over the sub-windows just before, settling period
-    # included (medians: one step there does not count as pace).
-    recent = earlier[:config.blocks]
-    known = [(t, f) for t, f in recent if f is not None]
-    if recent and len(known) == len(recent):
-        chain = known[::-1] + [(start, floors[0])]
-        before = median([(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(chain)])
-        if median(rises) / span < config.min_pace_ratio * before:
-            return "slower_than_before"
-    bt, bv = _binned_floor(times, values, j, start, window, config.max_bins)
-    mk = mann_kendall(bv)
-    if mk.z < config.min_z:
-        return "trend_not_significant"
-    slope = theil_sen(bt, bv)
-    if slope is None or slope < config.min_slope_bytes_per_second:
-        return "slope_too_small"
-    evidence: Evidence = (
-        ("slope_bytes_per_second", round(slope, 3)),
-        ("growth_bytes", int(growth)),
-        ("mann_kendall_z", round(mk.z, 2)),
-        ("mann_kendall_p", float(f"{mk.p_increasing:.3g}")),
-        ("points", n - j),
-        ("noise_bytes", int(noise)),
-    )
-    return slope, evidence
-
-
-def _binned_floor(times: Sequence[float], values: Sequence[float], j: int, start: float,
-                  window: float, max_bins: int) -> tuple[Sequence[float], Sequence[float]]:
-    """At most max_bins points: the minimum of each equal-time bin, at the time it occurred."""
-    if len(times) - j <= max_bins:
-        return times[j:], values[j:]
-    width = window / max_bins
-    bt: list[float] = []
-    bv: list[float] = []
-    cur = -1
-    for i in range(j, len(times)):
-        b = min(int((times[i] - start) / width), max_bins - 1)
-        if b != cur:
-            bt.append(times[i])
-            bv.append(values[i])
-            cur = b
-        elif values[i] < bv[-1]:
-            bt[-1] = times[i]
-            bv[-1] = values[i]
-    return bt, bv
 
 
 def _seconds_to(total_bytes: float, level: float, slope: float | None) -> float | None:

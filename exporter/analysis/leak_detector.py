@@ -6,6 +6,12 @@ Host RSS is a serving process's second leak signal: a vLLM server whose RSS leak
 without a GPU; on unified memory that RSS is GPU memory, so it also counts for the process's
 per-GPU verdict there.
 
+Where the allocator probe reports on a process, its GPU memory is also read as its parts: torch
+allocated (live tensors) and non-torch (NVML used - torch reserved) are tested as series of their
+own, with the same test, the false-alarm budget shared among every series tested for the
+process. They are quieter than NVML's figure (the cache's cycles live in torch reserved), so a
+leak in either is found sooner, and the finding then comes from that component.
+
 A GPU leak finding names the component that grows (attribution.py: torch_allocated,
 torch_cached, non_torch, or unknown without probe data), with each component's growth rate, and
 its advice follows the component; without probe data it is as it always was, plus
@@ -22,6 +28,11 @@ from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, Identity
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
 from .sleep import quiet_endpoints
+
+# The probe's parts of a process's GPU memory tested as series of their own (torch_cached is the
+# allocator's cache: its growth is fragmentation, told by the attribution, not a leak to test).
+PROBED_SERIES = ("torch_allocated", "non_torch")
+SIGNALS_PER_SERIES = 1  # each series is read as its medians or its minima (leak.py)
 
 
 @dataclass(frozen=True)
@@ -73,14 +84,13 @@ class LeakDetector:
         for gpu in snapshot.gpus:
             for p in gpu.processes:
                 key = (gpu.uuid, p.identity)
-                mem = self._assess(key, history.process_memory(gpu.uuid, p.identity),
-                                   gpu.total_bytes, now, config)
+                mem, via = self._gpu_memory(history, gpu, p, now, config)
                 # assess() can pass and fail on consecutive minutes (between staircase steps,
                 # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
                 leaking = self._latch.update(key, mem.suspected and p.endpoint not in asleep, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
                     a = self._assess(("rss", p.identity), history.process_rss(p.identity),
-                                     host_total, now, config)
+                                     host_total, now, config, SIGNALS_PER_SERIES)
                     rss[p.identity] = (a, self._latch.update(("rss", p.identity), a.suspected, now))
                 host, host_leaking = rss.get(p.identity, (None, False))
                 rss_leak = p.role == "vllm" and host_leaking
@@ -93,6 +103,8 @@ class LeakDetector:
                 if leaking:
                     window = dict(mem.evidence).get("window_seconds", config.slope_window_seconds)
                     why = attribute(history, gpu.uuid, p, float(window), now, config)
+                    if via:  # found in that part: it is the one that grows
+                        why = Attribution(via, why.rates)
                     findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds, why))
                 if rss_leak and host is not None and \
                         not any(f.pid == p.pid and f.gpu is None for f in findings):
@@ -100,6 +112,29 @@ class LeakDetector:
         self._latch.prune(now)
         self._assess.prune()  # only the series of live processes are kept
         return LeakResult(tuple(trends), tuple(findings))
+
+    def _gpu_memory(self, history: History, gpu: GpuSample, p: ProcessSample, now: float,
+                    config: LeakConfig) -> tuple[LeakAssessment, str]:
+        """The verdict on a process's GPU memory, and the probed part it came from ("" for
+        NVML's figure): NVML's first, then each part the probe reports."""
+        parts = []
+        if p.allocator is not None:
+            for name in PROBED_SERIES:
+                view = history.process_allocator(name, gpu.uuid, p.identity)
+                if len(view):
+                    parts.append((name, view))
+        signals = SIGNALS_PER_SERIES * (1 + len(parts))
+        key = (gpu.uuid, p.identity)
+        mem = self._assess(key, history.process_memory(gpu.uuid, p.identity), gpu.total_bytes, now,
+                           config, signals)
+        if mem.suspected:
+            return mem, ""
+        for name, view in parts:
+            a = self._assess((name, *key), view, None, now, config, signals)
+            if a.suspected:
+                return LeakAssessment(True, a.slope_bytes_per_second,
+                                      (("series", name),) + a.evidence, a.interval), name
+        return mem, ""
 
 
 def _severity(seconds_to_full: float | None, critical_seconds: float) -> str:
@@ -127,7 +162,7 @@ def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, t
         gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
         endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) GPU {gpu.index} memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + (f" {where}" if where else "")
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + (f" {where}" if where else "")
                  + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=False, component=why.component))
 
@@ -152,8 +187,19 @@ def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Sna
         first_detected_at=snapshot.timestamp, gpu=None, uuid="", pid=p.pid, process=p.name,
         role=p.role, endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) host memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min{where}" + _full_in(left)),
+                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + where + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=True))
+
+
+def _sure(a: LeakAssessment) -> str:
+    """How sure the test is: the rate's 95 % interval and the false-alarm budget in force."""
+    if a.interval is None:
+        return ""
+    ev = dict(a.evidence)
+    low, high = (x * 60 / (1 << 20) for x in a.interval)
+    budget = ev.get("false_alarms_per_day")
+    return (f" (95 % interval {max(low, 0.0):.1f}-{high:.1f}"
+            + (f"; budget {budget:g} false alarms/day" if budget is not None else "") + ")")
 
 
 def _full_in(seconds: float | None) -> str:
@@ -224,6 +270,12 @@ DETECTOR = DetectorSpec(
                          '{{ with printf "max(gpumem_process_host_rss_bytes{instance=%q,pid=%q})" '
                          "$labels.instance $labels.pid | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
                          "(on unified memory that is GPU memory).{{ end }}"))),),
-    settings={"critical_seconds": (
-        "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "
-        "current rate is critical.")})
+    settings={
+        "critical_seconds": (
+            "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "
+            "current rate is critical."),
+        "false_alarms_per_day": (
+            "False leak findings the trend test may raise per process and day on noise alone: it sets the z "
+            "the growth must reach (about 5.3 at 0.01, 4.4 at 1). Larger finds leaks sooner, smaller later; "
+            "each leak finding's evidence names the budget and the threshold in force."),
+    })

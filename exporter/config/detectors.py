@@ -16,10 +16,11 @@ from pydantic import Field, create_model
 
 from ..analysis.detector import DetectorSpec
 from ..analysis.registry import DETECTORS
-from .fields import EMPTY, MAX_SECONDS, Count, Doc, Seconds, Section, Size
+from .fields import EMPTY, Count, Doc, Seconds, Section, Size
 
 Share = Annotated[float, Field(ge=0, le=1), Doc("ratio")]
-Number = Annotated[float, Field(ge=0, le=MAX_SECONDS), Doc("number")]
+# A plain number: finite and not negative; the detector checks its own range (__post_init__).
+Number = Annotated[float, Field(ge=0, allow_inf_nan=False), Doc("number")]
 
 
 def _value_type(key: str, default: object) -> Any:

@@ -1,0 +1,420 @@
+"""A sequential test for a linear trend in a noisy series, with explicit non-trend models.
+
+The leak detector (leak.py) asks, once a minute, whether the series' newest stretch grows
+like a straight line. A straight line of rate r in noise of deviation sigma, sampled every dt,
+is told apart from no trend by its least-squares slope, whose standard error over a window of
+T seconds is sigma * sqrt(12 * dt / T^3): the slope's z = r / se grows as T^1.5. Testing every
+window length ending now, every minute, is a sequential test (a scan over the onset): it fires
+at the first minute some window's z reaches the threshold, so a fast leak is found within
+minutes and a slow one once a long enough window has accumulated, without one fixed `for:`.
+
+Three things keep it honest on real memory series:
+  * Correlated noise. The slope's standard error is inflated by kappa(b), the ratio of the
+    noise variance of b-point block means to what white noise would give (b * sigma_b^2 /
+    sigma_1^2), measured on the series itself at several block sizes (an Allan-variance style
+    estimate from second differences, blind to a linear trend); a window uses the largest
+    kappa at the block sizes up to a quarter of its length.
+  * Steps. A level shift inside a window makes a significant slope; the line must fit
+    clearly better than one step (two levels, the point that straddles the step left out), and
+    two steps (three levels) must not fit clearly better than the line (by the information
+    criterion's penalty for the steps' extra parameters).
+  * Warm-up. An allocator warming up decelerates; a quadratic term significantly negative
+    (the growth slowing down) is no leak.
+
+All arithmetic is on prefix sums (O(1) per window) in builtins (itertools.accumulate, map),
+so a series of a few hundred points costs tens of microseconds.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from statistics import NormalDist
+
+from .trend import median
+
+_MAD_SIGMA = 1.4826  # MAD -> sigma for a normal distribution
+_SQRT6 = math.sqrt(6.0)  # a second difference of white noise has deviation sqrt(6) sigma
+
+
+def robust_sigma(values: Sequence[float], min_sigma: float = 0.0) -> float:
+    """Deviation of white noise from the series' second differences (MAD, so a step or a kink
+    counts as one outlier; blind to a linear trend). `min_sigma` with fewer than 3 second
+    differences, and never less (values rounded to whole pages tie, and their MAD can be 0)."""
+    if len(values) < 5:
+        return min_sigma
+    d2 = list(map(operator.sub, map(operator.sub, values[2:], values[1:-1]),
+                  map(operator.sub, values[1:-1], values[:-2])))
+    centre = median(d2)
+    spread = median([abs(d - centre) for d in d2])
+    return max(min_sigma, _MAD_SIGMA * spread / _SQRT6)
+
+
+def threshold_z(false_alarms_per_day: float, tests_per_day: float) -> float:
+    """One-sided z a test must reach so that `tests_per_day` tests raise at most
+    `false_alarms_per_day` false alarms a day under the noise model (Bonferroni: a bound, the
+    tests overlap so the actual rate is lower)."""
+    p = min(0.5, false_alarms_per_day / max(1.0, tests_per_day))
+    return NormalDist().inv_cdf(1.0 - p)
+
+
+class Prefix:
+    """Prefix sums of u (minutes from the first point), y (bytes from the first point), u^2,
+    y^2 and u*y over a point series: any window's least squares in O(1).
+
+    `cuts` are the points where a new segment begins (a level shift taken out of the series):
+    a fit across them gives each segment its own intercept (fixed effects), so the slope is
+    read only from growth within the segments, whatever the shifts' sizes."""
+
+    __slots__ = ("cuts", "su", "suu", "suy", "sy", "syy", "u", "y")
+
+    def __init__(self, times: Sequence[float], values: Sequence[float], cuts: Sequence[int] = ()):
+        t0, y0 = times[0], values[0]
+        u = [(t - t0) / 60.0 for t in times]
+        y = [v - y0 for v in values]
+        self.u, self.y = u, y
+        self.cuts = sorted(cuts)
+        self.su: list[float] = [0.0, *accumulate(u)]
+        self.sy: list[float] = [0.0, *accumulate(y)]
+        self.suu: list[float] = [0.0, *accumulate(map(operator.mul, u, u))]
+        self.syy: list[float] = [0.0, *accumulate(map(operator.mul, y, y))]
+        self.suy: list[float] = [0.0, *accumulate(map(operator.mul, u, y))]
+
+    def pieces(self, i: int, j: int) -> list[tuple[int, int]]:
+        """[i, j) split at the cuts inside it."""
+        cuts = self.cuts
+        if not cuts:
+            return [(i, j)]
+        lo = bisect.bisect_right(cuts, i)
+        hi = bisect.bisect_left(cuts, j)
+        edges = [i, *cuts[lo:hi], j]
+        return list(itertools.pairwise(edges))
+
+    def line(self, i: int, j: int) -> tuple[float, float, float, float, float]:
+        """Least squares over points [i, j), an intercept per segment: (slope per minute, mean u
+        and mean y of the last segment, Sxx, RSS)."""
+        if not self.cuts:  # the common case, without the loop
+            n = j - i
+            su = self.su[j] - self.su[i]
+            sy = self.sy[j] - self.sy[i]
+            sxx = (self.suu[j] - self.suu[i]) - su * su / n
+            sxy = (self.suy[j] - self.suy[i]) - su * sy / n
+            syy = (self.syy[j] - self.syy[i]) - sy * sy / n
+            if sxx <= 0:
+                return 0.0, su / n, sy / n, 0.0, max(0.0, syy)
+            slope = sxy / sxx
+            return slope, su / n, sy / n, sxx, max(0.0, syy - slope * sxy)
+        sxx = sxy = syy = 0.0
+        su_, suu_, suy_, sy_, syy_ = self.su, self.suu, self.suy, self.sy, self.syy
+        mu = my = 0.0
+        for a, b in self.pieces(i, j):
+            n = b - a
+            su = su_[b] - su_[a]
+            sy = sy_[b] - sy_[a]
+            sxx += (suu_[b] - suu_[a]) - su * su / n
+            sxy += (suy_[b] - suy_[a]) - su * sy / n
+            syy += (syy_[b] - syy_[a]) - sy * sy / n
+            mu, my = su / n, sy / n
+        if sxx <= 0:
+            return 0.0, mu, my, 0.0, max(0.0, syy)
+        slope = sxy / sxx
+        return slope, mu, my, sxx, max(0.0, syy - slope * sxy)
+
+    def level_rss(self, i: int, j: int) -> float:
+        """Residual sum of squares of a constant fitted to points [i, j)."""
+        n = j - i
+        if n <= 1:
+            return 0.0
+        sy = self.sy[j] - self.sy[i]
+        return max(0.0, (self.syy[j] - self.syy[i]) - sy * sy / n)
+
+    def mean(self, i: int, j: int) -> float:
+        return (self.sy[j] - self.sy[i]) / (j - i)
+
+
+def kappas(prefix: Prefix, start: int, sigma1: float, scales: Sequence[int],
+           min_blocks: int = 8) -> list[tuple[int, float]]:
+    """(block size b, kappa_b) for the block sizes the points from `start` on allow: kappa_b is
+    b * sigma_b^2 / sigma_1^2, sigma_b the white-noise deviation of b-point block means from
+    their second differences (blocks taken at every quarter-block offset, so the estimate rests
+    on four times as many differences as disjoint blocks give). 1 for white noise, above 1
+    where the noise wanders (its low frequencies are what a long window's slope sees)."""
+    n = len(prefix.y)
+    out: list[tuple[int, float]] = []
+    if sigma1 <= 0:
+        return out
+    sy = prefix.sy
+    for b in scales:
+        if (n - start) // b < min_blocks:
+            break
+        stride = max(1, b // 4)
+        # Means of the blocks ending at n, n - stride, ...: block k ends at n - k * stride.
+        ends = range(n, start + b - 1, -stride)
+        means = [(sy[e] - sy[e - b]) / b for e in ends]
+        step = b // stride  # blocks apart that are adjacent
+        d2 = [means[k] - 2 * means[k + step] + means[k + 2 * step] for k in range(len(means) - 2 * step)]
+        centre = median(d2)
+        sb = _MAD_SIGMA * median([abs(d - centre) for d in d2]) / _SQRT6
+        out.append((b, max(1.0, b * sb * sb / (sigma1 * sigma1))))
+    return out
+
+
+def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
+    """The slope's variance inflation for a window of this many points: kappa at a block size of
+    0.7 x the window, interpolated (log-log) between the block sizes measured, never below a
+    smaller block's. For AR(1) noise of any memory this lies within about 25 % of the exact
+    inflation of a least-squares slope (kappa at half the window would fall short by up to 2x,
+    at the whole window overshoot by as much). A window longer than the largest block measured
+    gets that kappa extrapolated at the rate it grew between the two largest blocks (noise
+    still wandering at the longest scale seen is assumed to go on wandering)."""
+    x = float(window_points)
+    prev_b, prev_k = 1.0, 1.0
+    best = 1.0
+    for b, k in table:
+        k = max(k, best)
+        if x <= b:
+            if x <= prev_b:
+                return best
+            f = math.log(x / prev_b) / math.log(b / prev_b)
+            return max(best, float(prev_k * (k / prev_k) ** f))
+        best, prev_b, prev_k = k, float(b), k
+    if len(table) >= 2:  # beyond the largest block measured: at the rate it last grew
+        (b1, k1), (b2, k2) = table[-2], table[-1]
+        growth = min(1.0, max(0.0, math.log(max(k2, 1.0) / max(k1, 1.0)) / math.log(b2 / b1)))
+        best = max(best, k2 * (x / b2) ** growth)
+    elif table:  # one block size measured: no rate to go by, assume the worst (a random walk)
+        b1, k1 = table[0]
+        best = max(best, k1 * x / b1) if k1 > 1.5 else best
+    return best
+
+
+def best_split(prefix: Prefix, i: int, j: int) -> tuple[float, int]:
+    """(RSS, split) of the best one-step model on [i, j): two levels, split before some point k,
+    the point at the split (which may straddle the step inside its bucket) optionally left out.
+    (inf, -1) when [i, j) is too short to split."""
+    if j - i < 4:
+        return math.inf, -1
+    sy, syy = prefix.sy, prefix.syy
+    yi, yyi, yj, yyj = sy[i], syy[i], sy[j], syy[j]
+    ks = range(i + 2, j - 1)
+    left = [(syy[k] - yyi) - (sy[k] - yi) ** 2 / (k - i) for k in ks]
+    right = [(yyj - syy[k]) - (yj - sy[k]) ** 2 / (j - k) for k in ks]
+    skip = [(yyj - syy[k + 1]) - (yj - sy[k + 1]) ** 2 / (j - k - 1) for k in ks]
+    rss = [a + (b if b < c else c) for a, b, c in zip(left, right, skip, strict=True)]
+    best = min(rss)
+    return max(0.0, best), i + 2 + rss.index(best)
+
+
+def best_two_step_rss(prefix: Prefix, i: int, j: int, first: int) -> float:
+    """RSS of a two-step model (three levels) on [i, j) found greedily: the best one-step split
+    `first`, then the best second split on either side of it."""
+    if first < 0:
+        return math.inf
+    level_rss = prefix.level_rss
+    left, right = level_rss(i, first), min(level_rss(first, j), level_rss(first + 1, j))
+    split_left = best_split(prefix, i, first)[0] + right
+    lo = first + 1 if level_rss(first + 1, j) < level_rss(first, j) else first
+    split_right = left + best_split(prefix, lo, j)[0]
+    return min(split_left, split_right)
+
+
+def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
+    """z of the quadratic term of a least-squares parabola over [i, j) (negative: the growth
+    slows down). 0 with too few points or no noise estimate."""
+    n = j - i
+    if n < 5 or sigma <= 0:
+        return 0.0
+    u = prefix.u[i:j]
+    y = prefix.y[i:j]
+    mu = sum(u) / n
+    x = [a - mu for a in u]
+    x2 = [a * a for a in x]
+    m2 = sum(x2) / n
+    q = [a - m2 for a in x2]  # x^2 centred
+    # Orthogonalise q against x (uniform spacing makes this small; gaps do not).
+    sxx = sum(x2)
+    if sxx <= 0:
+        return 0.0
+    proj = sum(map(operator.mul, q, x)) / sxx
+    q = [a - proj * b for a, b in zip(q, x, strict=True)]
+    sqq = sum(map(operator.mul, q, q))
+    if sqq <= 0:
+        return 0.0
+    c: float = sum(map(operator.mul, q, y)) / sqq
+    return c / (sigma / math.sqrt(sqq))
+
+
+def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int], float],
+          min_points: int) -> WindowResult | None:
+    """The joined line over [b, n): flat over [b, i), growing from point i on (an intercept per
+    segment where cuts fall inside); None where it cannot be fitted or does not grow."""
+    n = len(prefix.u)
+    big_n = n - b
+    if n - i < 3 or i - b < 2 or big_n < min_points:  # two growing points are a step as much
+        return None
+    u, su, suu, suy, sy, syy = prefix.u, prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
+    ui = u[i]
+    sxx = sxy = syy_c = 0.0
+    sh = s_y = count = 0.0
+    for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
+        count = c - a
+        s_y = sy[c] - sy[a]
+        g = max(a, i)  # the piece's growing part [g, c)
+        if g < c:
+            s_u = su[c] - su[g]
+            k = c - g
+            sh = s_u - k * ui
+            shh = (suu[c] - suu[g]) - 2 * ui * s_u + k * ui * ui
+            shy = (suy[c] - suy[g]) - ui * (sy[c] - sy[g])
+        else:
+            sh = shh = shy = 0.0
+        sxx += shh - sh * sh / count
+        sxy += shy - sh * s_y / count
+        syy_c += (syy[c] - syy[a]) - s_y * s_y / count
+    if sxx <= 0:
+        return None
+    slope = sxy / sxx
+    if slope <= 0:
+        return None
+    rss = max(0.0, syy_c - slope * sxy)
+    kappa = kappa_of(big_n)
+    se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (big_n - 2) if big_n > 2 else 0.0) / sxx)
+    level_end = s_y / count + slope * ((u[-1] - ui) - sh / count)  # in the last segment
+    return WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss)
+
+
+def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
+           min_points: int) -> WindowResult:
+    """The growth `w` found, its onset read to the point: over the same points, the joined
+    line (flat, then growing) with the least residual, where it fits better than `w` (a free
+    line over a window that began before the onset dilutes the rate with the flat stretch it
+    holds). For the rate and its interval; the decision stays `w`'s."""
+    best = w
+    n = len(prefix.u)
+    for i in range(w.start + 2, n - 1):
+        h = hinge(prefix, w.start, i, sigma1, lambda points: kappa_for(points, table), min_points)
+        if h is not None and h.rss < best.rss:
+            best = h
+    return best
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    start: int  # first point of the fit (the baseline's first for a hinge)
+    onset: int  # first point of the growth (= start for a free line)
+    end: int  # one past the last point
+    hinge: bool  # a joined line (flat, then growing from the onset) rather than a free line
+    slope: float  # bytes per minute
+    se: float  # its standard error (bytes per minute), kappa included
+    z: float
+    kappa: float
+    level_end: float  # the fitted line at the last point (bytes, from the series' first point)
+    rss: float  # residual sum of squares of the model
+
+    def shape(self, prefix: Prefix, sigma1: float) -> Shape:
+        """How well steps explain the same points, whether the growth slows down, and the
+        slope's z with its error from the model's own residuals (their lag-1 correlation)."""
+        # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
+        # step models reads the noise as at most twice white, so steps cannot hide behind it.
+        noise = sigma1 * sigma1 * min(self.kappa, 2.0)
+        one, split = best_split(prefix, self.start, self.end)
+        two = best_two_step_rss(prefix, self.start, self.end, split)
+        return Shape((one - self.rss) / noise, (two - self.rss) / noise,
+                     curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
+                     self.slope / self.residual_se(prefix))
+
+    def residual_se(self, prefix: Prefix) -> float:
+        """The slope's standard error as AR(1) residuals would make it: their variance and
+        lag-1 correlation (bias-corrected for a short window) measured about the fitted model
+        (an intercept per segment, as it was fitted). Noise that wanders more slowly than the
+        window is long shows up here even where the series is too young for the block
+        estimates of kappa."""
+        u, y = prefix.u, prefix.y
+        b, i, n = self.start, self.onset, self.end
+        m = n - b
+        if m < 5:
+            return self.se
+        res: list[float] = []
+        sxx = 0.0
+        for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
+            hs = [0.0 if k < i else u[k] - u[i] for k in range(a, c)] if self.hinge else u[a:c]
+            mh = sum(hs) / (c - a)
+            my = sum(y[a:c]) / (c - a)
+            sxx += sum((h - mh) ** 2 for h in hs)
+            res += [yy - my - self.slope * (h - mh) for h, yy in zip(hs, y[a:c], strict=True)]
+        ss = sum(e * e for e in res)
+        if sxx <= 0 or ss <= 0:
+            return self.se
+        rho = sum(map(operator.mul, res[1:], res[:-1])) / ss
+        rho = min(0.95, rho + (1 + 3 * max(rho, 0.0)) / m)
+        inflation = max(1.0, (1 + rho) / (1 - rho))
+        return max(self.se, math.sqrt(ss / (m - 2) * inflation / sxx))
+
+
+@dataclass(frozen=True)
+class Shape:
+    step_margin: float  # (RSS of the best step - RSS of the model) / (sigma^2 kappa)
+    two_step_margin: float  # (RSS of the best two steps - RSS of the model) / (sigma^2 kappa)
+    curvature: float  # z of the quadratic term of the growing part
+    residual_z: float  # the slope's z with its error from the residuals (residual_se)
+
+
+def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
+         windows_minutes: Sequence[float], min_points: int, threshold: float,
+         baseline: float = 2.0, kappa_at: dict[int, float] | None = None) -> list[WindowResult]:
+    """Every growth ending at the newest point, begun a window length ago (the given lengths),
+    at or after `start`, whose slope reaches `threshold`, in two models:
+      free line   y = a + r t over the window;
+      hinge       y = a + r (t - onset)+ over the window and `baseline` times as many points
+                  before it: the level before the onset is read from the baseline, which
+                  halves the slope's error, so a leak growing from a steady level is found
+                  sooner (the generalised likelihood ratio for a change of slope).
+    Sorted by z, highest first; their shape (steps, curvature) is dearer, measured on demand."""
+    n = len(prefix.u)
+    u = prefix.u
+    out: list[WindowResult] = []
+    if sigma1 <= 0 or n - start < min_points:
+        return out
+    end_u = u[-1]
+    sy = prefix.sy
+    kappa_at = {} if kappa_at is None else kappa_at  # (a caller's cache for this table)
+
+    def kappa_of(points: int) -> float:
+        k = kappa_at.get(points)
+        if k is None:
+            k = kappa_at[points] = kappa_for(points, table)
+        return k
+    for w in windows_minutes:
+        i = bisect.bisect_left(u, end_u - w + 1e-9)
+        if i < start:
+            break  # longer windows reach further back still
+        m = n - i
+        if m < 2:
+            continue
+        # Free line over [i, n).
+        if m >= min_points:
+            slope, mean_u, mean_y, sxx, rss = prefix.line(i, n)
+            if sxx > 0 and slope > 0:
+                kappa = kappa_of(m)
+                # The model's error, or the scatter about the line where that is larger (a noise
+                # model that does not fit this window must not make it look significant).
+                se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (m - 2) if m > 2 else 0.0) / sxx)
+                if slope >= threshold * se:
+                    out.append(WindowResult(i, i, n, False, slope, se, slope / se, kappa,
+                                            mean_y + slope * (end_u - mean_u), rss))
+        # Hinge: flat over [b, i), growing from u[i] on. Fitted only where the mean since the
+        # onset stands above the baseline's by 0.4 x the threshold in z: the difference of the
+        # means is about 0.8 x the hinge's z, so this leaves out only fits that fall far short.
+        b = max(start, i - int(baseline * m))
+        if i - b >= 2:
+            rise = (sy[n] - sy[i]) / m - (sy[i] - sy[b]) / (i - b)
+            if rise > 0.4 * threshold * sigma1 * math.sqrt(kappa_of(n - b) * (1 / m + 1 / (i - b))):
+                h = hinge(prefix, b, i, sigma1, kappa_of, min_points)
+                if h is not None and h.z >= threshold:
+                    out.append(h)
+    out.sort(key=lambda w: -w.z)
+    return out

@@ -1,0 +1,120 @@
+"""The statistics under the leak detector (exporter.analysis.trend_test) on series built here:
+noise estimates, correlations, fits, step models and the scan over windows."""
+import math
+import random
+from statistics import NormalDist
+
+import pytest
+
+from exporter.analysis.trend_test import (
+    Prefix,
+    best_split,
+    kappa_for,
+    kappas,
+    robust_sigma,
+    scan,
+    threshold_z,
+)
+
+MINUTE = 60.0
+
+
+def white(n, sigma, seed):
+    rng = random.Random(seed)
+    return [rng.gauss(0, sigma) for _ in range(n)]
+
+
+def times(n):
+    return [k * MINUTE for k in range(n)]
+
+
+def test_robust_sigma_reads_white_noise_and_ignores_a_step_and_a_trend():
+    noise = white(400, 5.0, seed=1)
+    assert robust_sigma(noise) == pytest.approx(5.0, rel=0.15)
+    stepped = [v + (1000.0 if k >= 200 else 0.0) for k, v in enumerate(noise)]
+    trending = [v + 3.0 * k for k, v in enumerate(noise)]
+    assert robust_sigma(stepped) == pytest.approx(robust_sigma(noise), rel=0.1)
+    assert robust_sigma(trending) == pytest.approx(robust_sigma(noise), rel=1e-6)
+    assert robust_sigma([1.0, 2.0], min_sigma=0.5) == 0.5  # too few points: the floor
+
+
+def test_kappa_is_about_one_for_white_noise_and_grows_for_a_wandering_series():
+    n = 360
+    noise = white(n, 5.0, seed=2)
+    prefix = Prefix(times(n), noise)
+    table = kappas(prefix, 0, robust_sigma(noise), (2, 4, 8, 16))
+    assert table and all(0.9 <= k < 2.0 for _, k in table), table
+    rng = random.Random(3)
+    walk, x = [], 0.0
+    for _ in range(n):
+        x += rng.gauss(0, 5.0)
+        walk.append(x + rng.gauss(0, 5.0))
+    wander = kappas(Prefix(times(n), walk), 0, robust_sigma(walk), (2, 4, 8, 16))
+    assert wander[-1][1] > 4 * wander[0][1]  # grows with the block size
+    assert kappa_for(200, wander) > kappa_for(20, wander) > 1.5
+    assert kappa_for(200, table) < 2.5
+
+
+def test_threshold_is_the_budget_over_the_tests():
+    assert threshold_z(0.01, 1000) == pytest.approx(NormalDist().inv_cdf(1 - 1e-5))
+    assert threshold_z(1.0, 1000) < threshold_z(0.01, 1000)
+
+
+def test_least_squares_and_an_intercept_per_segment():
+    rng = random.Random(4)
+    n = 50
+    ys = [2.0 * k + rng.gauss(0, 1) for k in range(n)]
+    slope, *_ = Prefix(times(n), ys).line(0, n)
+    mu = (n - 1) / 2
+    my = sum(ys) / n
+    direct = sum((k - mu) * (y - my) for k, y in enumerate(ys)) / sum((k - mu) ** 2 for k in range(n))
+    assert slope == pytest.approx(direct)
+    # A level shift of any size at a cut does not move the slope read within the segments.
+    shifted = [y + (5000.0 if k >= 30 else 0.0) for k, y in enumerate(ys)]
+    assert Prefix(times(n), shifted).line(0, n)[0] > 50  # without the cut: the shift is a slope
+    within, *_ = Prefix(times(n), shifted, cuts=[30]).line(0, n)
+    assert within == pytest.approx(2.0, rel=0.05)
+
+
+def test_best_split_finds_a_step_and_keeps_its_straddling_point_out():
+    ys = [0.0] * 20 + [37.0] + [100.0] * 20  # the step fell inside the middle bucket
+    rss, at = best_split(Prefix(times(len(ys)), ys), 0, len(ys))
+    assert at in (20, 21) and rss < 1e-6
+
+
+def test_scan_finds_a_line_and_the_joined_line_uses_the_baseline():
+    rng = random.Random(5)
+    n = 120
+    onset = 100  # flat for 100 minutes, then 1 per minute in noise of deviation 2
+    ys = [max(0, k - onset) * 1.0 + rng.gauss(0, 2) for k in range(n)]
+    prefix = Prefix(times(n), ys)
+    sigma = robust_sigma(ys)
+    table = kappas(prefix, 0, sigma, (2, 4, 8))
+    found = scan(prefix, 0, sigma, table, (10, 15, 20, 30), 5, threshold=5.0)
+    assert found, "a 20-minute line of z > 10 was missed"
+    best = found[0]
+    assert best.z == max(w.z for w in found)
+    hinges = [w for w in found if w.hinge]
+    lines = [w for w in found if not w.hinge and w.onset == onset]
+    assert hinges and max(w.z for w in hinges) > max((w.z for w in lines), default=0.0)
+    assert best.slope == pytest.approx(1.0, rel=0.25)
+    # Pure noise reaches no high threshold.
+    quiet = white(n, 2.0, seed=6)
+    qp = Prefix(times(n), quiet)
+    assert scan(qp, 0, robust_sigma(quiet), kappas(qp, 0, robust_sigma(quiet), (2, 4, 8)),
+                (10, 15, 20, 30, 60), 5, threshold=5.0) == []
+
+
+def test_a_short_window_of_wandering_noise_is_not_a_trend():
+    rng = random.Random(7)
+    n = 240
+    x, ys = 0.0, []
+    phi = math.exp(-1 / 10)  # memory of ten points
+    for _ in range(n):
+        x = phi * x + rng.gauss(0, 3 * math.sqrt(1 - phi * phi))
+        ys.append(x)
+    prefix = Prefix(times(n), ys)
+    sigma = robust_sigma(ys)
+    table = kappas(prefix, 0, sigma, (2, 4, 8, 16))
+    windows = (5, 8, 12, 16, 24, 32, 48)
+    assert scan(prefix, 0, sigma, table, windows, 5, threshold=5.0) == []
