@@ -59,6 +59,21 @@ def test_severity_change_keeps_first_detection_and_records_the_worst_version():
     assert analyzer.episodes()[0][1] == T0 + 50  # cleared at the last tick
 
 
+def test_escalation_and_de_escalation_are_logged_once_each(caplog):
+    """A finding that turns critical is news for whoever reads the log: raised, escalated,
+    de-escalated and cleared, one line each, however long it stays at each severity."""
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.97, 0.88, 0.88, 0.5]):
+            analyzer.update(s)
+    records = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "exporter.findings"]
+    assert records == [(logging.WARNING, "finding raised"), (logging.WARNING, "finding escalated"),
+                       (logging.INFO, "finding de-escalated"), (logging.INFO, "finding cleared")]
+    escalated = next(r for r in caplog.records if "escalated" in r.getMessage())
+    assert "pressure [warning -> critical] gpu=0" in escalated.getMessage()
+    assert escalated.finding["severity"] == "critical"
+
+
 def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
     analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):

@@ -3,8 +3,9 @@
 A tick: compute the memory budgets and KV caches once, feed the History, give the per-GPU
 verdicts, run every registered detector (analysis.registry) over the same Tick, then track
 episodes: the active findings are keyed by `Finding.key`, so a finding keeps its
-first_detected_at while it stays active and is logged once when raised (WARNING) and once when
-cleared (INFO) on the "exporter.findings" logger. The Analysis it returns carries everything
+first_detected_at while it stays active and is logged once when raised (WARNING), once at each
+change of severity (escalated: WARNING, de-escalated: INFO) and once when cleared (INFO) on the
+"exporter.findings" logger. The Analysis it returns carries everything
 downstream needs (findings, trends, GPU verdicts, budgets, the tick's transitions), so nothing
 after it recomputes any of it.
 
@@ -190,6 +191,8 @@ class Analyzer:
                 if episode is not None and \
                         _SEVERITY.get(f.severity, 0) >= _SEVERITY.get(episode.finding.severity, 0):
                     episode.finding = f
+                if self.log_findings and f.severity != old.severity:
+                    self._log_severity_change(old, f)
             else:
                 episode_id = self._record(f)
                 if self.log_findings:
@@ -207,6 +210,14 @@ class Analyzer:
         self._active = active
         return tuple(f for _, f in active.values())
 
+    @staticmethod
+    def _log_severity_change(old: Finding, new: Finding) -> None:
+        """Once per change: worse is a WARNING (on-call should look again), better an INFO."""
+        worse = _SEVERITY.get(new.severity, 0) > _SEVERITY.get(old.severity, 0)
+        findings_log.log(logging.WARNING if worse else logging.INFO,
+                         "finding %s: %s", "escalated" if worse else "de-escalated",
+                         _describe(new, f"{old.severity} -> {new.severity}"), extra={"finding": new.to_json()})
+
     def _record(self, f: Finding) -> int:
         episode_id = self._next_episode
         self._next_episode += 1
@@ -217,14 +228,14 @@ class Analyzer:
         return episode_id
 
 
-def _describe(f: Finding) -> str:
+def _describe(f: Finding, severity: str = "") -> str:
     """One log line: kind, severity, where, summary; control characters from process names
     and log files are escaped so a finding cannot forge log lines."""
     where = " ".join(x for x in (
         f"gpu={f.gpu}" if f.gpu is not None else "",
         f"pid={f.pid}" if f.pid is not None else "",
         f"endpoint={f.endpoint}" if f.endpoint else "") if x)
-    return sanitize(f"{f.kind} [{f.severity}] {where}: {f.summary}")
+    return sanitize(f"{f.kind} [{severity or f.severity}] {where}: {f.summary}")
 
 
 def sanitize(text: str) -> str:
