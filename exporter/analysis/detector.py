@@ -84,7 +84,7 @@ class FindingAlert:
 @dataclass(frozen=True)
 class FindingKind:
     name: str  # Finding.kind
-    help: str  # one line for docs/metrics.md
+    help: str  # one line for the finding kinds' table in docs/runbooks/README.md
     scenario: str  # the built-in scenario that shows it (exporter/sim/scenarios/<scenario>.yaml)
     alert: FindingAlert | None = None  # fires from the finding ...
     # ... or, for a kind whose condition a rule over the raw series judges with the same
