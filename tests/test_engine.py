@@ -221,10 +221,15 @@ def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
 def test_unified_memory_utilisation_comes_from_the_host():
     analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
-    r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 8 * GiB)))
+    r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 16 * GiB)))
+    assert r.gpus[0].utilization_ratio == pytest.approx(112 / 128)
+    assert r.gpus[0].admission_open is True  # 87.5 %: not above 90 %
+    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
+    # Under 10 % available GpuUnifiedMemoryHostPressure pages: the finding is critical too.
+    r = analyzer.update(snap(T0 + 10, [g], host=HostMemory(128 * GiB, 8 * GiB)))
     assert r.gpus[0].utilization_ratio == pytest.approx(120 / 128)
     assert r.gpus[0].admission_open is False
-    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
+    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["critical"]
 
 
 

@@ -116,8 +116,8 @@ def test_unified_memory_names_the_browser_that_eats_the_gpu_memory():
     analyzer, _ = play("unified-memory")
     [contention] = [f for f in analyzer.all_findings if f.kind == "contention"]
     assert re.search(r"pid 7300 \(chrome\) \d+\.\d GiB resident, \+1\.[45] GiB in 5 min", contention.summary)
-    [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
-    assert "pid 7300 (chrome)" in pressure.summary
+    pressure = [f for f in analyzer.all_findings if f.kind == "pressure"]
+    assert any("pid 7300 (chrome)" in f.summary for f in pressure)
 
 
 @pytest.mark.slow

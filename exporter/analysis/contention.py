@@ -11,7 +11,8 @@
   short of it (MemAvailable low, memory PSI high, or the kernel OOM killer ran within the
   window) the host processes outside the serving stack holding the most resident memory are
   named (the host source reads the largest processes on such hosts, GPU processes or not),
-  with their growth.
+  with their growth. It is critical where GpuUnifiedMemoryHostPressure pages (the thresholds of
+  exporter/thresholds.py, read through pressure.unified_host_short) or the OOM killer ran.
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
@@ -24,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
+from .pressure import unified_host_short
 
 if TYPE_CHECKING:
     from .history import History, Identity
@@ -47,9 +50,13 @@ class ContentionConfig:
     min_spare_ratio: float = 0.05
     # ... budgets unknown: when the GPU is at least this full (used/total).
     min_utilization_ratio: float = 0.80
-    critical_ratio: float = 0.95
-    host_available_low_ratio: float = 0.15  # unified: MemAvailable under this share ...
-    psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) at least this
+    # Critical from the GPU's use at which GpuMemoryNearFull pages (exporter/thresholds.py), not a
+    # setting of its own: the page and the finding read one number.
+    critical_ratio: float = thresholds.MEMORY_NEAR_FULL.value
+    # Unified memory: short (a warning, before the page) when MemAvailable is under this share ...
+    host_available_low_ratio: float = 0.15
+    psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) is at least this;
+    # critical where GpuUnifiedMemoryHostPressure pages (pressure.unified_host_short, thresholds.py).
     top_processes: int = 8  # named in the summary and the evidence, the largest first
     # Short of room at any sample this recent counts as short now: a GPU or host hovering at a
     # threshold (PSI noise, a sawtooth) keeps one finding instead of raising it every other tick.
@@ -131,9 +138,11 @@ def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
 
 
 def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
-    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high."""
+    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high, at
+    this detector's warning levels or at the page's (whichever a configuration makes earlier)."""
     low = host.total_bytes > 0 and host.available_bytes / host.total_bytes < config.host_available_low_ratio
-    return low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
+    return (low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
+            or bool(unified_host_short(host)))
 
 
 def describe(p: ProcessSample) -> str:
@@ -257,7 +266,8 @@ def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: b
     if host.psi_some_avg10 is not None:
         evidence.append(("psi_some_avg10", host.psi_some_avg10))
     evidence += named_evidence
-    critical = kills > 0 or host.available_bytes / host.total_bytes < 0.05
+    # Critical exactly where GpuUnifiedMemoryHostPressure pages, or once the OOM killer ran.
+    critical = kills > 0 or bool(unified_host_short(host))
     why = ", ".join(w for w, on in (
         (f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})", True),
         (f"memory PSI {host.psi_some_avg10:.0f} %", stalled),
@@ -348,7 +358,6 @@ DETECTOR = DetectorSpec(
         "min_spare_ratio": ("Budgets known: contention when what is left beside the vLLM budgets and "
                             "everything else on the GPU is under this share of it."),
         "min_utilization_ratio": "Budgets unknown: contention when the GPU is at least this full (used/total).",
-        "critical_ratio": "At or above this utilisation the finding is critical.",
         "host_available_low_ratio": "Unified memory: host MemAvailable below this share of its total ...",
         "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as short.",
         "top_processes": "How many of the processes that hold the most a finding names.",
