@@ -298,6 +298,22 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
 
 
+def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():
+    """From the trial: "pid 5230 (python3) 8.6 GiB, steady for 5 min" from 55 to 134 min read as a
+    duration that never grew. A process that holds still is said to have held it for as long
+    as it has (its per-minute minima), however long past the window."""
+    cfg = ContentionConfig(window_seconds=300)
+    notebook = lambda e: [proc(555, (0.6 if e < 25 * 60 else 8.6) * GiB, name="python3")] if e >= 600 else []  # noqa: E731
+    per_tick = run_detector(contention.DETECTOR, timeline(134 * 60, 30, lambda e: budgeted(e, notebook)), cfg)
+    last = per_tick[-1][0]
+    assert "pid 555 (python3) 8.6 GiB, held for 1.8 h" in last.summary, last.summary  # 109 min
+    assert "steady" not in last.summary
+    assert dict(last.evidence)["process_1_held_seconds"] == pytest.approx(109 * 60, abs=60)
+    # Held since before the history starts: a lower bound, said so.
+    always = run_detector(contention.DETECTOR, timeline(2 * 3600, 30, lambda e: budgeted(e + 3600, notebook)), cfg)
+    assert "8.6 GiB, held for at least 2.0 h" in always[-1][0].summary, always[-1][0].summary
+
+
 def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
     cfg = ContentionConfig()
 
