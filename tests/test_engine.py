@@ -159,7 +159,7 @@ def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypat
     analyzer.update(s0)
     calls = {"n": 0}
 
-    def broken(history, snapshot, config):
+    def broken(history, snapshot, config, *tools):
         calls["n"] += 1
         raise RuntimeError("bug")
     monkeypatch.setattr(stale, "detect_stale", broken)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from .. import thresholds
-from ..model import Analysis, Finding, OomEvent, ProcessTrend, Snapshot
+from ..model import NEUTRAL_TOOLS, Analysis, Finding, GpuTools, OomEvent, ProcessTrend, Snapshot
 from . import leak_detector, pressure
 from .budget import memory_budgets
 from .detector import DetectorSpec, ReportsTrends, Tick
@@ -52,6 +52,8 @@ class AnalysisConfig:
     history_max_raw_samples: int = 4096  # raw points per series (and snapshots) at most
     forecast_window_seconds: float = 3600.0  # GPU used trend window for time-to-full
     max_recorded_findings: int = 10_000  # all_findings keeps at most this many (oldest go)
+    # The GPU backend's tools that advice names (sources/gpu.py); vendor-neutral words without one.
+    gpu_tools: GpuTools = NEUTRAL_TOOLS
     # Each registered detector's settings, by its name (DetectorSpec.name); one left out runs
     # with its config's defaults. After construction every registered detector is present.
     detectors: Mapping[str, Any] = field(default_factory=dict)
@@ -145,7 +147,7 @@ class Analyzer:
                                  cfg.forecast_window_seconds, cfg.section(leak_detector.DETECTOR))
         before = tuple(f for _, f in self._active.values())
         tick = Tick(snapshot=snapshot, history=history, budgets=budgets, kv_caches=kv, gpus=gpus,
-                    active=before)
+                    active=before, gpu_tools=cfg.gpu_tools)
         findings: list[Finding] = []
         trends: list[ProcessTrend] = []
         failed: set[str] = set()  # kinds of the detectors that failed this tick
