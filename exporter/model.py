@@ -491,6 +491,12 @@ class Analysis:
     kv_caches: tuple[KvCache, ...] = ()  # per (vLLM server, model, engine)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, each at most once
     oom_events: tuple[OomEvent, ...] = ()  # this tick's log messages, classified
+    # The `oom` findings raised within the last RECENT_OOM_SECONDS, newest first, each with when
+    # it cleared (None while active): the status page shows the last OOM after its finding's hold.
+    recent_ooms: tuple[tuple[Finding, float | None], ...] = ()
+
+
+RECENT_OOM_SECONDS = 24 * 3600.0
 
 
 @dataclass(frozen=True)

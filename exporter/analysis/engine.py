@@ -15,13 +15,13 @@ raises the same findings at the same moments as the live daemon did.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from .. import thresholds
-from ..model import NEUTRAL_TOOLS, Analysis, Finding, GpuTools, OomEvent, ProcessTrend, Snapshot
+from ..model import NEUTRAL_TOOLS, RECENT_OOM_SECONDS, Analysis, Finding, GpuTools, OomEvent, ProcessTrend, Snapshot
 from . import leak_detector, pressure
 from .budget import memory_budgets
 from .detector import DetectorSpec, ReportsTrends, Tick
@@ -36,6 +36,7 @@ findings_log = logging.getLogger("exporter.findings")
 log = logging.getLogger(__name__)
 
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+MAX_RECENT_OOMS = 16  # oom episodes the status page can list (within RECENT_OOM_SECONDS)
 
 C = TypeVar("C")
 # Finding.key: (kind, gpu, pid, endpoint)
@@ -111,6 +112,7 @@ class Analyzer:
         self._active: dict[FindingKey, tuple[int, Finding]] = {}  # key -> (episode id, finding)
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
+        self._oom_episodes: deque[int] = deque(maxlen=MAX_RECENT_OOMS)  # the latest oom episodes' ids
         self._gpus = GpuVerdicts()
         self._detectors = [(spec, spec.create()) for spec in detectors]  # stateful ones keep theirs
         self._previous: Snapshot | None = None
@@ -163,7 +165,8 @@ class Analyzer:
         changed = transitions(self._previous, snapshot, before, active)
         self._previous = snapshot
         return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets, kv_caches=kv,
-                        process_trends=tuple(trends), transitions=changed, oom_events=events)
+                        process_trends=tuple(trends), transitions=changed, oom_events=events,
+                        recent_ooms=self._recent_ooms(now))
 
     # ------------------------------------------------------------------ internals
     def _run(self, name: str, detector: Callable[[Tick, Any], Sequence[Finding]], tick: Tick,
@@ -220,10 +223,22 @@ class Analyzer:
                          "finding %s: %s", "escalated" if worse else "de-escalated",
                          _describe(new, f"{old.severity} -> {new.severity}"), extra={"finding": new.to_json()})
 
+    def _recent_ooms(self, now: float) -> tuple[tuple[Finding, float | None], ...]:
+        """The oom findings raised within RECENT_OOM_SECONDS, newest first, with when each cleared:
+        the finding holds a few minutes, a person opening the status page later still sees it."""
+        out = []
+        for episode_id in reversed(self._oom_episodes):
+            episode = self._episodes.get(episode_id)
+            if episode is not None and now - episode.finding.first_detected_at <= RECENT_OOM_SECONDS:
+                out.append((episode.finding, episode.cleared_at))
+        return tuple(out)
+
     def _record(self, f: Finding) -> int:
         episode_id = self._next_episode
         self._next_episode += 1
         self._episodes[episode_id] = _Episode(f)
+        if f.kind == "oom":
+            self._oom_episodes.append(episode_id)
         while len(self._episodes) > self.config.max_recorded_findings:
             self._episodes.popitem(last=False)
             self.dropped_findings += 1
