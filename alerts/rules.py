@@ -147,18 +147,22 @@ instance_gpu:gpumem_memory_beyond_vllm_budget:ratio
                        "A GPU that fell off the bus or needs a reset serves nothing; check `dmesg` for Xid errors.")),
     Alert("GpuUnifiedMemoryHostPressure", severity="page", for_="5m",
           comment=("On unified-memory devices (GB10, Grace Hopper with ATS/HMM) GPU memory is host memory: host "
-                   "pressure is GPU pressure, and NVML may not report GPU memory at all."),
+                   "pressure is GPU pressure, and the GPU library may not report GPU memory at all. One alert per "
+                   "unified GPU (gpu, uuid), as the daemon's pressure finding, critical from the same thresholds."),
           expr="""\
-(
-  instance:gpumem_host_memory_available:ratio
-    < on () group_left () gpumem:threshold_unified_host_available:ratio
-  or
-  gpumem_host_memory_pressure_some_ratio
-    > on () group_left () gpumem:threshold_unified_host_pressure:ratio
+max by (instance, job, gpu, uuid) (
+  gpumem_gpu_info{unified="true"}
+  and on (instance, job)
+  (
+    instance:gpumem_host_memory_available:ratio
+      < on () group_left () gpumem:threshold_unified_host_available:ratio
+    or
+    gpumem_host_memory_pressure_some_ratio
+      > on () group_left () gpumem:threshold_unified_host_pressure:ratio
+  )
 )
-and on (instance, job) count by (instance, job) (gpumem_gpu_info{unified="true"})
 """,
-          summary="Unified-memory host {{ $labels.instance }} is short of memory.",
+          summary="Unified-memory host {{ $labels.instance }} is short of memory (GPU {{ $labels.gpu }}).",
           description=("{{ $labels.instance }} has GPUs that share host memory. Only "
                        '{{ with printf "gpumem_host_memory_available_bytes{instance=%q}" '
                        "$labels.instance | query }}{{ . | first | value | humanize1024 }}B{{ end }} "

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import glob
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -111,6 +112,8 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
         sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host))
     sampler = Sampler(sources, now=clock.now)
     analyzer = make_analyzer(build_config())
+    logging.getLogger("exporter.findings").propagate = False  # logged, not printed over the table
+    logging.getLogger("exporter.findings").addHandler(logging.NullHandler())
     state = State()
     registry = build_registry(lambda: state, clock.now)
     cpu = []

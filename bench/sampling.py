@@ -9,6 +9,7 @@ the analysis (history + detectors), and rendering /metrics. Prints medians and p
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -41,6 +42,10 @@ def main() -> None:
     config = build_config()
     runtime = build_runtime(config, simulate=args.scenario, at=args.start)
     analyzer = make_analyzer(config)
+    # The findings the scenario raises are logged as the daemon logs them (its cost is in the
+    # figures), but not printed: this prints a table.
+    logging.getLogger("exporter.findings").addHandler(logging.NullHandler())
+    logging.getLogger("exporter.findings").propagate = False
     times = {"sample": [], "analysis": [], "scrape": []}
     state = State()
     registry = build_registry(lambda: state, runtime.clock.now)

@@ -5,6 +5,9 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
+import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -29,6 +32,19 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # urllib3's debug lines carry whole request URLs, an endpoint's query token included (#21 L10).
     logging.getLogger("urllib3").setLevel(max(chosen, logging.INFO))
+
+
+def _self_command() -> str:
+    """This program as a command that works in the user's shell: its bare name where PATH finds
+    this very program, else the path it was run by (`make run` installs it in .venv/bin, not on
+    PATH), else `python -m exporter` with this interpreter."""
+    argv0 = sys.argv[0]
+    if os.path.basename(argv0) != "gpu-memory-exporter" or not os.path.isfile(argv0):
+        return f"{shlex.quote(sys.executable)} -m exporter"
+    on_path = shutil.which("gpu-memory-exporter")
+    if on_path is not None and os.path.realpath(on_path) == os.path.realpath(argv0):
+        return "gpu-memory-exporter"
+    return shlex.quote(os.path.abspath(argv0))
 
 
 def _fail(message: str) -> NoReturn:
@@ -133,9 +149,10 @@ def snapshot(config_file: str | None, simulate: str | None, at: float, vllm_endp
         _fail("sampling failed; see the log above")
     no_gpu = state.snapshot.source_up(runtime.host.gpu.name) is False or not state.snapshot.gpus
     if no_gpu and not simulate:
+        me = _self_command()
         click.echo("No GPU could be read on this host. To see what the exporter reports, sample "
-                   "a simulated one: gpu-memory-exporter snapshot --simulate steady "
-                   "(`gpu-memory-exporter scenarios` lists them all).", err=True)
+                   f"a simulated one: {me} snapshot --simulate steady "
+                   f"(`{me} scenarios` lists them all).", err=True)
     if fmt == "json":
         out = {"snapshot": dataclasses.asdict(state.snapshot),
                "analysis": dataclasses.asdict(state.analysis) if state.analysis else None}

@@ -115,6 +115,29 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
+class GpuTools:
+    """How a person inspects, lists the holders of and resets a GPU with its vendor's own tools,
+    for the advice of findings. Each GPU backend declares its own (sources/gpu.py); the defaults
+    say it in words that fit any vendor. `{gpu}` in a command stands for the GPU's index."""
+
+    tool: str = "the GPU vendor's tool"  # what the sentences name when a command is not known
+    reset: str = ""  # resets one GPU, e.g. `<tool> reset {gpu}`
+    inspect: str = ""  # shows one GPU's state
+    list_processes: str = ""  # lists the processes using GPU memory, with their bytes
+    device_files: str = ""  # the device files a process holds a GPU through (for fuser)
+    kernel_errors: str = "the driver's errors"  # what to look for in `dmesg` when a GPU fails
+    lost_error: str = ""  # the kernel's message for a GPU that fell off the bus
+
+    def command(self, which: str, gpu: str = "") -> str:
+        """One of the commands above for GPU `gpu`, in backquotes; "" where the backend has none."""
+        text: str = getattr(self, which)
+        return f"`{text.replace('{gpu}', gpu or 'N')}`" if text else ""
+
+
+NEUTRAL_TOOLS = GpuTools()  # what advice says where no backend declared its tools (a replayed trace)
+
+
+@dataclass(frozen=True)
 class HostMemory:
     total_bytes: int
     available_bytes: int
@@ -408,6 +431,12 @@ class GpuAnalysis:
     # Used memory the vLLM servers did not budget for (their budget, analysis.budget, is taken
     # by design): other processes, vLLM over budget, memory no live process holds.
     beyond_budget_bytes: int | None = None
+    # The vLLM servers (endpoints) with a process on this GPU; for a GPU that does not answer,
+    # those it had when it last did.
+    servers: tuple[str, ...] = ()
+    # Why admission is closed when its memory is not why: a server on it also spans a GPU that
+    # does not answer (a tensor-parallel server fails on every GPU it spans). "" otherwise.
+    closed_because: str = ""
 
 
 @dataclass(frozen=True)
@@ -462,6 +491,12 @@ class Analysis:
     kv_caches: tuple[KvCache, ...] = ()  # per (vLLM server, model, engine)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, each at most once
     oom_events: tuple[OomEvent, ...] = ()  # this tick's log messages, classified
+    # The `oom` findings raised within the last RECENT_OOM_SECONDS, newest first, each with when
+    # it cleared (None while active): the status page shows the last OOM after its finding's hold.
+    recent_ooms: tuple[tuple[Finding, float | None], ...] = ()
+
+
+RECENT_OOM_SECONDS = 24 * 3600.0
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,12 @@ them fire from `gpumem_finding_active{kind=...}` (docs/architecture.md, "One dec
 verdict"). A few alerts deliberately judge the raw series instead, so that they page even when
 the daemon's analysis is wrong or absent: the 85 % page (GpuMemoryHigh), the out-of-memory cliff
 (GpuMemoryNearFull), host pressure on unified memory, vLLM preemptions and a stalled sampler.
-Where such a rule and the daemon judge the same condition (memory pressure and admission), both
-read their number from here:
+Where such a rule and the daemon judge the same condition (memory pressure, admission, a unified-
+memory host short of memory), both read their number from here:
 
 - the daemon: the defaults of PressureConfig (analysis/pressure.py) and of the admission gate
-  (analysis/engine.py, config/schema.py);
+  (analysis/engine.py, config/schema.py); `unified_host_short` (analysis/pressure.py), which makes
+  the pressure and contention findings critical where GpuUnifiedMemoryHostPressure pages;
 - the rules: alerts/generate.py writes each RULE_THRESHOLDS entry as a recording rule
   (`gpumem:threshold_<name>:<unit>`, a constant series) that the alerts compare against, and
   grafana/generate.py draws the same numbers.
@@ -50,7 +51,9 @@ VLLM_PREEMPTIONS = Threshold("vllm_preemptions", "per_second", 0.05, (
 UNIFIED_HOST_AVAILABLE = Threshold("unified_host_available", "ratio", 0.10, (
     "GpuUnifiedMemoryHostPressure: host memory available below this share, or ..."))
 UNIFIED_HOST_PRESSURE = Threshold("unified_host_pressure", "ratio", 0.20, (
-    "... tasks stalled on memory (PSI some, avg10) above this share of the time."))
+    "... tasks stalled on memory (PSI some, avg10) above this share of the time. From either,\n"
+    "the daemon's pressure finding on a unified-memory GPU is critical, and so is its contention\n"
+    "finding where one is raised."))
 EXPORTER_SAMPLE_AGE = Threshold("exporter_sample_age", "seconds", 120.0, (
     "GpuMemoryExporterSamplingStalled: age of the sample a scrape shows."))
 

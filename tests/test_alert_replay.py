@@ -125,6 +125,32 @@ def test_alerts_fire_if_and_only_if_their_finding_is_active(name, tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 
+def _series(replay: Replay, name: str) -> dict[int, float]:
+    (samples,) = [v for (n, _), v in replay.series.items() if n == name]
+    return samples
+
+
+@pytest.mark.slow
+def test_where_the_unified_memory_page_holds_the_findings_are_critical():
+    """#19 item 2 on a unified-memory host: GpuUnifiedMemoryHostPressure judges the raw series and
+    pages; wherever its condition holds (same numbers as the rule: exporter/thresholds.py), the
+    daemon's pressure finding on the GPU is active and critical, and so is any contention finding
+    (at "MemAvailable 10.0 GiB (8%), memory PSI 55 %" both were warnings, or absent)."""
+    from exporter import thresholds
+
+    assert "GpuUnifiedMemoryHostPressure" in KINDS["pressure"]  # judged by the replay above too
+    replay = played("unified-memory")
+    available, total = (_series(replay, f"gpumem_host_memory_{k}_bytes") for k in ("available", "total"))
+    psi = _series(replay, "gpumem_host_memory_pressure_some_ratio")
+    pages = [i for i in available if available[i] / total[i] < thresholds.UNIFIED_HOST_AVAILABLE.value
+             or psi.get(i, 0.0) > thresholds.UNIFIED_HOST_PRESSURE.value]
+    assert len(pages) > 100  # the scenario spends a good while there (PSI from ~100 min, then the kill)
+    for i in pages:
+        found = {(f.kind, f.severity) for f in replay.active[i] if f.gpu == "0"}
+        assert ("pressure", "critical") in found, (replay.times[i], found)
+        assert ("contention", "warning") not in found, (replay.times[i], found)
+
+
 def test_the_expectations_wait_for_for_and_judge_silence():
     """The judge itself: a finding raised at 300 s on a 5-minute alert is not judged before it
     has been active for `for:` and one evaluation, then must fire; after it clears it must not."""

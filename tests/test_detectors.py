@@ -1,17 +1,19 @@
 """Each detector fires on its failure pattern and stays silent on the normal ones.
 
-Detectors are pure functions over a real History and a Snapshot; the snapshots are built by
-the timeline helpers in helpers/timeline.py (shared with test_engine.py and test_analyze.py).
+Detectors are called through their one interface, `detector(tick, config)`, a Tick per snapshot
+over a real History (helpers/timeline.run_detector); the snapshots are built by the timeline
+helpers in helpers/timeline.py (shared with test_engine.py and test_analyze.py).
 """
 from __future__ import annotations
 
 import pytest
 
-from exporter.analysis.contention import ContentionConfig, detect_contention
+from exporter.analysis import contention, fragmentation, stale
+from exporter.analysis.contention import ContentionConfig
 from exporter.analysis.engine import Analyzer
-from exporter.analysis.fragmentation import FragmentationConfig, detect_fragmentation
+from exporter.analysis.fragmentation import FragmentationConfig
 from exporter.analysis.pressure import PressureConfig, admission_open, detect_pressure, memory_ratio
-from exporter.analysis.stale import StaleConfig, detect_stale, unattributed_bytes
+from exporter.analysis.stale import StaleConfig, unattributed_bytes
 from exporter.model import (
     GpuAnalysis,
     GpuSample,
@@ -157,13 +159,13 @@ def test_stale_memory_fires_only_after_it_persists():
     cfg = StaleConfig(seconds=120)
     # 6 GiB used, processes account for 1 GiB: 5 GiB unowned from the start.
     snaps = timeline(300, 10, lambda e: snap(T0 + e, [gpu([proc(1, GiB)], used=6 * GiB)]))
-    per_tick = run_detector(detect_stale, snaps, cfg)
+    per_tick = run_detector(stale.DETECTOR, snaps, cfg)
     fired_at = [s.timestamp - T0 for s, f in zip(snaps, per_tick, strict=True) if f]
     assert fired_at[0] == 120 and fired_at == [e for e in range(120, 301, 10)]
     f = per_tick[-1][0]
     assert f.kind == "stale_memory" and f.pid is None and f.gpu == "0"
     assert dict(f.evidence)["unattributed_bytes"] == 5 * GiB
-    assert any("nvidia-smi" in a for a in f.advice)
+    assert any(a.startswith("Find the holder: list the processes using GPU 0") for a in f.advice)
 
 
 def test_stale_memory_silent_below_threshold_and_on_short_blips():
@@ -172,7 +174,7 @@ def test_stale_memory_silent_below_threshold_and_on_short_blips():
     def make(e):
         extra = 6 * GiB if 100 <= e < 160 else 700 * MiB
         return snap(T0 + e, [gpu([proc(1, 10 * GiB)], extra=extra)])
-    assert not any(run_detector(detect_stale, timeline(600, 10, make), cfg))
+    assert not any(run_detector(stale.DETECTOR, timeline(600, 10, make), cfg))
 
 
 def test_stale_memory_when_serving_process_exits_and_memory_stays():
@@ -183,7 +185,7 @@ def test_stale_memory_when_serving_process_exits_and_memory_stays():
         if e < 200:
             return snap(T0 + e, [gpu([server])])
         return snap(T0 + e, [gpu([], used=30 * GiB + BASE)])  # exited, memory not back
-    per_tick = run_detector(detect_stale, timeline(400, 10, make), cfg)
+    per_tick = run_detector(stale.DETECTOR, timeline(400, 10, make), cfg)
     first = next(i for i, f in enumerate(per_tick) if f)
     assert first * 10 == 260  # exit seen at 200, 60 s grace
     f = per_tick[first][0]
@@ -197,7 +199,7 @@ def test_stale_memory_exit_time_is_accurate_with_dense_sampling():
     cfg = StaleConfig(exit_grace_seconds=60, seconds=600)
     make = lambda e: snap(T0 + e, [gpu([vllm_proc(7, 30 * GiB)]) if e < 700  # noqa: E731
                                    else gpu([], used=30 * GiB + BASE)])
-    per_tick = run_detector(detect_stale, timeline(1000, 1, make), cfg)
+    per_tick = run_detector(stale.DETECTOR, timeline(1000, 1, make), cfg)
     first = next(i for i, f in enumerate(per_tick) if f)
     assert 760 <= first <= 760 + cfg.lookback_seconds / 120 + 1  # late by one thinning gap at most
 
@@ -212,7 +214,7 @@ def test_stale_memory_silent_when_memory_returns_after_exit_and_for_short_lived_
         if e >= 300:
             procs = []  # server stopped, memory returned
         return snap(T0 + e, [gpu(procs)])
-    assert not any(run_detector(detect_stale, timeline(900, 10, make), cfg))
+    assert not any(run_detector(stale.DETECTOR, timeline(900, 10, make), cfg))
 
 
 def test_stale_memory_says_how_long_it_has_lasted_beyond_the_raw_window():
@@ -222,12 +224,12 @@ def test_stale_memory_says_how_long_it_has_lasted_beyond_the_raw_window():
 
     def make(e):
         return snap(T0 + e, [gpu([vllm_proc(10, 40 * GiB)], extra=BASE + (20 * GiB if e >= 600 else 0))])
-    per_tick = run_detector(detect_stale, timeline(4.5 * 3600, 60, make), cfg)
+    per_tick = run_detector(stale.DETECTOR, timeline(4.5 * 3600, 60, make), cfg)
     last = per_tick[-1][0]
     assert last.summary.endswith("20.4 GiB in use by no live process for 4.3 h"), last.summary  # + BASE
     assert dict(last.evidence)["for_seconds"] == pytest.approx(4.5 * 3600 - 600, abs=120)
     # From the exporter's start on: as far back as it knows, and it says so.
-    always = run_detector(detect_stale, timeline(2 * 3600, 60, lambda e: make(e + 600)), cfg)
+    always = run_detector(stale.DETECTOR, timeline(2 * 3600, 60, lambda e: make(e + 600)), cfg)
     assert always[-1][0].summary.endswith("for at least 2.0 h"), always[-1][0].summary
 
 
@@ -244,7 +246,7 @@ def test_contention_names_other_process_taking_memory_from_a_serving_gpu():
                               container="3f2a9c1b7d0e55aa", pod="jupyter-alice",
                               namespace="research"))
         return snap(T0 + e, [gpu(procs)])
-    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    per_tick = run_detector(contention.DETECTOR, timeline(900, 10, make), cfg)
     assert not any(per_tick[:60])  # nothing before the notebook
     f = per_tick[-1][0]
     assert f.kind == "contention" and f.gpu == "0"
@@ -260,7 +262,7 @@ def test_contention_silent_when_the_gpu_keeps_ample_headroom():
     def make(e):  # a 6 GiB job next to a 30 GiB server on an 80 GiB GPU
         procs = [vllm_proc(10, 30 * GiB)] + ([proc(555, 6 * GiB)] if e >= 400 else [])
         return snap(T0 + e, [gpu(procs)])
-    assert not any(run_detector(detect_contention, timeline(900, 10, make), cfg))
+    assert not any(run_detector(contention.DETECTOR, timeline(900, 10, make), cfg))
 
 
 def test_contention_silent_during_vllm_startup_and_for_small_or_vllm_growth():
@@ -272,7 +274,7 @@ def test_contention_silent_during_vllm_startup_and_for_small_or_vllm_growth():
         if e >= 800:
             procs.append(proc(30, 300 * MiB, name="nvidia-smi"))  # small newcomer
         return snap(T0 + e, [gpu(procs)])
-    assert not any(run_detector(detect_contention, timeline(1500, 10, make), cfg))
+    assert not any(run_detector(contention.DETECTOR, timeline(1500, 10, make), cfg))
 
 
 def budgeted(e, others, vllm_used=67 * GiB):
@@ -285,7 +287,7 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     as long as it holds them, not just for the window after it grew (#19 item 1)."""
     cfg = ContentionConfig(window_seconds=300)
     notebook = lambda e: [proc(555, 9 * GiB, name="python3")] if e >= 600 else []  # noqa: E731
-    per_tick = run_detector(detect_contention, timeline(3 * 3600, 30, lambda e: budgeted(e, notebook)), cfg)
+    per_tick = run_detector(contention.DETECTOR, timeline(3 * 3600, 30, lambda e: budgeted(e, notebook)), cfg)
     assert not any(per_tick[:20])
     held = per_tick[20:]
     assert all(len(f) == 1 for f in held)  # raised at once and never cleared while it holds
@@ -296,11 +298,27 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
 
 
+def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():
+    """From the trial: "pid 5230 (python3) 8.6 GiB, steady for 5 min" from 55 to 134 min read as a
+    duration that never grew. A process that holds still is said to have held it for as long
+    as it has (its per-minute minima), however long past the window."""
+    cfg = ContentionConfig(window_seconds=300)
+    notebook = lambda e: [proc(555, (0.6 if e < 25 * 60 else 8.6) * GiB, name="python3")] if e >= 600 else []  # noqa: E731
+    per_tick = run_detector(contention.DETECTOR, timeline(134 * 60, 30, lambda e: budgeted(e, notebook)), cfg)
+    last = per_tick[-1][0]
+    assert "pid 555 (python3) 8.6 GiB, held for 1.8 h" in last.summary, last.summary  # 109 min
+    assert "steady" not in last.summary
+    assert dict(last.evidence)["process_1_held_seconds"] == pytest.approx(109 * 60, abs=60)
+    # Held since before the history starts: a lower bound, said so.
+    always = run_detector(contention.DETECTOR, timeline(2 * 3600, 30, lambda e: budgeted(e + 3600, notebook)), cfg)
+    assert "8.6 GiB, held for at least 2.0 h" in always[-1][0].summary, always[-1][0].summary
+
+
 def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
     cfg = ContentionConfig()
 
     def verdict(other_bytes):
-        findings = run_detector(detect_contention, timeline(
+        findings = run_detector(contention.DETECTOR, timeline(
             600, 30, lambda e: budgeted(e, lambda _: [proc(555, other_bytes, name="embedder")])), cfg)[-1]
         return findings[0].severity if findings else None
     assert verdict(2 * GiB) is None  # 72 + 2 + 0.4 of 80 GiB: 5.6 GiB spare, room to spare
@@ -312,7 +330,7 @@ def test_contention_at_start_names_a_process_already_holding_the_memory():
     """An exporter (re)started while a notebook holds the headroom raises at its first tick;
     growth is not known yet and is not made up."""
     cfg = ContentionConfig(window_seconds=300)
-    per_tick = run_detector(detect_contention, timeline(
+    per_tick = run_detector(contention.DETECTOR, timeline(
         120, 10, lambda e: budgeted(e, lambda _: [proc(555, 9 * GiB)])), cfg)
     assert all(per_tick)
     assert "process_1_grew_bytes" not in dict(per_tick[0][0].evidence)
@@ -330,7 +348,7 @@ def test_contention_holds_while_the_host_hovers_at_the_threshold():
         psi = 5.0 if e < 300 else 10.3 if (e // 10) % 2 else 9.7
         return Snapshot(timestamp=T0 + e, gpus=(g,), host=HostMemory(128 * GiB, 40 * GiB, psi),
                         host_processes=(proc(7300, None, name="chrome", host_rss_bytes=20 * GiB),))
-    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    per_tick = run_detector(contention.DETECTOR, timeline(900, 10, make), cfg)
     first = next(i for i, found in enumerate(per_tick) if found)
     assert all(per_tick[first:])
 
@@ -338,7 +356,7 @@ def test_contention_holds_while_the_host_hovers_at_the_threshold():
 def test_contention_names_nobody_on_a_gpu_without_a_serving_process():
     cfg = ContentionConfig()
     make = lambda e: snap(T0 + e, [gpu([proc(20, 40 * GiB), proc(21, 35 * GiB)])])  # noqa: E731
-    assert not any(run_detector(detect_contention, timeline(900, 30, make), cfg))
+    assert not any(run_detector(contention.DETECTOR, timeline(900, 30, make), cfg))
 
 
 def test_contention_on_unified_memory_names_the_host_process_that_holds_it():
@@ -359,7 +377,7 @@ def test_contention_on_unified_memory_names_the_host_process_that_holds_it():
                           psi_some_avg10=12.0)
         return Snapshot(timestamp=T0 + e, gpus=(g,), host=host, host_processes=hosts,
                         vllm=(vllm_server(0, 0.3, util=0.5, pids=(10,)),))
-    per_tick = run_detector(detect_contention, timeline(900, 30, make), cfg)
+    per_tick = run_detector(contention.DETECTOR, timeline(900, 30, make), cfg)
     f = per_tick[-1][0]
     assert "pid 7300 (chrome)" in f.summary and "pid 10 " not in f.summary and "VLLM" not in f.summary
     ev = dict(f.evidence)
@@ -379,7 +397,7 @@ def test_contention_on_unified_memory_names_rss_growers_and_counts_oom_kills():
         host = HostMemory(total_bytes=total, available_bytes=int(50 * GiB - grow),
                           psi_some_avg10=min(40.0, grow / GiB), oom_kills=3 if e >= 700 else 0)
         return snap(T0 + e, [g], host=host)
-    per_tick = run_detector(detect_contention, timeline(900, 10, make), cfg)
+    per_tick = run_detector(contention.DETECTOR, timeline(900, 10, make), cfg)
     assert not any(per_tick[:31])
     warn = next(f[0] for f in per_tick if f)
     assert warn.severity == "warning" and "spark-job" in warn.summary
@@ -395,7 +413,7 @@ def test_contention_unified_silent_while_host_is_steady():
         g = GpuSample(index="0", uuid="u", unified=True,
                       processes=(vllm_proc(10, None, host_rss_bytes=70 * GiB),))
         return snap(T0 + e, [g], host=HostMemory(128 * GiB, 40 * GiB, 0.5, 0.0, 7))
-    assert not any(run_detector(detect_contention, timeline(900, 10, make), cfg))
+    assert not any(run_detector(contention.DETECTOR, timeline(900, 10, make), cfg))
 
 
 # ------------------------------------------------------------------ fragmentation
@@ -412,7 +430,7 @@ def test_fragmentation_from_oom_with_large_reserved_but_unallocated():
     event = torch_oom(reserved_bytes=70 * GiB, reserved_unallocated_bytes=20 * GiB)
     snaps = [snap(T0, [gpu([vllm_proc(10, 75 * GiB)])]),
              snap(T0 + 10, [gpu([vllm_proc(10, 75 * GiB)])], events=[event])]
-    per_tick = run_detector(detect_fragmentation, snaps, cfg)
+    per_tick = run_detector(fragmentation.DETECTOR, snaps, cfg)
     assert per_tick[0] == []
     f = per_tick[1][0]
     assert f.kind == "fragmentation" and f.severity == "critical" and f.gpu == "0"
@@ -425,14 +443,14 @@ def test_fragmentation_silent_for_a_plain_shortage_oom():
     event = torch_oom(reserved_bytes=76 * GiB, reserved_unallocated_bytes=100 * MiB,
                       free_bytes=300 * MiB)
     snaps = [snap(T0, [gpu([vllm_proc(10, 79 * GiB)], extra=0)], events=[event])]
-    assert run_detector(detect_fragmentation, snaps, cfg) == [[]]
+    assert run_detector(fragmentation.DETECTOR, snaps, cfg) == [[]]
 
 
 def test_fragmentation_when_oom_happens_with_free_memory_on_nvml():
     cfg = FragmentationConfig(free_ratio=0.2)
     event = torch_oom(free_bytes=None, total_bytes=None)  # the message did not say
     snaps = [snap(T0, [gpu([vllm_proc(10, 40 * GiB)])], events=[event])]
-    (f,), = run_detector(detect_fragmentation, snaps, cfg)
+    (f,), = run_detector(fragmentation.DETECTOR, snaps, cfg)
     assert "free" in f.summary
 
 
@@ -442,7 +460,7 @@ def test_fragmentation_preemptions_rising_while_kv_usage_low():
     def make(e):
         pre = 5 + (e >= 200) * 7  # seven preemptions at t=200
         return snap(T0 + e, [gpu([vllm_proc(10, 70 * GiB)])], vllm=[vllm_server(pre, 0.3)])
-    per_tick = run_detector(detect_fragmentation, timeline(600, 10, make), cfg)
+    per_tick = run_detector(fragmentation.DETECTOR, timeline(600, 10, make), cfg)
     assert not any(per_tick[:20])
     f = per_tick[20][0]
     assert f.endpoint == "http://127.0.0.1:8000" and f.gpu == "0"
@@ -456,7 +474,7 @@ def test_fragmentation_silent_for_preemptions_with_a_full_kv_cache():
     def make(e):  # KV cache full: preemptions are ordinary back-pressure
         return snap(T0 + e, [gpu([vllm_proc(10, 72 * GiB)])],
                     vllm=[vllm_server(e // 10, 0.97)])
-    assert not any(run_detector(detect_fragmentation, timeline(600, 10, make), cfg))
+    assert not any(run_detector(fragmentation.DETECTOR, timeline(600, 10, make), cfg))
 
 
 def test_preemption_counter_reset_counts_as_restart_from_zero():
@@ -466,7 +484,7 @@ def test_preemption_counter_reset_counts_as_restart_from_zero():
         # 50 preemptions before a server restart at t=100, then 3 more after it.
         pre = 50 if e < 100 else (0 if e < 150 else 3)
         return snap(T0 + e, [gpu([vllm_proc(10, 60 * GiB)])], vllm=[vllm_server(pre, 0.2)])
-    per_tick = run_detector(detect_fragmentation, timeline(200, 10, make), cfg)
+    per_tick = run_detector(fragmentation.DETECTOR, timeline(200, 10, make), cfg)
     assert not any(per_tick[:15])
     assert dict(per_tick[-1][0].evidence)["preemptions_in_window"] == 3
 
@@ -480,7 +498,7 @@ def test_fragmentation_server_far_above_budget_with_tensor_parallel_advice():
         g0 = gpu([vllm_proc(10, 39 * GiB + over, endpoint=ep)], index="0")
         g1 = gpu([vllm_proc(11, 39 * GiB, endpoint=ep)], index="1")
         return snap(T0 + e, [g0, g1], vllm=[vllm_server(0, 0.5, util=0.5, pids=(10, 11))])
-    per_tick = run_detector(detect_fragmentation, timeline(300, 10, make), cfg)
+    per_tick = run_detector(fragmentation.DETECTOR, timeline(300, 10, make), cfg)
     first = next(i for i, f in enumerate(per_tick) if f)
     assert first * 10 == 160  # over from 100, sustained for 60 s
     (f,) = per_tick[-1]
@@ -497,7 +515,7 @@ def test_fragmentation_silent_for_short_spike_above_budget():
         over = 6 * GiB if 100 <= e < 140 else 0
         return snap(T0 + e, [gpu([vllm_proc(10, 39 * GiB + over)])],
                     vllm=[vllm_server(0, 0.5, util=0.5)])
-    assert not any(run_detector(detect_fragmentation, timeline(300, 10, make), cfg))
+    assert not any(run_detector(fragmentation.DETECTOR, timeline(300, 10, make), cfg))
 
 
 # ------------------------------------------------------------------ leak (through the engine)

@@ -59,6 +59,21 @@ def test_severity_change_keeps_first_detection_and_records_the_worst_version():
     assert analyzer.episodes()[0][1] == T0 + 50  # cleared at the last tick
 
 
+def test_escalation_and_de_escalation_are_logged_once_each(caplog):
+    """A finding that turns critical is news for whoever reads the log: raised, escalated,
+    de-escalated and cleared, one line each, however long it stays at each severity."""
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.97, 0.88, 0.88, 0.5]):
+            analyzer.update(s)
+    records = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "exporter.findings"]
+    assert records == [(logging.WARNING, "finding raised"), (logging.WARNING, "finding escalated"),
+                       (logging.INFO, "finding de-escalated"), (logging.INFO, "finding cleared")]
+    escalated = next(r for r in caplog.records if "escalated" in r.getMessage())
+    assert "pressure [warning -> critical] gpu=0" in escalated.getMessage()
+    assert escalated.finding["severity"] == "critical"
+
+
 def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
     analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
@@ -144,7 +159,7 @@ def test_a_failing_detector_is_counted_and_does_not_silence_the_others(monkeypat
     analyzer.update(s0)
     calls = {"n": 0}
 
-    def broken(history, snapshot, config):
+    def broken(history, snapshot, config, *tools):
         calls["n"] += 1
         raise RuntimeError("bug")
     monkeypatch.setattr(stale, "detect_stale", broken)
@@ -206,10 +221,15 @@ def test_findings_log_line_cannot_be_forged_by_a_process_name(caplog):
 def test_unified_memory_utilisation_comes_from_the_host():
     analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
-    r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 8 * GiB)))
+    r = analyzer.update(snap(T0, [g], host=HostMemory(128 * GiB, 16 * GiB)))
+    assert r.gpus[0].utilization_ratio == pytest.approx(112 / 128)
+    assert r.gpus[0].admission_open is True  # 87.5 %: not above 90 %
+    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
+    # Under 10 % available GpuUnifiedMemoryHostPressure pages: the finding is critical too.
+    r = analyzer.update(snap(T0 + 10, [g], host=HostMemory(128 * GiB, 8 * GiB)))
     assert r.gpus[0].utilization_ratio == pytest.approx(120 / 128)
     assert r.gpus[0].admission_open is False
-    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["warning"]
+    assert [f.severity for f in r.findings if f.kind == "pressure"] == ["critical"]
 
 
 

@@ -294,7 +294,9 @@ def test_analyze_lists_the_logs_oom_events_with_class_and_time(tmp_path):
                           "--report", str(tmp_path / "r.html")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "1 out-of-memory event(s) in the log(s) given" in out.stdout
+    # The only event is before the trace: listed apart, not counted as the incident's (#19).
+    assert "No out-of-memory events in the log(s) given" in out.stdout and "within the trace's time." in out.stdout
+    assert "1 more outside the trace's time, not part of this incident:" in out.stdout
     line = next(ln for ln in out.stdout.splitlines() if "vllm_v1_worker_oom.log:" in ln)
     assert f"torch_cuda_oom, class {event.klass}, 2024-11-22 10:05:14 UTC" in line  # the trace's year
     # The trace runs 13:00 to 14:30: the event is before it, and said to be (#19).

@@ -142,3 +142,68 @@ def test_an_unwritable_path_raises_a_clear_os_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(NotADirectoryError):
         write_report([], [], [], str(blocker / "report.html"))
+
+
+# ------------------------------------------------------------------ the trial's report (#19)
+
+def test_an_event_outside_the_trace_is_shown_apart_not_counted_nor_advised(leak_run, tmp_path):
+    """A log event from a year before the trace is another incident: it has a section of its own,
+    the header counts only the trace's events, and its advice is not the incident's."""
+    snapshots, episodes, events = leak_run
+    [event] = events
+    old = replace(event, timestamp=snapshots[0].timestamp - 368 * 86400, line=99,
+                  advice=("An old incident's own advice.",))
+    path = tmp_path / "r.html"
+    write_report(snapshots, episodes, [old], str(path))
+    text = path.read_text(encoding="utf-8")
+    header = text[:text.index("<h2>Host</h2>")]
+    assert "finding(s), 0 out-of-memory event(s)" in header
+    assert "(1 more in the logs outside the trace's time, listed apart)" in header
+    oom = text[text.index("<h2>Out-of-memory events</h2>"):text.index("<h2>Advice</h2>")]
+    mine, apart = oom.split("Outside the trace's time</h3>")
+    assert "no out-of-memory event within the trace's time" in mine and "vllm.log:99" not in mine
+    assert "vllm.log:99" in apart and "368 days 0h00m before the trace starts" in apart
+    assert "An old incident" not in text[text.index("<h2>Advice</h2>"):]
+
+
+def test_span_text_reads_in_days_for_long_spans():
+    from exporter.postmortem.report import outside_text, span_text
+
+    assert span_text(125) == "2m05s" and span_text(5 * 3600 + 243) == "5h04m03s"
+    assert span_text(8849 * 3600 + 243) == "368 days 17h04m"
+    assert span_text(86400 + 3600) == "1 day 1h00m"
+    assert outside_text(0.0, 8849 * 3600 + 243, 9000 * 3600) == "368 days 17h04m before the trace starts"
+
+
+def test_the_oom_table_wraps_its_long_columns_and_the_host_table_fills_its_memory(leak_run, tmp_path):
+    snapshots, episodes, events = leak_run
+    [event] = events
+    crowded = replace(event, other_processes=tuple((20000 + i, (i + 1) * GiB) for i in range(12)))
+    path = tmp_path / "r.html"
+    write_report(snapshots, episodes, [crowded], str(path))
+    text = path.read_text(encoding="utf-8")
+    assert "td.wrap{max-width:16em;overflow-wrap:anywhere}" in text
+    cell = re.search(r'<td class="wrap">(pid 20000[^<]*(?:<br>[^<]*)*)</td>', text)
+    assert cell and cell.group(1).count("<br>") == 11  # one process a line, in a narrow column
+    host = text[text.index("<h2>Host</h2>"):text.index("<h2>Findings</h2>")]
+    rows = re.findall(r"<tr><td>0</td><td>[^<]*</td><td[^>]*>[^<]*</td><td>([^<]*)</td></tr>", host)
+    assert rows == ["its own (discrete)"]
+
+
+def test_the_gpu_chart_keeps_its_legend_off_the_plot(leak_run):
+    """The legend sat over the bottom left, where the start-up ramp is: it goes under the axis."""
+    from exporter.postmortem import reportplots as plots
+
+    mpl = plots.load()
+    if mpl is None:
+        pytest.skip("matplotlib (the report extra) is not installed")
+    snapshots, _, _ = leak_run
+    t = [s.timestamp for s in snapshots]
+    parts = [[int(i * GiB / 10) for i in range(len(t))]] * 4
+    fig = plots.gpu(mpl, "0", t, parts, (), ())
+    mpl[1](fig)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent()
+    plot = ax.get_window_extent()
+    assert legend.y1 <= plot.y0  # wholly under the plotting area

@@ -8,6 +8,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import ConfigError
+from exporter.model import Finding
 from exporter.serve.auth import BasicAuth
 from exporter.serve.exposition import build_registry
 from exporter.serve.server import HttpServer
@@ -260,9 +261,10 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     assert "<td>leak</td>" in page and "<td>101 proc101</td><td>grows 4 MiB/min</td>" in page
     assert "<th>what to change</th>" in page and "<td>check NCCL_CUMEM_ENABLE</td>" in page  # its advice
     assert "<td>nvml</td>" in page and "<td>vllm down</td><td><span class=\"bad\">down</span> refused" in page
-    # each vLLM server's KV cache use and queue
-    assert ("<td>llama</td><td><span class=\"ok\">up</span></td><td>meta-llama/Llama-3.1-8B</td><td>42%</td>"
-            "<td>3</td><td>1</td><td>5</td>") in page
+    # each vLLM server's budget, KV cache use and queue, in one table (#19: there were two)
+    assert page.count("<h2>vLLM servers</h2>") == 1
+    assert ("<td>llama</td><td>meta-llama/Llama-3.1-8B</td><td><span class=\"ok\">up</span> loading</td>"
+            "<td>GPU 0: 1.0 GiB of 72.0 GiB</td><td>42%</td><td>3</td><td>1</td><td>5</td>") in page
     for link in ("metrics", "healthz", "admission", "api/findings"):
         assert f'<a href="{link}">' in page
     assert "<script" not in page  # no script needed
@@ -297,7 +299,9 @@ def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fin
     row = page[page.index("<h2>vLLM servers</h2>"):page.index("<h2>Findings</h2>")]
     assert "Qwen/Qwen2.5-32B-Instruct" in row
     assert re.search(r"GPU 0: 6\d\.\d GiB of 71\.7 GiB; GPU 1: 6\d\.\d GiB of 71\.7 GiB \(0\.9 of the GPU\)", row)
-    assert re.search(r"\d+% of 299,008 tokens \(36\.5 GiB per GPU\)", row) and " running, " in row
+    assert re.search(r"<td>\d+% \([\d,]+ of 299,008 tokens\), 36\.5 GiB per GPU</td><td>\d+</td><td>\d+</td>"
+                     r"<td>0</td>", row)
+    assert "<th>running</th><th>waiting</th><th>preempted (total)</th>" in row
     gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
     assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.7 GiB" in gpus
 
@@ -322,6 +326,81 @@ def test_status_page_names_the_findings_that_put_a_gpu_in_trouble_and_a_gpu_down
     page = status.render(played("gpu-lost", 900, step=60), "simulated: scenario gpu-lost", 1.0, 15.0)
     assert '<td>nvml</td><td><span class="ok">up</span> <span class="bad">GPU 1 down: gpu_is_lost</span>' in page
     assert "gpu_unavailable (critical)" in page
+
+
+def _section(page: str, title: str) -> str:
+    start = page.index(f"<h2>{title}</h2>")
+    return page[start:page.index("<h2>", start + 1)]
+
+
+def test_a_gpu_row_names_the_findings_of_the_servers_on_it():
+    """kv_saturation has no GPU of its own: the GPUs its server runs on are in trouble with it,
+    not "no finding: 86% used" (the trial's kv-saturation)."""
+    import dataclasses
+
+    from exporter.serve import status
+    state = make_state()
+    snap = state.snapshot
+    served = dataclasses.replace(snap.gpus[0], processes=tuple(
+        dataclasses.replace(p, endpoint="llama") if p.role == "vllm" else p for p in snap.gpus[0].processes))
+    saturated = Finding(kind="kv_saturation", severity="warning", first_detected_at=snap.timestamp,
+                        endpoint="llama", summary="KV cache full")
+    state = dataclasses.replace(state, snapshot=dataclasses.replace(snap, gpus=(served,)),
+                                analysis=dataclasses.replace(state.analysis, findings=(saturated,)))
+    gpus = _section(status.render(state, "real", 1.0, 15.0), "GPUs")
+    assert "kv_saturation (warning) of vLLM llama, which runs here</span>: see Findings" in gpus
+    assert "no finding" not in gpus
+
+
+def test_a_lost_gpu_closes_and_names_its_tensor_parallel_peer_on_the_page():
+    from exporter.serve import status
+    page = status.render(played("gpu-lost", 900, step=60), "simulated: scenario gpu-lost", 1.0, 15.0)
+    row0 = _section(page, "GPUs").split("<tr>")[2]
+    assert row0.startswith("<td>0</td>")
+    assert '<span class="bad">closed</span> (vLLM sim-0 also spans GPU 1, which does not answer)' in row0
+    assert "gpu_unavailable (critical) on GPU 1 of vLLM sim-0, which runs here" in row0
+    assert "no finding" not in row0
+    findings = _section(page, "Findings")
+    assert "vLLM sim-0 (also on GPU 0, closed to new work too) ran on it" in findings
+    assert "nvidia-smi -r -i 1" in findings and "-i N" not in findings
+
+
+def test_the_findings_table_shows_the_processes_a_finding_names():
+    """Contention and pressure name pid 5230 in their text: the process column says so too."""
+    from exporter.serve import status
+    findings = _section(status.render(played("contention", 2400), "simulated: scenario contention", 1.0, 15.0),
+                        "Findings")
+    rows = {re.search(r"<td>(contention|pressure)</td>", r).group(1): r
+            for r in findings.split("<tr>") if re.search(r"<td>(contention|pressure)</td>", r)}
+    assert "<td>5230 python3</td>" in rows["contention"]
+    assert re.search(r"<td>5150 VLLM::EngineCor; 5230 python3[^<]*</td>", rows["pressure"])
+
+
+def test_the_last_oom_stays_on_the_page_after_its_finding_is_held():
+    """The oom finding holds 5 minutes; then the GPU row says when the last OOM was and of what
+    class, and a table lists the day's out-of-memory findings."""
+    from exporter.serve import status
+    page = status.render(played("oom", 2400, step=60), "simulated: scenario oom", 1.0, 15.0)
+    gpus = _section(page, "GPUs")
+    assert "oom (critical)" not in gpus
+    assert re.search(r"no finding: [^<]*; last out-of-memory \d+ min ago \(shortage\): see Recent out-of-memory", gpus)
+    recent = _section(page, "Recent out-of-memory")
+    assert "<th>when</th><th>GPU</th><th>class</th>" in recent and re.search(r"cleared \d+ min ago", recent)
+    assert "out-of-memory event(s) in the logs" in recent
+
+
+def test_a_missing_gpu_library_is_said_not_no_gpu_sampled_yet():
+    """A real host without the NVML library: after several samples the page said "No GPU sampled
+    yet."; it says the GPU library is unavailable and why."""
+    from exporter.model import Snapshot, SourceStatus, State
+    from exporter.serve import status
+    snap = Snapshot(timestamp=1000.0, sources=(SourceStatus("nvml", False, 0.001, "library_not_found"),
+                                               SourceStatus("host", True, 0.001)))
+    page = status.render(State(snapshot=snap, samples_total=6, last_sample_at=1000.0), "real", 1.0, 15.0)
+    gpus = _section(page, "GPUs")
+    assert "No GPU sampled yet." not in gpus
+    assert ("No GPU could be read in 6 sample(s): the GPU library (NVML, gpu.backend nvml) is unavailable "
+            "(library_not_found).") in gpus
 
 
 def test_status_page_escapes_text_from_the_host(clock):

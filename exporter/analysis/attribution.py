@@ -95,11 +95,11 @@ def component_advice(component: str, tensor_parallel: bool, role: str) -> tuple[
     if component == "non_torch":
         advice = []
         if tensor_parallel or role == "vllm":
-            advice.append("Memory outside PyTorch grows (NVML used - reserved): set "
+            advice.append("Memory outside PyTorch grows (GPU memory used - reserved): set "
                           "NCCL_CUMEM_ENABLE=0 in the server's environment (NCCL's cuMem "
                           "allocations have leaked in several NCCL/vLLM versions).")
         else:
-            advice.append("Memory outside PyTorch grows (NVML used - reserved): NCCL buffers, "
+            advice.append("Memory outside PyTorch grows (GPU memory used - reserved): NCCL buffers, "
                           "CUDA graphs, cuBLAS workspaces or the driver; with NCCL, try "
                           "NCCL_CUMEM_ENABLE=0.")
         advice += [

@@ -11,25 +11,30 @@
   short of it (MemAvailable low, memory PSI high, or the kernel OOM killer ran within the
   window) the host processes outside the serving stack holding the most resident memory are
   named (the host source reads the largest processes on such hosts, GPU processes or not),
-  with their growth.
+  with their growth. It is critical where GpuUnifiedMemoryHostPressure pages (the thresholds of
+  exporter/thresholds.py, read through pressure.unified_host_short) or the OOM killer ran.
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
 take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
-history reaches that far back it is not given (the memory held still is).
+history reaches that far back it is not given (the memory held still is). A process that did not
+grow is said to have held its memory for as long as its series' per-minute minima say (the
+history's retention, not the window), so "held for 79 min" stays true an hour later.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
+from .pressure import unified_host_short
 
 if TYPE_CHECKING:
-    from .history import History, Identity
+    from .history import History, Identity, SeriesView
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -47,9 +52,13 @@ class ContentionConfig:
     min_spare_ratio: float = 0.05
     # ... budgets unknown: when the GPU is at least this full (used/total).
     min_utilization_ratio: float = 0.80
-    critical_ratio: float = 0.95
-    host_available_low_ratio: float = 0.15  # unified: MemAvailable under this share ...
-    psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) at least this
+    # Critical from the GPU's use at which GpuMemoryNearFull pages (exporter/thresholds.py), not a
+    # setting of its own: the page and the finding read one number.
+    critical_ratio: float = thresholds.MEMORY_NEAR_FULL.value
+    # Unified memory: short (a warning, before the page) when MemAvailable is under this share ...
+    host_available_low_ratio: float = 0.15
+    psi_some_threshold: float = 10.0  # ... or memory PSI "some" avg10 (%) is at least this;
+    # critical where GpuUnifiedMemoryHostPressure pages (pressure.unified_host_short, thresholds.py).
     top_processes: int = 8  # named in the summary and the evidence, the largest first
     # Short of room at any sample this recent counts as short now: a GPU or host hovering at a
     # threshold (PSI noise, a sawtooth) keeps one finding instead of raising it every other tick.
@@ -97,12 +106,12 @@ def detect_contention(history: History, snapshot: Snapshot,
         old = next((g for g in base.gpus if g.uuid == gpu.uuid), None) if base is not None else None
         if gpu.unified:
             short = any(s.host is not None and _host_short(s.host, config) for s, _ in recent)
-            finding = _unified(gpu, snapshot, base, short, config)
+            finding = _unified(gpu, snapshot, base, short, config, history)
         else:
             short = any(_room_short(g, tuple(b for b in bs if b.uuid == gpu.uuid), config)
                         for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up)
             finding = _discrete(gpu, old, base is not None,
-                                tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config)
+                                tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config, history)
         if finding is not None:
             findings.append(finding)
     return findings
@@ -131,9 +140,11 @@ def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
 
 
 def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
-    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high."""
+    """Unified: the host (so the GPU) short of memory: MemAvailable low or memory PSI high, at
+    this detector's warning levels or at the page's (whichever a configuration makes earlier)."""
     low = host.total_bytes > 0 and host.available_bytes / host.total_bytes < config.host_available_low_ratio
-    return low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
+    return (low or (host.psi_some_avg10 is not None and host.psi_some_avg10 >= config.psi_some_threshold)
+            or bool(unified_host_short(host)))
 
 
 def describe(p: ProcessSample) -> str:
@@ -150,48 +161,79 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _growth(grew: int | None, window: float) -> str:
-    if grew is None:
-        return ""
-    if abs(grew) < GIB / 20:
-        return f", steady for {window / 60:.0f} min"
+HELD_SHARE = 0.9  # "held since": the earliest minute from which it held at least this share of it
+
+
+def held_for(tier: SeriesView, now: float, held: int) -> tuple[float, bool] | None:
+    """How long a process has held at least HELD_SHARE of `held` bytes, from its series' tier
+    (per-minute minima, kept for the history's retention, so true beyond the raw window), and
+    whether that is only a lower bound (it held it as far back as the tier goes). None without
+    a tier to read."""
+    if not tier.times or not tier.lows:
+        return None
+    i = len(tier.lows) - 1
+    if tier.lows[i] < HELD_SHARE * held:
+        return None  # it took most of it within the last minute
+    while i > 0 and tier.lows[i - 1] >= HELD_SHARE * held:
+        i -= 1
+    return now - tier.times[i], i == 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def _growth(grew: int | None, lasted: tuple[float, bool] | None, window: float) -> str:
+    """Growth over the window, or, where it did not grow, how long it has held the memory (a
+    duration the window does not cap)."""
+    if grew is None or abs(grew) < GIB / 20:
+        if lasted is not None:
+            return f", held for {'at least ' if lasted[1] else ''}{_duration(lasted[0])}"
+        return "" if grew is None else f", no growth in the last {window / 60:.0f} min"
     sign = "+" if grew >= 0 else "-"
     return f", {sign}{abs(grew) / GIB:.1f} GiB in {window / 60:.0f} min"
 
 
-def _named(held: list[tuple[int, int | None, ProcessSample]], config: ContentionConfig,
-           rss: bool = False) -> tuple[str, Evidence]:
-    """The summary's list of processes (bytes, growth) and their evidence, largest first."""
+Held = tuple[int, "int | None", ProcessSample, "tuple[float, bool] | None"]  # bytes, growth, process, held for
+
+
+def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tuple[str, Evidence]:
+    """The summary's list of processes (bytes, growth or how long held) and their evidence,
+    largest first."""
     shown = held[:config.top_processes]
-    text = "; ".join(f"{describe(p)} {_gib(b)}{' resident' if rss else ''}{_growth(g, config.window_seconds)}"
-                     for b, g, p in shown)
+    text = "; ".join(f"{describe(p)} {_gib(b)}{' resident' if rss else ''}{_growth(g, h, config.window_seconds)}"
+                     for b, g, p, h in shown)
     rest = held[config.top_processes:]
     if rest:
-        text += f"; and {len(rest)} more ({_gib(sum(b for b, _, _ in rest))})"
+        text += f"; and {len(rest)} more ({_gib(sum(b for b, _, _, _ in rest))})"
     evidence: Evidence = []
-    for i, (b, g, p) in enumerate(shown, 1):
+    for i, (b, g, p, h) in enumerate(shown, 1):
         evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
                      (f"process_{i}_container", p.container), (f"process_{i}_pod", p.pod),
                      (f"process_{i}_{'rss_' if rss else ''}bytes", b)]
         if g is not None:
             evidence.append((f"process_{i}_{'rss_' if rss else ''}grew_bytes", g))
+        if h is not None:
+            evidence.append((f"process_{i}_held_seconds", round(h[0], 1)))
     return text, evidence
 
 
 def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budgets: tuple[Budget, ...],
-              short: bool, now: float, config: ContentionConfig) -> Finding | None:
+              short: bool, now: float, config: ContentionConfig, history: History) -> Finding | None:
     if gpu.used_bytes is None or not gpu.total_bytes or not any(p.role == "vllm" for p in gpu.processes):
         return None  # no serving process here: nothing of its budget to take
     others = [p for p in gpu.processes if p.role != "vllm"]
     held_all = sum(p.used_bytes or 0 for p in others)
     before = {p.identity: p.used_bytes or 0 for p in old.processes} if old is not None else None
-    held = sorted(((p.used_bytes or 0,
-                    (p.used_bytes or 0) - before.get(p.identity, 0) if before is not None
-                    else (None if not have_baseline else p.used_bytes or 0), p)
-                   for p in others if (p.used_bytes or 0) >= config.process_min_bytes),
-                  key=lambda bgp: (-bgp[0], bgp[2].pid))
+    held: list[Held] = sorted(
+        ((p.used_bytes or 0,
+          (p.used_bytes or 0) - before.get(p.identity, 0) if before is not None
+          else (None if not have_baseline else p.used_bytes or 0), p, None)
+         for p in others if (p.used_bytes or 0) >= config.process_min_bytes),
+        key=lambda bgp: (-bgp[0], bgp[2].pid))
     if not held or held_all < config.min_bytes or not short:
         return None
+    held = [(b, g, p, held_for(history.process_memory(gpu.uuid, p.identity), now, b)) for b, g, p, _ in held]
     ratio = gpu.used_bytes / gpu.total_bytes
     spare = _spare(gpu, budgets)
     evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
@@ -235,7 +277,7 @@ def _serving_pids(snapshot: Snapshot) -> set[int]:
 
 
 def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: bool,
-             config: ContentionConfig) -> Finding | None:
+             config: ContentionConfig, history: History) -> Finding | None:
     host = snapshot.host
     if host is None or host.total_bytes <= 0:
         return None
@@ -245,8 +287,8 @@ def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: b
     kills = _oom_kills(old_host, host) if old_host is not None else 0
     if not (kills > 0 or short):
         return None
-    held = _rss_holders(snapshot, base, config)
-    if not held or (sum(b for b, _, _ in held) < config.min_bytes and not kills):
+    held = _rss_holders(snapshot, base, config, history)
+    if not held or (sum(b for b, _, _, _ in held) < config.min_bytes and not kills):
         return None
     names, named_evidence = _named(held, config, rss=True)
     evidence: Evidence = [
@@ -257,7 +299,8 @@ def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: b
     if host.psi_some_avg10 is not None:
         evidence.append(("psi_some_avg10", host.psi_some_avg10))
     evidence += named_evidence
-    critical = kills > 0 or host.available_bytes / host.total_bytes < 0.05
+    # Critical exactly where GpuUnifiedMemoryHostPressure pages, or once the OOM killer ran.
+    critical = kills > 0 or bool(unified_host_short(host))
     why = ", ".join(w for w, on in (
         (f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})", True),
         (f"memory PSI {host.psi_some_avg10:.0f} %", stalled),
@@ -284,10 +327,11 @@ def _oom_kills(old: HostMemory, new: HostMemory) -> int:
     return new.oom_kills - old.oom_kills if new.oom_kills >= old.oom_kills else new.oom_kills
 
 
-def _rss_holders(snapshot: Snapshot, base: Snapshot | None,
-                 config: ContentionConfig) -> list[tuple[int, int | None, ProcessSample]]:
-    """(RSS, growth since the baseline or None, process) of the processes outside the serving
-    stack, largest first: the host's largest processes and the GPU's own, once each."""
+def _rss_holders(snapshot: Snapshot, base: Snapshot | None, config: ContentionConfig,
+                 history: History) -> list[Held]:
+    """(RSS, growth since the baseline or None, process, how long held where its RSS has a
+    series: GPU processes) of the processes outside the serving stack, largest first: the host's
+    largest processes and the GPU's own, once each."""
     def processes(snap: Snapshot) -> dict[Identity, ProcessSample]:
         found: dict[Identity, ProcessSample] = {}
         for p in (*snap.host_processes, *(p for g in snap.gpus for p in g.processes)):
@@ -309,7 +353,7 @@ def _rss_holders(snapshot: Snapshot, base: Snapshot | None,
             grew = rss  # started within the window
         else:
             grew = None  # not among the largest back then: how much it had is not known
-        held.append((rss, grew, p))
+        held.append((rss, grew, p, held_for(history.process_rss(ident), snapshot.timestamp, rss)))
     held.sort(key=lambda bgp: (-bgp[0], bgp[2].pid))
     return held
 
@@ -348,7 +392,6 @@ DETECTOR = DetectorSpec(
         "min_spare_ratio": ("Budgets known: contention when what is left beside the vLLM budgets and "
                             "everything else on the GPU is under this share of it."),
         "min_utilization_ratio": "Budgets unknown: contention when the GPU is at least this full (used/total).",
-        "critical_ratio": "At or above this utilisation the finding is critical.",
         "host_available_low_ratio": "Unified memory: host MemAvailable below this share of its total ...",
         "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as short.",
         "top_processes": "How many of the processes that hold the most a finding names.",

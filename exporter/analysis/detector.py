@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
-from ..model import Budget, Finding, GpuAnalysis, KvCache, ProcessTrend, Snapshot
+from ..model import NEUTRAL_TOOLS, Budget, Finding, GpuAnalysis, GpuTools, KvCache, ProcessTrend, Snapshot
 from .history import History
 
 C = TypeVar("C")
@@ -42,6 +42,7 @@ class Tick:
     kv_caches: tuple[KvCache, ...]  # capacity and use of each engine's KV cache (analysis.kv_cache)
     gpus: tuple[GpuAnalysis, ...]  # per-GPU verdicts: utilisation, beyond budget, admission, ...
     active: tuple[Finding, ...] = ()  # the findings active after the tick before this one
+    gpu_tools: GpuTools = NEUTRAL_TOOLS  # the GPU backend's tools, for advice (vendor-neutral words without)
 
     @property
     def now(self) -> float:
@@ -84,7 +85,7 @@ class FindingAlert:
 @dataclass(frozen=True)
 class FindingKind:
     name: str  # Finding.kind
-    help: str  # one line for docs/metrics.md
+    help: str  # one line for the finding kinds' table in docs/runbooks/README.md
     scenario: str  # the built-in scenario that shows it (exporter/sim/scenarios/<scenario>.yaml)
     alert: FindingAlert | None = None  # fires from the finding ...
     # ... or, for a kind whose condition a rule over the raw series judges with the same

@@ -3,8 +3,9 @@
 A tick: compute the memory budgets and KV caches once, feed the History, give the per-GPU
 verdicts, run every registered detector (analysis.registry) over the same Tick, then track
 episodes: the active findings are keyed by `Finding.key`, so a finding keeps its
-first_detected_at while it stays active and is logged once when raised (WARNING) and once when
-cleared (INFO) on the "exporter.findings" logger. The Analysis it returns carries everything
+first_detected_at while it stays active and is logged once when raised (WARNING), once at each
+change of severity (escalated: WARNING, de-escalated: INFO) and once when cleared (INFO) on the
+"exporter.findings" logger. The Analysis it returns carries everything
 downstream needs (findings, trends, GPU verdicts, budgets, the tick's transitions), so nothing
 after it recomputes any of it.
 
@@ -14,13 +15,13 @@ raises the same findings at the same moments as the live daemon did.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from .. import thresholds
-from ..model import Analysis, Finding, OomEvent, ProcessTrend, Snapshot
+from ..model import NEUTRAL_TOOLS, RECENT_OOM_SECONDS, Analysis, Finding, GpuTools, OomEvent, ProcessTrend, Snapshot
 from . import leak_detector, pressure
 from .budget import memory_budgets
 from .detector import DetectorSpec, ReportsTrends, Tick
@@ -35,6 +36,7 @@ findings_log = logging.getLogger("exporter.findings")
 log = logging.getLogger(__name__)
 
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+MAX_RECENT_OOMS = 16  # oom episodes the status page can list (within RECENT_OOM_SECONDS)
 
 C = TypeVar("C")
 # Finding.key: (kind, gpu, pid, endpoint)
@@ -51,6 +53,8 @@ class AnalysisConfig:
     history_max_raw_samples: int = 4096  # raw points per series (and snapshots) at most
     forecast_window_seconds: float = 3600.0  # GPU used trend window for time-to-full
     max_recorded_findings: int = 10_000  # all_findings keeps at most this many (oldest go)
+    # The GPU backend's tools that advice names (sources/gpu.py); vendor-neutral words without one.
+    gpu_tools: GpuTools = NEUTRAL_TOOLS
     # Each registered detector's settings, by its name (DetectorSpec.name); one left out runs
     # with its config's defaults. After construction every registered detector is present.
     detectors: Mapping[str, Any] = field(default_factory=dict)
@@ -108,6 +112,7 @@ class Analyzer:
         self._active: dict[FindingKey, tuple[int, Finding]] = {}  # key -> (episode id, finding)
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
+        self._oom_episodes: deque[int] = deque(maxlen=MAX_RECENT_OOMS)  # the latest oom episodes' ids
         self._gpus = GpuVerdicts()
         self._detectors = [(spec, spec.create()) for spec in detectors]  # stateful ones keep theirs
         self._previous: Snapshot | None = None
@@ -144,7 +149,7 @@ class Analyzer:
                                  cfg.forecast_window_seconds, cfg.section(leak_detector.DETECTOR))
         before = tuple(f for _, f in self._active.values())
         tick = Tick(snapshot=snapshot, history=history, budgets=budgets, kv_caches=kv, gpus=gpus,
-                    active=before)
+                    active=before, gpu_tools=cfg.gpu_tools)
         findings: list[Finding] = []
         trends: list[ProcessTrend] = []
         failed: set[str] = set()  # kinds of the detectors that failed this tick
@@ -160,7 +165,8 @@ class Analyzer:
         changed = transitions(self._previous, snapshot, before, active)
         self._previous = snapshot
         return Analysis(timestamp=now, findings=active, gpus=gpus, budgets=budgets, kv_caches=kv,
-                        process_trends=tuple(trends), transitions=changed, oom_events=events)
+                        process_trends=tuple(trends), transitions=changed, oom_events=events,
+                        recent_ooms=self._recent_ooms(now))
 
     # ------------------------------------------------------------------ internals
     def _run(self, name: str, detector: Callable[[Tick, Any], Sequence[Finding]], tick: Tick,
@@ -190,6 +196,8 @@ class Analyzer:
                 if episode is not None and \
                         _SEVERITY.get(f.severity, 0) >= _SEVERITY.get(episode.finding.severity, 0):
                     episode.finding = f
+                if self.log_findings and f.severity != old.severity:
+                    self._log_severity_change(old, f)
             else:
                 episode_id = self._record(f)
                 if self.log_findings:
@@ -207,24 +215,44 @@ class Analyzer:
         self._active = active
         return tuple(f for _, f in active.values())
 
+    @staticmethod
+    def _log_severity_change(old: Finding, new: Finding) -> None:
+        """Once per change: worse is a WARNING (on-call should look again), better an INFO."""
+        worse = _SEVERITY.get(new.severity, 0) > _SEVERITY.get(old.severity, 0)
+        findings_log.log(logging.WARNING if worse else logging.INFO,
+                         "finding %s: %s", "escalated" if worse else "de-escalated",
+                         _describe(new, f"{old.severity} -> {new.severity}"), extra={"finding": new.to_json()})
+
+    def _recent_ooms(self, now: float) -> tuple[tuple[Finding, float | None], ...]:
+        """The oom findings raised within RECENT_OOM_SECONDS, newest first, with when each cleared:
+        the finding holds a few minutes, a person opening the status page later still sees it."""
+        out = []
+        for episode_id in reversed(self._oom_episodes):
+            episode = self._episodes.get(episode_id)
+            if episode is not None and now - episode.finding.first_detected_at <= RECENT_OOM_SECONDS:
+                out.append((episode.finding, episode.cleared_at))
+        return tuple(out)
+
     def _record(self, f: Finding) -> int:
         episode_id = self._next_episode
         self._next_episode += 1
         self._episodes[episode_id] = _Episode(f)
+        if f.kind == "oom":
+            self._oom_episodes.append(episode_id)
         while len(self._episodes) > self.config.max_recorded_findings:
             self._episodes.popitem(last=False)
             self.dropped_findings += 1
         return episode_id
 
 
-def _describe(f: Finding) -> str:
+def _describe(f: Finding, severity: str = "") -> str:
     """One log line: kind, severity, where, summary; control characters from process names
     and log files are escaped so a finding cannot forge log lines."""
     where = " ".join(x for x in (
         f"gpu={f.gpu}" if f.gpu is not None else "",
         f"pid={f.pid}" if f.pid is not None else "",
         f"endpoint={f.endpoint}" if f.endpoint else "") if x)
-    return sanitize(f"{f.kind} [{f.severity}] {where}: {f.summary}")
+    return sanitize(f"{f.kind} [{severity or f.severity}] {where}: {f.summary}")
 
 
 def sanitize(text: str) -> str:

@@ -15,13 +15,30 @@ from .trend import median, theil_sen_interval
 MAX_GPUS_REMEMBERED = 4096  # GPUs come and go rarely; bound the admission memory anyway
 
 
+def _servers_on(gpu: GpuSample) -> tuple[str, ...]:
+    return tuple(sorted({p.endpoint for p in gpu.processes if p.role == "vllm" and p.endpoint}))
+
+
 class GpuVerdicts:
     def __init__(self) -> None:
         self._admission: dict[str, bool] = {}  # GPU uuid -> open
+        self._servers: dict[str, tuple[str, ...]] = {}  # GPU uuid -> vLLM servers on it when last up
 
     def update(self, snapshot: Snapshot, budgets: tuple[Budget, ...], history: History,
                close_above: float, open_below: float, slack: float,
                forecast_window_seconds: float, leak: LeakConfig) -> tuple[GpuAnalysis, ...]:
+        """Per GPU. A GPU that does not answer takes no work, and neither does one whose vLLM
+        server also spans a GPU that does not answer: a tensor-parallel (or pipeline) server runs
+        one worker per GPU and fails, or hangs in its collectives, when one is gone, so routing to
+        it on the GPUs still up only fails later. That closure holds until the lost GPU answers
+        again or the server no longer runs on this one (its memory verdict, with its hysteresis,
+        is kept apart and decides again then)."""
+        for gpu in snapshot.gpus:
+            if gpu.up:
+                self._servers[gpu.uuid] = _servers_on(gpu)
+        while len(self._servers) > MAX_GPUS_REMEMBERED:
+            self._servers.pop(next(iter(self._servers)))
+        lost = {server: g.index for g in snapshot.gpus if not g.up for server in self._servers.get(g.uuid, ())}
         out = []
         for gpu in snapshot.gpus:
             ratio = memory_ratio(gpu, snapshot.host) if gpu.up else None
@@ -36,8 +53,12 @@ class GpuVerdicts:
             self._admission[gpu.uuid] = is_open
             if len(self._admission) > MAX_GPUS_REMEMBERED:
                 self._admission.pop(next(iter(self._admission)))
+            servers = self._servers.get(gpu.uuid, ())
+            spanned = [f"vLLM {s} also spans GPU {lost[s]}, which does not answer" for s in servers
+                       if gpu.up and s in lost]
             out.append(GpuAnalysis(
-                gpu=gpu.index, uuid=gpu.uuid, utilization_ratio=ratio, admission_open=is_open,
+                gpu=gpu.index, uuid=gpu.uuid, utilization_ratio=ratio, admission_open=is_open and not spanned,
+                servers=servers, closed_because="; ".join(spanned),
                 beyond_budget_bytes=beyond,
                 time_to_full_seconds=_time_to_full(gpu, snapshot.timestamp, history,
                                                    forecast_window_seconds, leak),

@@ -11,7 +11,8 @@ both: utilisation above the threshold *and* more than a small slack of memory be
 budgets (other processes, vLLM over its budget, stale memory). On a GPU with no vLLM server all
 used memory is beyond budget, so plain utilisation decides. The shipped alert rules
 (GpuMemoryHigh, GpuMemoryNearFull, GpuAdmissionClosed) use the same definition and the same
-numbers: both read them from exporter/thresholds.py.
+numbers: both read them from exporter/thresholds.py. So does GpuUnifiedMemoryHostPressure: on a
+unified-memory GPU a host short of memory at its level is critical pressure (`unified_host_short`).
 
 Admission is a gate a router or autoscaler can read (`/admission`, `gpumem_admission_open`):
 it closes when a GPU goes above the close threshold (0.90) and reopens only below the open
@@ -55,6 +56,24 @@ def memory_ratio(gpu: GpuSample, host: HostMemory | None) -> float | None:
     if gpu.unified and host is not None and host.total_bytes > 0:
         return min(1.0, max(0.0, 1 - host.available_bytes / host.total_bytes))
     return None
+
+
+def unified_host_short(host: HostMemory | None) -> str:
+    """Why a unified-memory host is short of memory at the level GpuUnifiedMemoryHostPressure pages
+    at (exporter/thresholds.py: MemAvailable under UNIFIED_HOST_AVAILABLE of the total, or memory
+    PSI `some` avg10 over UNIFIED_HOST_PRESSURE), in words; "" when it is not. The rule and the
+    daemon judge the same condition with the same numbers: on such a host, GPU memory is host
+    memory."""
+    if host is None or host.total_bytes <= 0:
+        return ""
+    why = []
+    available = host.available_bytes / host.total_bytes
+    if available < thresholds.UNIFIED_HOST_AVAILABLE.value:
+        why.append(f"MemAvailable {host.available_bytes / GIB:.1f} GiB ({available:.0%}, under "
+                   f"{thresholds.UNIFIED_HOST_AVAILABLE.value:.0%})")
+    if host.psi_some_avg10 is not None and host.psi_some_avg10 / 100.0 > thresholds.UNIFIED_HOST_PRESSURE.value:
+        why.append(f"memory PSI {host.psi_some_avg10:.0f} % (over {thresholds.UNIFIED_HOST_PRESSURE.value:.0%})")
+    return ", ".join(why)
 
 
 def beyond_budget_bytes(gpu: GpuSample, budgets: Iterable[Budget]) -> int | None:
@@ -106,12 +125,15 @@ def _who(p: ProcessSample) -> str:
 
 def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnalysis],
                     now: float, config: PressureConfig, raised: frozenset[str] = frozenset(),
-                    host_processes: tuple[ProcessSample, ...] = ()) -> list[Finding]:
+                    host_processes: tuple[ProcessSample, ...] = (),
+                    host: HostMemory | None = None) -> list[Finding]:
     """One pressure finding per GPU at or above the warning ratio, naming the processes that
     fill it (`host_processes`: the host's largest, which count on unified memory). `raised`
     holds the UUIDs whose finding is active: it stays until use is clear_margin_ratio below the
-    threshold."""
+    threshold. On unified memory a host short of memory where GpuUnifiedMemoryHostPressure pages
+    (`unified_host_short`) is critical pressure, whatever the GPU's share in use."""
     by_uuid = {g.uuid: g for g in snapshot_gpus}
+    short = unified_host_short(host)
     findings = []
     for a in analyses:
         ratio = a.utilization_ratio
@@ -120,7 +142,8 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             continue
         beyond = (a.beyond_budget_bytes / gpu.total_bytes
                   if a.beyond_budget_bytes is not None and gpu.total_bytes else None)
-        critical = ratio >= config.critical_ratio
+        host_short = short if gpu.unified else ""
+        critical = ratio >= config.critical_ratio or bool(host_short)
         held = a.uuid in raised
         warning_ratio = config.warning_ratio - (config.clear_margin_ratio if held else 0.0)
         slack = config.budget_slack_ratio / 2 if held else config.budget_slack_ratio
@@ -139,6 +162,9 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
                          (f"process_{i}_role", p.role), (f"process_{i}_bytes", b)]
         summary = f"GPU {a.gpu} memory {ratio:.0%} used"
+        if host_short:
+            summary += f" and its host (unified memory) is short of memory: {host_short}"
+            evidence.append(("host_short", host_short))
         if beyond is not None and beyond < ratio:
             summary += f", {beyond:.0%} of it beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
@@ -174,20 +200,23 @@ def _detect(tick: Tick, config: PressureConfig) -> list[Finding]:
     # A raised finding holds until use is clearly below the threshold (clear_margin_ratio).
     raised = frozenset(f.uuid for f in tick.active if f.kind == "pressure" and f.uuid)
     return detect_pressure(tick.snapshot.gpus, list(tick.gpus), tick.now, config, raised,
-                           tick.snapshot.host_processes)
+                           tick.snapshot.host_processes, tick.snapshot.host)
 
 
 DETECTOR = DetectorSpec(
     name="pressure", config=PressureConfig, create=lambda: _detect,
     help=("Memory pressure per GPU. Its thresholds (the utilisation that warns and the one that is "
-          "critical, the slack beyond the vLLM budgets) are shared with the GpuMemoryHigh and "
-          "GpuMemoryNearFull rules and set in exporter/thresholds.py, so the page and the finding "
-          "cannot disagree."),
+          "critical, the slack beyond the vLLM budgets, a unified-memory host short of memory) are "
+          "shared with the GpuMemoryHigh, GpuMemoryNearFull and GpuUnifiedMemoryHostPressure rules and "
+          "set in exporter/thresholds.py, so the page and the finding cannot disagree."),
     kinds=(FindingKind(
-        "pressure", scenario="pressure", raw_alerts=("GpuMemoryHigh", "GpuMemoryNearFull"),
+        "pressure", scenario="pressure",
+        raw_alerts=("GpuMemoryHigh", "GpuMemoryNearFull", "GpuUnifiedMemoryHostPressure"),
         help=(f"a GPU at least {thresholds.MEMORY_HIGH.value:.0%} used with more than "
               f"{thresholds.VLLM_BUDGET_SLACK.value:.0%} of it beyond the vLLM budgets (warning), or at "
-              f"least {thresholds.MEMORY_NEAR_FULL.value:.0%} used whoever holds it (critical)")),),
+              f"least {thresholds.MEMORY_NEAR_FULL.value:.0%} used whoever holds it (critical); on unified "
+              f"memory also a host with under {thresholds.UNIFIED_HOST_AVAILABLE.value:.0%} available or "
+              f"memory PSI over {thresholds.UNIFIED_HOST_PRESSURE.value:.0%} (critical)")),),
     settings={"clear_margin_ratio": (
         "A raised pressure finding clears only this far below the warning level (or once the "
         "memory beyond budget fell to half the slack): use hovering at the threshold must not "

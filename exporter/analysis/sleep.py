@@ -15,15 +15,20 @@ cycle instead (`sleep_leak`, one finding per server and GPU), on three signals:
   memory is still in use") rose by the margin from one sleep to the next (device-wide, so a
   co-tenant's growth counts too: the evidence says so).
 
-Cycles are found in the raw history (up to lookback_seconds, as far as the history holds).
+Cycles are found in the raw history (up to lookback_seconds, as far as the history holds). What
+the cycles kept is remembered from one to the next (SleepLeakDetector): the finding stays raised
+while the memory is kept, asleep again or between scrapes, and names the total kept since the
+first sleep.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model import Finding, GpuSample, Snapshot, VllmSample
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
-from .history import History
+from .history import History, Identity
+
+Evidence = list[tuple[str, float | int | str]]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -77,41 +82,111 @@ def quiet_endpoints(history: History, snapshot: Snapshot, seconds: float) -> fro
     return frozenset(quiet)
 
 
-def _used(gpu: GpuSample | None, endpoint: str) -> int | None:
-    """The server's processes' memory on this GPU; None if NVML gave no figure for one."""
+def _used(gpu: GpuSample | None, endpoint: str, only: frozenset[Identity] | None = None) -> int | None:
+    """The server's processes' memory on this GPU (of the processes `only` names, where given: a
+    restarted server's earlier processes are another story); None if the GPU library gave no
+    figure for one."""
     if gpu is None:
         return None
-    amounts = [p.used_bytes for p in gpu.processes if p.role == "vllm" and p.endpoint == endpoint]
+    amounts = [p.used_bytes for p in gpu.processes if p.role == "vllm" and p.endpoint == endpoint
+               and (only is None or p.identity in only)]
     if not amounts or any(a is None for a in amounts):
         return None
     return sum(a for a in amounts if a is not None)
 
 
-def detect_sleep_leaks(history: History, snapshot: Snapshot, config: SleepConfig) -> list[Finding]:
-    now = snapshot.timestamp
-    frames = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
-    frames.append(snapshot)
-    findings = []
-    for server in snapshot.vllm:
-        if not server.up:
-            continue
-        endpoint = server.endpoint
-        states = [(s.timestamp, _states(s).get(endpoint, "")) for s in frames]
-        for gpu in snapshot.gpus:
-            if _used(gpu, endpoint) is None:
-                continue
-            series = [(t, state, _used(next((g for g in s.gpus if g.uuid == gpu.uuid), None), endpoint))
-                      for (t, state), s in zip(states, frames, strict=True)]
-            evidence = _cycle(series, gpu, server, now, config)
-            if evidence:
-                findings.append(_finding(gpu, server, evidence, now))
-        logged = _log_signal(frames, server, snapshot, config)
-        if logged and not any(f.endpoint == endpoint for f in findings):
-            findings.append(_finding(None, server, logged, now))
-    return findings
+@dataclass
+class _Kept:
+    """Memory a server's sleep/wake cycles kept on one GPU, from the first such cycle on: what it
+    held before its first sleep, and the cycles that kept some."""
+
+    processes: frozenset[Identity]  # the server's processes on the GPU: a restart starts afresh
+    baseline: int  # bytes before the first sleep of the first cycle that kept memory
+    cycles: dict[float, int] = field(default_factory=dict)  # woke_at -> bytes that cycle kept
+    evidence: Evidence = field(default_factory=list)  # the latest judged cycle's, totals added
 
 
-Evidence = list[tuple[str, float | int | str]]
+def _processes(gpu: GpuSample, endpoint: str) -> frozenset[Identity]:
+    return frozenset(p.identity for p in gpu.processes if p.role == "vllm" and p.endpoint == endpoint)
+
+
+MAX_TRACKED = 4096  # (server, GPU) pairs remembered at most; servers and GPUs are few
+
+
+class SleepLeakDetector:
+    """Judges each sleep/wake cycle as it settles, and remembers what the cycles kept: the finding
+    stays while the memory is kept (asleep again, a scrape missed, settling after a change) and
+    names the total kept since the first sleep, not the last cycle's share. It clears once the
+    server, awake and settled, is back within the margin of what it held before its first sleep,
+    or its processes are gone or replaced (a restart gives everything back)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], _Kept] = {}
+
+    def __call__(self, tick: Tick, config: SleepConfig) -> list[Finding]:
+        snapshot, now = tick.snapshot, tick.now
+        frames = [s for s in tick.history.recent(now - config.lookback_seconds) if s.timestamp < now]
+        frames.append(snapshot)
+        findings = []
+        seen: set[tuple[str, str]] = set()
+        for server in snapshot.vllm:
+            endpoint = server.endpoint
+            states = [(s.timestamp, _states(s).get(endpoint, "")) for s in frames]
+            for gpu in snapshot.gpus:
+                key = (endpoint, gpu.uuid)
+                used = _used(gpu, endpoint)
+                if used is None:
+                    if not gpu.up and key in self._kept:  # a lost GPU hides its processes: keep
+                        seen.add(key)
+                        findings.append(_finding(gpu, server, self._kept[key].evidence, now))
+                    continue
+                seen.add(key)
+                processes = _processes(gpu, endpoint)
+                series = [(t, state, _used(next((g for g in s.gpus if g.uuid == gpu.uuid), None), endpoint,
+                                           processes))
+                          for (t, state), s in zip(states, frames, strict=True)]
+                evidence = _cycle(series, gpu, server, now, config) if server.up else []
+                kept = self._judge(key, gpu, server, evidence, used, states, now, config)
+                if kept:
+                    findings.append(_finding(gpu, server, kept, now))
+                elif evidence:
+                    findings.append(_finding(gpu, server, evidence, now))
+            logged = _log_signal(frames, server, snapshot, config) if server.up else []
+            if logged and not any(f.endpoint == endpoint for f in findings):
+                findings.append(_finding(None, server, logged, now))
+        for key in [k for k in self._kept if k not in seen]:
+            del self._kept[key]  # the server or the GPU went away: what it kept went with it
+        return findings
+
+    def _judge(self, key: tuple[str, str], gpu: GpuSample, server: VllmSample, evidence: Evidence,
+               used: int, states: list[tuple[float, str]], now: float, config: SleepConfig) -> Evidence:
+        """The evidence of the memory kept so far on this GPU ([] when none is), updating what is
+        remembered with this tick's judgement of the last cycle."""
+        processes = _processes(gpu, server.endpoint)
+        kept = self._kept.get(key)
+        if kept is not None and kept.processes != processes:
+            del self._kept[key]  # restarted: a new process holds nothing of the old one's cycles
+            kept = None
+        e = dict(evidence)
+        if e.get("signal") == "not_given_back":
+            if kept is None:
+                if len(self._kept) >= MAX_TRACKED:
+                    self._kept.pop(next(iter(self._kept)))
+                kept = self._kept[key] = _Kept(processes, int(e["before_sleep_bytes"]))
+            kept.cycles[float(e["woke_at"])] = int(e["kept_bytes"])
+            total = int(e["after_wake_bytes"]) - kept.baseline
+            kept.evidence = [*[(k, v) for k, v in evidence if k != "kept_bytes"],
+                             ("kept_bytes", max(total, int(e["kept_bytes"]))),
+                             ("last_cycle_kept_bytes", int(e["kept_bytes"])), ("cycles", len(kept.cycles)),
+                             ("first_before_sleep_bytes", kept.baseline)]
+            return kept.evidence
+        if kept is None:
+            return []
+        settled = server.up and all(state == "awake" for t, state in states if t >= now - config.settle_seconds)
+        if settled and used <= kept.baseline + _margin(gpu, config):
+            del self._kept[key]  # awake, settled and back where it was before its first sleep
+            return []
+        return kept.evidence
 
 
 def _margin(gpu: GpuSample | None, config: SleepConfig) -> int:
@@ -225,6 +300,12 @@ def _finding(gpu: GpuSample | None, server: VllmSample, evidence: Evidence, now:
         summary = (f"{server.endpoint}: asleep ({e['sleep_state']}) on {where} it freed only "
                    f"{int(e['freed_bytes']) / GIB:.1f} GiB and still holds {int(e['asleep_bytes']) / GIB:.1f} GiB"
                    f" ({e['summary_detail']})")
+    elif signal == "not_given_back" and int(e.get("cycles", 1)) > 1:
+        summary = (f"{server.endpoint}: {e['cycles']} sleep/wake cycles did not give memory back on {where}: "
+                   f"{int(e['first_before_sleep_bytes']) / GIB:.1f} GiB before the first sleep, "
+                   f"{int(e['after_wake_bytes']) / GIB:.1f} GiB after the last wake: "
+                   f"{int(e['kept_bytes']) / GIB:.2f} GiB kept in all "
+                   f"(+{int(e['last_cycle_kept_bytes']) / GIB:.2f} GiB the last cycle)")
     elif signal == "not_given_back":
         summary = (f"{server.endpoint}: a sleep/wake cycle did not give memory back on {where}: "
                    f"{int(e['before_sleep_bytes']) / GIB:.1f} GiB before sleep, "
@@ -252,12 +333,8 @@ _ADVICE = (
 )
 
 
-def _detect(tick: Tick, config: SleepConfig) -> list[Finding]:
-    return detect_sleep_leaks(tick.history, tick.snapshot, config)
-
-
 DETECTOR = DetectorSpec(
-    name="sleep_leak", config=SleepConfig, create=lambda: _detect,
+    name="sleep_leak", config=SleepConfig, create=SleepLeakDetector,
     help="vLLM sleep mode (--enable-sleep-mode): sleep/wake cycles that do not give memory back.",
     kinds=(FindingKind(
         "sleep_leak", scenario="sleep-leak",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model import Finding, GpuSample, ProcessSample, Snapshot
+from ..model import NEUTRAL_TOOLS, Finding, GpuSample, GpuTools, ProcessSample, Snapshot
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import unattributed_bytes
 from .sleep import quiet_endpoints
@@ -48,12 +48,14 @@ def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
     return max(config.min_bytes, int(config.min_ratio * (gpu.total_bytes or 0)))
 
 
-def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig) -> list[Finding]:
+def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig,
+                 tools: GpuTools = NEUTRAL_TOOLS) -> list[Finding]:
+    """`tools`: the GPU backend's commands the advice names (vendor-neutral words by default)."""
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
     exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
-    # vLLM sleep mode frees and maps memory behind PyTorch's back, and NVML reads the device's
-    # and each process's figures at different moments: unowned memory on a GPU whose server
+    # vLLM sleep mode frees and maps memory behind PyTorch's back, and the GPU library reads the
+    # device's and each process's figures at different moments: unowned memory on a GPU whose server
     # sleeps, or slept or woke within `seconds`, is not judged until it has settled.
     asleep = quiet_endpoints(history, snapshot, config.seconds)
     findings = []
@@ -62,9 +64,9 @@ def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig) -> l
         if unowned is None:
             continue
         sleeping = any(p.role == "vllm" and p.endpoint in asleep for p in gpu.processes)
-        finding = (_exited_server(gpu, unowned, exited.get(gpu.uuid, ()), now, config)
+        finding = (_exited_server(gpu, unowned, exited.get(gpu.uuid, ()), now, config, tools)
                    or (None if sleeping else _persistent(gpu, unowned, past, now, config,
-                                                         history.gpu_unowned(gpu.uuid))))
+                                                         history.gpu_unowned(gpu.uuid), tools)))
         if finding is not None:
             findings.append(finding)
     return findings
@@ -107,7 +109,7 @@ def exited_servers(snapshot: Snapshot,
 
 
 def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
-                config: StaleConfig, tier: SeriesView) -> Finding | None:
+                config: StaleConfig, tier: SeriesView, tools: GpuTools) -> Finding | None:
     threshold = _threshold(gpu, config)
     if unowned < threshold:
         return None
@@ -134,7 +136,7 @@ def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
                   ("for_seconds", round(now - since, 1)), ("used_bytes", gpu.used_bytes or 0),
                   ("process_used_bytes", gpu.process_used_bytes),
                   ("live_processes", len(gpu.processes))),
-        advice=_ADVICE)
+        advice=_advice(gpu, tools))
 
 
 def _since_in_tier(tier: SeriesView, since: float, threshold: int) -> tuple[float, bool]:
@@ -155,7 +157,7 @@ def _duration(seconds: float) -> str:
 
 
 def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, ProcessSample]],
-                   now: float, config: StaleConfig) -> Finding | None:
+                   now: float, config: StaleConfig, tools: GpuTools) -> Finding | None:
     """The largest serving process that left this GPU while its memory stayed behind."""
     best = None
     for gone_at, proc in exited:
@@ -180,21 +182,30 @@ def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, P
                   ("exited_process", name), ("exited_endpoint", proc.endpoint),
                   ("exited_at", gone_at), ("held_bytes", proc.used_bytes or 0),
                   ("used_bytes", gpu.used_bytes or 0)),
-        advice=(("Look for leftover vLLM workers of the exited server (ps -ef | grep -i vllm, "
-                 "`fuser -v /dev/nvidia*`) and kill them; with tensor parallelism a worker "
-                 "can outlive its engine.",) + _ADVICE))
+        advice=(("Look for leftover vLLM workers of the exited server (`ps -ef | grep -i vllm`"
+                 + (f", `fuser -v {tools.device_files}`" if tools.device_files else "")
+                 + ") and kill them; with tensor parallelism a worker can outlive its engine.",)
+                + _advice(gpu, tools)))
 
 
-_ADVICE = (
-    "Find the holder: `nvidia-smi --query-compute-apps=pid,used_memory --format=csv` and "
-    "`fuser -v /dev/nvidia*`; defunct or zombie processes and containers without hostPID "
-    "keep memory NVML cannot attribute.",
-    "If no process holds it, drain the GPU and reset it (`nvidia-smi -r`) or restart the node.",
-)
+def _advice(gpu: GpuSample, tools: GpuTools) -> tuple[str, ...]:
+    """Find the holder and, failing that, reset: with the GPU backend's own commands where it
+    declares them (sources/gpu.py), else in words that fit any vendor."""
+    find = [c for c in (tools.command("list_processes", gpu.index),
+                        f"`fuser -v {tools.device_files}`" if tools.device_files else "") if c]
+    reset = tools.command("reset", gpu.index)
+    return (
+        (f"Find the holder: {' and '.join(find)}" if find else
+         f"Find the holder: list the processes using GPU {gpu.index} with {tools.tool}")
+        + "; defunct or zombie processes and containers without hostPID keep memory the GPU "
+        "library cannot attribute.",
+        f"If no process holds it, drain the GPU and reset it ({reset or 'with ' + tools.tool}) or restart "
+        "the node.",
+    )
 
 
 def _detect(tick: Tick, config: StaleConfig) -> list[Finding]:
-    return detect_stale(tick.history, tick.snapshot, config)
+    return detect_stale(tick.history, tick.snapshot, config, tick.gpu_tools)
 
 
 DETECTOR = DetectorSpec(

@@ -20,7 +20,7 @@ exporter/catalogue/families.py; edit that, not this file. -->
 
 Every family the exporter serves at `/metrics`. All names start with `gpumem_` and use base units
 (`_bytes`, `_seconds`, `_ratio` from 0 to 1, `_total` for counters). Values are read from the last
-completed sample: a scrape never calls NVML or vLLM. A value the source could not read is
+completed sample: a scrape never calls the GPU library or vLLM. A value the source could not read is
 **absent**, never a made-up zero. The series of a process that exited vanish at the next scrape.
 
 Common labels:

@@ -75,29 +75,31 @@ GPU_INFO = gauge(
         "NOT_SUPPORTED; Grace Hopper/Blackwell use ATS)."))
 GPU_UP = gauge(
     "gpumem_gpu_up",
-    "1 if the GPU answered NVML in the last sample.", GPU,
+    "1 if the GPU answered its library (the GPU backend) in the last sample.", GPU,
     section=GPUS, doc=(
-        "1 if the GPU answered NVML; 0 when lost or needing reset (the other GPUs keep reporting)."))
+        "1 if the GPU answered the GPU library (`gpu.backend`, NVML by default); 0 when lost or needing reset "
+        "(the other GPUs keep reporting)."))
 GPU_MEMORY_TOTAL_BYTES = gauge(
     "gpumem_gpu_memory_total_bytes",
     "Total GPU memory (host memory on unified-memory devices).", GPU,
     section=GPUS, unit="bytes", doc=(
-        "Total memory. On unified devices without NVML memory info: host MemTotal."))
+        "Total memory. On unified devices whose library reports no memory info: host MemTotal."))
 GPU_MEMORY_USED_BYTES = gauge(
     "gpumem_gpu_memory_used_bytes",
-    "GPU memory in use, as NVML reports it.", GPU,
+    "GPU memory in use, as the GPU library reports it.", GPU,
     section=GPUS, unit="bytes", doc=(
-        "Used memory as NVML reports it (includes memory held by no live process)."))
+        "Used memory as the GPU library reports it (includes memory held by no live process)."))
 GPU_MEMORY_FREE_BYTES = gauge(
     "gpumem_gpu_memory_free_bytes",
     "GPU memory free.", GPU,
     section=GPUS, unit="bytes", doc=(
-        "Free memory. On unified devices without NVML memory info: host MemAvailable."))
+        "Free memory. On unified devices whose library reports no memory info: host MemAvailable."))
 GPU_MEMORY_RESERVED_BYTES = gauge(
     "gpumem_gpu_memory_reserved_bytes",
-    "GPU memory reserved by the driver and firmware (NVML memory info v2).", GPU,
+    "GPU memory reserved by the driver and firmware.", GPU,
     section=GPUS, unit="bytes", doc=(
-        "Memory reserved by driver and firmware (NVML memory info v2; absent on drivers that lack it)."))
+        "Memory reserved by driver and firmware (with NVML: memory info v2; absent where the library does not "
+        "report it)."))
 GPU_MEMORY_UTILIZATION_RATIO = gauge(
     "gpumem_gpu_memory_utilization_ratio",
     "Used over total GPU memory (0-1).", GPU,
@@ -139,7 +141,8 @@ PROCESS_MEMORY_USED_BYTES = gauge(
     "gpumem_process_memory_used_bytes",
     "GPU memory used by a process on a GPU.", PROCESS,
     section=PROCESSES, unit="bytes", doc=(
-        'GPU memory a process uses on a GPU (compute and graphics). Absent where NVML says "not available".'))
+        'GPU memory a process uses on a GPU (compute and graphics). Absent where the GPU library says "not '
+        'available".'))
 PROCESS_HOST_RSS_BYTES = gauge(
     "gpumem_process_host_rss_bytes",
     "Host resident memory of a process using a GPU.", ("pid", "process", "role", "container", "pod", "namespace"),
@@ -179,13 +182,13 @@ PROCESS_TORCH_INACTIVE_SPLIT_BYTES = gauge(
         " of the cache here is fragmentation (`expandable_segments:True` avoids it)."))
 PROCESS_NON_TORCH_BYTES = gauge(
     "gpumem_process_non_torch_bytes",
-    "GPU memory of a process outside PyTorch's allocator: NVML used - torch reserved.", PROCESS,
+    "GPU memory of a process outside PyTorch's allocator: its GPU memory used - torch reserved.", PROCESS,
     section=ALLOCATOR, unit="bytes", doc=(
-        "Outside PyTorch: NVML used − torch reserved (CUDA context, NCCL buffers, CUDA graphs' driver memory,"
+        "Outside PyTorch: GPU memory used − torch reserved (CUDA context, NCCL buffers, CUDA graphs' driver memory,"
         " libraries calling `cudaMalloc`). While a vLLM server sleeps (sleep mode releases its pool behind "
-        "PyTorch's back, so NVML used < reserved) the pool is taken out of reserved first: used − (reserved −"
+        "PyTorch's back, so used < reserved) the pool is taken out of reserved first: used − (reserved −"
         " pool). Absent when reserved exceeds used with no sleep pool to explain it (the probe's numbers are "
-        "up to one interval older than NVML's)."))
+        "up to one interval older than the GPU library's)."))
 PROCESS_ALLOC_RETRIES_TOTAL = counter(
     "gpumem_process_alloc_retries_total",
     "Times PyTorch's allocator flushed its cache and retried cudaMalloc.", PROCESS,

@@ -330,7 +330,8 @@ class Config(Section):
                               admission_open_below=self.admission.open_below,
                               history_raw_seconds=self.history.raw_seconds,
                               history_retention_seconds=self.history.retention_seconds,
-                              detectors=detector_settings(self.detectors))
+                              detectors=detector_settings(self.detectors),
+                              gpu_tools=gpu_backends.backend(self.gpu.backend).tools)
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.health_listen:

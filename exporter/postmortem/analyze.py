@@ -21,7 +21,7 @@ from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
 from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
 from ..units import format_bytes
-from .report import dropped_text, outside_text
+from .report import dropped_text, outside_text, span_text, split_events
 from .trace import Trace, load_traces
 from .vllm_servers import servers_in, settings_text
 
@@ -164,22 +164,29 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _span(seconds: float) -> str:
-    hours, rest = divmod(round(seconds), 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+_span = span_text
 
 
 def _event_lines(events: Sequence[OomEvent], start: float | None, end: float | None,
                  logs: Sequence[str]) -> list[str]:
+    """The incident's events (within the trace's time), then apart those outside it: another
+    incident's, not counted as this one's."""
     source = f"the log(s) given ({', '.join(logs)}) and the trace" if logs else \
         "the trace (no log given: add --log FILE for a server's own)"
-    if not events:
-        return ["", sanitize(f"No out-of-memory events in {source}.")]
-    outside = [e for e in events if outside_text(e.timestamp, start, end)]
-    lines = ["", sanitize(f"{len(events)} out-of-memory event(s) in {source}"
-                          + (f"; {len(outside)} of them outside the trace's time, not part of "
-                             "its replay:" if outside else ":"))]
+    inside, outside = split_events(events, start, end)
+    if not inside:
+        lines = ["", sanitize(f"No out-of-memory events in {source} within the trace's time.")]
+    else:
+        lines = ["", sanitize(f"{len(inside)} out-of-memory event(s) in {source} within the trace's time:")]
+    lines += _event_list(inside, start, end)
+    if outside:
+        lines += ["", sanitize(f"{len(outside)} more outside the trace's time, not part of this incident:")]
+        lines += _event_list(outside, start, end)
+    return lines
+
+
+def _event_list(events: Sequence[OomEvent], start: float | None, end: float | None) -> list[str]:
+    lines = []
     for e in events:
         away = outside_text(e.timestamp, start, end)
         when = "time unknown" if e.timestamp is None else _when(e.timestamp) + (

@@ -7,7 +7,8 @@ curve with the fitted growth and a marker where the finding was first raised); p
 stacked memory picture over time (serving processes, other processes, memory no live process
 accounts for, free); the vLLM servers (model, settings and every change of them, budget against
 use, KV cache); every process seen (and the allocation-history dumps); the OOM events (from the
-logs given, and those the trace recorded); the advice. Every chart marks the trigger(s).
+logs given, and those the trace recorded; those of the logs outside the trace's time apart, as
+another incident's: not counted, charted or advised); the advice. Every chart marks the trigger(s).
 Charts need matplotlib (the `report` extra, reportplots.py); without it the tables and text are
 still complete.
 
@@ -56,6 +57,7 @@ img{max-width:100%;border:1px solid #eee}.note{color:#666;font-style:italic}code
 .finding{border-left:4px solid #ccc;padding:.2em .8em;margin:1em 0}
 .finding.critical{border-color:#c62828}.finding.warning{border-color:#ef8f00}
 .trigger{color:#6a1b9a}.outside{color:#b26a00}
+td.wrap{max-width:16em;overflow-wrap:anywhere}
 """
 
 
@@ -85,12 +87,20 @@ def _when(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _span(seconds: float) -> str:
+def span_text(seconds: float) -> str:
+    """A span as `12m05s`, `5h04m03s`, or from a day on `368 days 17h04m` (seconds no longer
+    matter, and 8849 hours read as nothing at all)."""
     whole = round(seconds)
-    hours, rest = divmod(abs(whole), 3600)
-    minutes, secs = divmod(rest, 60)
     sign = "-" if whole < 0 else ""
+    days, rest = divmod(abs(whole), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{sign}{days} day{'s' if days > 1 else ''} {hours}h{minutes:02d}m"
     return f"{sign}{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{sign}{minutes}m{secs:02d}s"
+
+
+_span = span_text
 
 
 def _bytes(n: float | None) -> str:
@@ -211,12 +221,17 @@ def _chart(mpl: plots.Mpl, fig: Any, alt: str, triggers: plots.Triggers) -> str:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
-           numeric: AbstractSet[int] = frozenset()) -> str:
+           numeric: AbstractSet[int] = frozenset(), wrap: AbstractSet[int] = frozenset()) -> str:
+    """`wrap`: columns of long values (paths, lists), kept narrow: they break anywhere and each
+    line of the value ("\n") starts a new line."""
+    def cell(i: int, c: object) -> str:
+        if i in wrap:
+            return '<td class="wrap">' + "<br>".join(_e(line) for line in str(c).split("\n")) + "</td>"
+        return f'<td class="num">{_e(c)}</td>' if i in numeric else f"<td>{_e(c)}</td>"
+
     out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
     for row in rows:
-        out.append("<tr>" + "".join(
-            f'<td class="num">{_e(c)}</td>' if i in numeric else f"<td>{_e(c)}</td>"
-            for i, c in enumerate(row)) + "</tr>")
+        out.append("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
 
@@ -258,7 +273,8 @@ def _host_section(snapshots: Sequence[Snapshot], runs: Sequence[RunIdentity]) ->
     for s in snapshots:
         for g in s.gpus:
             gpus[g.index] = (g.uuid, _bytes(g.total_bytes) if g.total_bytes else gpus.get(
-                g.index, ("", "", ""))[1], "unified" if g.unified else "MIG" if g.mig else "")
+                g.index, ("", "", ""))[1], "unified (the host's)" if g.unified else
+                "MIG instance" if g.mig else "its own (discrete)")
     if gpus:
         out.append(_table(("GPU", "UUID", "total", "memory"),
                           ((i, *v) for i, v in gpus.items()), numeric={2}))
@@ -310,32 +326,51 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
     return "\n".join(out)
 
 
-def _oom_section(events: Sequence[OomEvent], logs: Sequence[str], start: float | None,
-                 end: float | None) -> str:
+def split_events(events: Iterable[OomEvent], start: float | None,
+                 end: float | None) -> tuple[list[OomEvent], list[OomEvent]]:
+    """(within the trace's time or of unknown time, outside it): only the first are the
+    incident's, counted and advised as part of it."""
+    inside: list[OomEvent] = []
+    outside: list[OomEvent] = []
+    for e in events:
+        (outside if outside_text(e.timestamp, start, end) else inside).append(e)
+    return inside, outside
+
+
+def _oom_section(events: Sequence[OomEvent], outside: Sequence[OomEvent], logs: Sequence[str],
+                 start: float | None, end: float | None) -> str:
     given = (f"From the log(s) given ({_e(', '.join(logs))}) and the trace" if logs
              else "No log was given (<code>analyze --log FILE</code>); from the trace")
+    out = [f"<p>{given}: {len(events)} event(s) within the trace's time.</p>" if events else
+           f"<p>{given}: no out-of-memory event within the trace's time.</p>"]
+    out += _oom_events(events, start, end)
+    if outside:
+        out += ['<h3 class="outside">Outside the trace\'s time</h3>',
+                f'<p class="outside">{len(outside)} event(s) from the logs fall outside the trace\'s time: '
+                "not part of this incident, not counted above, and their advice is not under Advice.</p>",
+                *_oom_events(outside, start, end)]
+    return "\n".join(out)
+
+
+def _oom_events(events: Sequence[OomEvent], start: float | None, end: float | None) -> list[str]:
     if not events:
-        return f"<p>{given}: no out-of-memory event.</p>"
-    outside = [e for e in events if outside_text(e.timestamp, start, end)]
-    out = [f"<p>{given}: {len(events)} event(s)"
-           + (f', <span class="outside">{len(outside)} of them outside the trace\'s time '
-              "(not part of its replay)</span>" if outside else "") + ".</p>"]
+        return []
     rows = [(f"{ev.source}:{ev.line}", _when(ev.timestamp)
              + (f" ({outside_text(ev.timestamp, start, end)})" if outside_text(ev.timestamp, start, end) else ""),
              ev.gpu or "", ev.kind, ev.klass,
              _bytes(ev.requested_bytes), _bytes(ev.free_bytes), _bytes(ev.total_bytes),
              _bytes(ev.reserved_unallocated_bytes), _bytes(ev.process_bytes),
-             ", ".join(f"pid {pid}: {_bytes(b)}" for pid, b in ev.other_processes))
+             "\n".join(f"pid {pid}: {_bytes(b)}" for pid, b in ev.other_processes))
             for ev in events]
-    out.append(_table(("log", "time", "GPU", "kind", "class", "requested", "free", "total",
-                       "reserved, unallocated", "this process", "other processes"), rows,
-                      numeric={5, 6, 7, 8, 9}))
+    out = [_table(("log", "time", "GPU", "kind", "class", "requested", "free", "total",
+                   "reserved, unallocated", "this process", "other processes"), rows,
+                  numeric={5, 6, 7, 8, 9}, wrap={0, 10})]
     for ev in events:
         out.append(f"<p><code>{_e(ev.source)}:{ev.line}</code> <b>{_e(ev.kind)}</b> "
                    f"({_e(ev.klass)}): <code>{_e(ev.message[:500])}</code></p>")
         if ev.advice:
             out.append("<ul>" + "".join(f"<li>{_e(a)}</li>" for a in ev.advice) + "</ul>")
-    return "\n".join(out)
+    return out
 
 
 def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) -> str:
@@ -391,18 +426,22 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
     episodes = sorted(findings_with_clearing,
                       key=lambda fc: (fc[0].first_detected_at, _SEVERITY_RANK.get(fc[0].severity, 3)))
-    events = list(oom_events)
     mpl = plots.load()
     start = snapshots[0].timestamp if snapshots else min(
         [f.first_detected_at for f, _ in episodes] or [0.0])
     end = snapshots[-1].timestamp if snapshots else start
+    # Log events outside the trace's time are another incident's: shown apart, never counted,
+    # charted or advised as this one's.
+    events, outside = split_events(oom_events, start if snapshots else None, end if snapshots else None)
     gpus = _gpu_series(snapshots)
 
     body = [f"<h1>{_e(title)}</h1>"]
     if snapshots:
         body.append(f"<p>{len(snapshots)} samples of {len(gpus)} GPU(s) from {_e(_when(start))} to "
                     f"{_e(_when(end))} ({_e(_span(end - start))}). {len(episodes)} finding(s), "
-                    f"{len(events)} out-of-memory event(s).</p>")
+                    f"{len(events)} out-of-memory event(s)"
+                    + (f' <span class="outside">({len(outside)} more in the logs outside the trace\'s '
+                       "time, listed apart)</span>" if outside else "") + ".</p>")
     else:
         body.append("<p>The trace holds no samples.</p>")
     for t, name in triggers:
@@ -456,7 +495,7 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
     body.append(_history_section(_history_dumps(snapshots), probe_dir))
 
     body += ["<h2>Out-of-memory events</h2>",
-             _oom_section(events, logs, start if snapshots else None, end if snapshots else None),
+             _oom_section(events, outside, logs, start if snapshots else None, end if snapshots else None),
              "<h2>Advice</h2>", _advice_section(episodes, events)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
@@ -512,4 +551,5 @@ def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable
         handle.write(text)
 
 
-__all__ = ["ALLOWED_URLS", "dropped_text", "outside_text", "render_report", "write_report"]
+__all__ = ["ALLOWED_URLS", "dropped_text", "outside_text", "render_report", "span_text", "split_events",
+           "write_report"]

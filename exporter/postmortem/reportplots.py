@@ -78,6 +78,12 @@ def _time_axis(mpl: Mpl, ax: _DateAxes) -> None:
     ax.grid(True, alpha=0.3)
 
 
+def _legend_below(ax: _DateAxes) -> None:
+    """The legend under the time axis, outside the plot: inside it, it hid the start-up ramp
+    (bottom left) or the growth it explains. png() saves the whole figure, legend included."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+
+
 def _mark_triggers(ax: _DateAxes, triggers: Triggers) -> None:
     for i, (t, name) in enumerate(triggers):
         line = ax.axvline(_dt([t])[0], color=TRIGGER_COLOUR, linestyle="-.", linewidth=1.6,
@@ -118,7 +124,7 @@ def timeline(mpl: Mpl, episodes: Sequence[Episode], start: float, end: float,
     ax.set_xlim(_dt([start])[0], _dt([end])[0])
     ax.set_title("Findings: raised to cleared (red critical, orange warning)")
     if triggers:
-        ax.legend(loc="lower right", fontsize=8, framealpha=0.8)
+        ax.legend(loc="best", fontsize=8, framealpha=0.8)
     _time_axis(mpl, ax)
     return fig
 
@@ -144,7 +150,7 @@ def gpu(mpl: Mpl, index: str, t: list[float], parts: Sequence[Sequence[int]],
     _mark_triggers(ax, triggers)
     ax.set_ylabel("GiB")
     ax.set_title(f"GPU {index}: memory by owner (dotted: finding raised, dashed red: OOM)")
-    ax.legend(loc="lower left", fontsize=8, framealpha=0.8)
+    _legend_below(ax)
     marks = [at for at, _ in triggers]
     ax.set_xlim(_dt([min([t[0], *marks])])[0], _dt([max([t[-1], *marks])])[0])
     _time_axis(mpl, ax)
@@ -202,7 +208,7 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
     ax.set_ylabel("GiB")
     ax.set_title(f"pid {f.pid} {clean_text(f.process)} on {'GPU ' + f.gpu if f.gpu is not None else 'host'}: "
                  f"{what}" + (" (y axis zoomed on the growth)" if zoomed else ""))
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
+    _legend_below(ax)
     _time_axis(mpl, ax)
     return fig
 

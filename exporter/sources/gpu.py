@@ -5,7 +5,8 @@ implementation; the rest of the exporter knows a GPU backend only by this declar
 A backend is a source module (sources/<name>.py) whose class takes the library module as its
 first argument, the same arguments as `NvmlSource` after it, and never raises on the library's
 faults; its simulated library is exporter/sim/fake_<name>.py (the runtime loads it by that name
-when simulating). It is registered by one line in BACKENDS below, and chosen by the
+when simulating). It is registered by one line in BACKENDS below, with the vendor's tools that
+advice names (model.GpuTools: reset, inspect, list the holders), and chosen by the
 configuration's `gpu.backend`.
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..model import HostMemory
-from .nvml import NvmlSource
+from ..model import NEUTRAL_TOOLS, GpuTools, HostMemory
+from . import nvml
 from .source import Source
 
 
@@ -34,10 +35,13 @@ class GpuBackend:
     library: str  # the vendor's Python module, imported on a real host
     title: str  # how log lines name the library
     source: GpuSourceFactory
+    # The vendor's own tools (reset, inspect, list holders), which the findings' advice names
+    # (analysis reads them from the configuration's backend); the defaults are vendor-neutral.
+    tools: GpuTools = NEUTRAL_TOOLS
 
 
 BACKENDS = (
-    GpuBackend("nvml", library="pynvml", title="NVML", source=NvmlSource),
+    GpuBackend("nvml", library="pynvml", title="NVML", source=nvml.NvmlSource, tools=nvml.TOOLS),
 )
 DEFAULT = BACKENDS[0].name
 

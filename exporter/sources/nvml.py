@@ -14,10 +14,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
+from ..model import GpuSample, GpuTools, HostMemory, ProcessSample, Snapshot, SourceError
 from .source import GPUS, Reading
 
 log = logging.getLogger("exporter.nvml")
+
+# NVIDIA's own tools, for the advice of findings about a GPU this backend reads (sources/gpu.py).
+TOOLS = GpuTools(
+    tool="nvidia-smi", reset="nvidia-smi -r -i {gpu}", inspect="nvidia-smi -q -i {gpu}",
+    list_processes="nvidia-smi --query-compute-apps=pid,used_memory --format=csv",
+    device_files="/dev/nvidia*", kernel_errors="Xid errors", lost_error="Xid 79")
 
 # Errors after which the GPU itself is unusable until reset or re-initialisation.
 _GPU_DOWN = {"gpu_is_lost", "reset_required", "gpu_not_found"}

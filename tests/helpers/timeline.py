@@ -2,11 +2,24 @@
 built in a line each, and the replays that run the detectors over them causally."""
 from __future__ import annotations
 
+from exporter import thresholds
 from exporter.analysis.budget import memory_budgets
+from exporter.analysis.detector import DetectorSpec, Tick
 from exporter.analysis.engine import Analyzer
-from exporter.analysis.fragmentation import detect_fragmentation
+from exporter.analysis.gpu_verdicts import GpuVerdicts
 from exporter.analysis.history import History
-from exporter.model import CacheConfig, GpuSample, HostMemory, ProcessSample, Snapshot, VllmEngineStats, VllmSample
+from exporter.analysis.kv_cache import kv_caches
+from exporter.analysis.leak import LeakConfig
+from exporter.model import (
+    CacheConfig,
+    Finding,
+    GpuSample,
+    HostMemory,
+    ProcessSample,
+    Snapshot,
+    VllmEngineStats,
+    VllmSample,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,16 +61,26 @@ def feed(snapshots, history=None) -> History:
     return history
 
 
-def run_detector(detect, snapshots, config):
-    """Run a detector causally after every snapshot, as the engine does (the tick's memory
-    budgets computed once, kept with the snapshot); return its findings per tick."""
-    history = History()
+def run_detector(spec: DetectorSpec, snapshots, config=None) -> list[list[Finding]]:
+    """Run one registered detector causally after every snapshot through the one detector
+    interface, `detector(tick, config)`, as the engine does: a Tick per snapshot with the memory
+    budgets, KV caches and GPU verdicts computed once, the snapshot in the history, and the
+    findings this detector returned at the tick before as the active ones. Returns its findings
+    per tick. `config` None: the detector's defaults."""
+    detector = spec.create()
+    config = spec.config() if config is None else config
+    history, verdicts, leak = History(), GpuVerdicts(), LeakConfig()
+    active: tuple[Finding, ...] = ()
     out = []
     for s in snapshots:
         budgets = memory_budgets(s)
         history.update(s, budgets)
-        extra = (budgets,) if detect is detect_fragmentation else ()
-        out.append(detect(history, s, config, *extra))
+        gpus = verdicts.update(s, budgets, history, thresholds.ADMISSION_CLOSE_ABOVE, thresholds.ADMISSION_OPEN_BELOW,
+                               thresholds.VLLM_BUDGET_SLACK.value, 3600.0, leak)
+        tick = Tick(snapshot=s, history=history, budgets=budgets, kv_caches=kv_caches(s), gpus=gpus, active=active)
+        found = list(detector(tick, config))
+        active = tuple(found)
+        out.append(found)
     return out
 
 
