@@ -263,6 +263,44 @@ class Snapshot:
         return None
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """A vLLM server's settings as its log states them (sources/vllm_args.py); None = not stated.
+    What advice reads so that it never suggests what is already set."""
+
+    source: str = ""  # where they were read: "non-default args" | "command line" | "" (engine lines only)
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes as given
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    sleep_mode: bool | None = None
+    backend: str = ""  # "cpu" when the log shows vLLM's CPU backend
+    memory_node: str = ""  # the CPU backend's memory (NUMA) node
+    # The CPU backend said "Explicitly set (...) GiB for KV cache": the KV size was given, by
+    # --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (which vLLM turns into it).
+    kv_cache_explicit: bool = False
+
+    @property
+    def explicit_kv_cache(self) -> bool:
+        """The KV cache size was given, so gpu_memory_utilization sizes nothing."""
+        return self.kv_cache_memory_bytes is not None or self.kv_cache_explicit
+
+    @property
+    def empty(self) -> bool:
+        return self == ServerSettings()
+
+    def stated(self) -> dict[str, object]:
+        """The fields the log stated (for JSON and evidence)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) not in (None, "", False)}
+
+
 # What an OomMessage can be (its `kind`), as sources/oom_messages.py finds them.
 OOM_KINDS = (
     "torch_cuda_oom",  # PyTorch's caching allocator: CUDA, ROCm/HIP and Ascend NPU alike
@@ -277,10 +315,11 @@ OOM_KINDS = (
     "container_oom_killed",  # Kubernetes / Docker reporting a container OOM-killed
     "ray_oom_kill",  # Ray's memory monitor killed a worker
     "host_memory_error",  # Python MemoryError, PyTorch's CPU allocator
+    "vllm_cpu_memory_check",  # vLLM's CPU backend: its memory node has less available than it wants
 )
 # The kinds about host RAM rather than GPU memory.
 HOST_OOM_KINDS = frozenset({"kernel_oom_kill", "cgroup_oom", "container_oom_killed",
-                            "ray_oom_kill", "host_memory_error"})
+                            "ray_oom_kill", "host_memory_error", "vllm_cpu_memory_check"})
 
 
 @dataclass(frozen=True)
@@ -317,6 +356,9 @@ class OomMessage:
     victim_pid: int | None = None  # host kills: the killed process
     victim_name: str = ""
     memory_limit: str = ""  # host kills: the cgroup (or Ray threshold) whose limit was hit
+    memory_node: str | None = None  # vLLM's CPU backend: the memory (NUMA) node its check read
+    # The server's settings as its log stated them before this message (vLLM logs only).
+    settings: ServerSettings = field(default_factory=ServerSettings)
 
 
 @dataclass(frozen=True, kw_only=True)
