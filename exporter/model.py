@@ -131,6 +131,11 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     cache_dtype: str = ""
+    # Prefix caching and KV offloading (to host memory: vLLM's "native" backend, LMCache, ...):
+    # the labels as vLLM prints them ("True"/"False", "None" for unset), "" where not reported.
+    enable_prefix_caching: str = ""
+    kv_offloading_backend: str = ""
+    kv_offloading_size: str = ""
     # --kv-cache-memory: the KV cache size per GPU; when set, vLLM ignores gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
     # The KV capacity vLLM computed at start-up (0.11+), per data-parallel engine: tokens that fit
@@ -161,6 +166,13 @@ class VllmEngineStats:
     preemptions_total: float | None = None
     prefix_cache_queries_total: float | None = None
     prefix_cache_hits_total: float | None = None
+    # vllm:num_requests_waiting_by_reason (0.2x+): (reason, requests), "capacity" (waiting for the
+    # scheduler's capacity: KV cache, max_num_seqs) or "deferred" (LoRA budget and the like).
+    requests_waiting_by_reason: tuple[tuple[str, float], ...] = ()
+    # vllm:request_num_preemptions (a histogram over finished requests): its sum (preemptions of
+    # the requests that finished) and count (requests that finished); per request = sum / count.
+    request_preemptions_total: float | None = None
+    requests_finished_total: float | None = None
     # vllm:engine_sleep_state, in vLLM's words: awake | weights_offloaded (sleep level 1) |
     # discard_all (level 2) | asleep (no level given); "" when the server does not report it.
     sleep_state: str = ""
@@ -223,6 +235,9 @@ class VllmSample:
     # Metrics whose values were impossible (negative, NaN, a ratio over 1): dropped from this
     # sample, to be counted as gpumem_vllm_scrape_errors_total{kind="out_of_range"}.
     rejected_metrics: tuple[str, ...] = ()
+    # vllm:admission_rejections_total (per model, no engine): (model, reason, rejections), the
+    # requests refused by a queue limit (max_num_queued_reqs, max_num_queued_tokens).
+    admission_rejections: tuple[tuple[str, str, float], ...] = ()
 
 
 @dataclass(frozen=True)

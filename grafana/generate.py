@@ -410,10 +410,10 @@ def leak_investigation() -> JSON:
 def vllm() -> JSON:
     panels = [
         timeseries("KV cache usage", [
-            target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}"),
-            target("gpumem:threshold_vllm_kv_cache_saturated:ratio", "saturation threshold")],
-            unit="percentunit", max_=1, overrides=[threshold_line("B", "saturation threshold")],
-            description="Share of KV cache blocks in use; full with a queue is saturation."),
+            target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}")],
+            unit="percentunit", max_=1,
+            description=("Share of KV cache blocks in use. A saturated cache saw-tooths: full in a share of the "
+                         "samples with requests waiting (the kv_saturation finding), never full in all.")),
         timeseries("GPU memory of the servers' GPUs", [
             target(f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}", "{{instance}} GPU {{gpu}}"),
             target("gpumem:threshold_memory_high:ratio", "page threshold")],

@@ -33,7 +33,7 @@ def test_v0_6_engine_metrics():
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=27910,
                                               block_size=16, cache_dtype="auto",
-                                              kv_cache_memory_bytes=None)
+                                              kv_cache_memory_bytes=None, enable_prefix_caching="False")
 
 
 def test_v0_8_early_v1_uses_old_names():
@@ -56,7 +56,7 @@ def test_v0_10_with_deprecated_names_alongside():
                         prefix_cache_queries_total=1048576.0, prefix_cache_hits_total=524288.0),
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=28672,
-                                              block_size=16, cache_dtype="auto")
+                                              block_size=16, cache_dtype="auto", enable_prefix_caching="True")
 
 
 def test_current_v1_two_engines_created_series_ignored():
@@ -72,7 +72,7 @@ def test_current_v1_two_engines_created_series_ignored():
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.92, num_gpu_blocks=21846,
                                               block_size=16, cache_dtype="fp8_e4m3",
-                                              kv_cache_memory_bytes=None)
+                                              kv_cache_memory_bytes=None, enable_prefix_caching="True")
 
 
 def test_new_name_wins_over_deprecated_one_when_they_differ():

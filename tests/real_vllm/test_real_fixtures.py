@@ -46,7 +46,8 @@ def test_older_fixtures_state_their_provenance():
 # cache_config_info's labels the exporter reads: their values must match too. The others can
 # depend on the machine (the SSM cache dtype on the CPU's instruction set, say): names only.
 READ_CONFIG_LABELS = {"block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "kv_cache_memory_bytes",
-                      "kv_cache_size_tokens", "kv_cache_max_concurrency", "engine"}
+                      "kv_cache_size_tokens", "kv_cache_max_concurrency", "engine", "enable_prefix_caching",
+                      "kv_offloading_backend", "kv_offloading_size"}
 
 
 def vllm_series(text: str) -> tuple[set[tuple[str, tuple[tuple[str, str], ...]]], dict[str, tuple[str, str]]]:
