@@ -242,7 +242,7 @@ def test_a_full_kv_cache_with_a_queue_and_no_preemption_is_seen():
     assert "no preemption counted" in f.summary
     advice = " ".join(f.advice)
     assert "--max-num-seqs" in advice and "--max-model-len 32,768" in advice
-    assert "--kv-cache-memory-bytes (now 32.0 GiB)" in advice  # the knob this server uses
+    assert "--kv-cache-memory-bytes (now 32.00 GiB)" in advice  # the knob this server uses
 
 
 def test_no_kv_saturation_when_the_cache_has_room_or_nobody_waits():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..model import Finding, KvCache, Snapshot, VllmEngineStats, VllmSample
+from ..units import format_bytes
 from .history import History
 
 GIB = 1 << 30
@@ -282,7 +283,7 @@ def _advice(server: VllmSample, kv: KvCache | None, running: float | None) -> tu
     more = f" (each GiB of KV cache holds about {per_gib:,.0f} tokens)" if per_gib else ""
     if c is not None and c.kv_cache_memory_bytes:
         advice.append(f"Give the KV cache more memory: raise --kv-cache-memory-bytes (now "
-                      f"{c.kv_cache_memory_bytes / GIB:.1f} GiB){more}, if the GPU has room.")
+                      f"{format_bytes(c.kv_cache_memory_bytes)}){more}, if the memory is there.")
     elif c is not None and c.gpu_memory_utilization is not None:
         advice.append(f"Give the KV cache more memory: raise --gpu-memory-utilization (now "
                       f"{c.gpu_memory_utilization:g}){more}, if the GPU has room; or add replicas.")

@@ -85,7 +85,8 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
     return VllmSample(
         endpoint=endpoint.label, up=True, scrape_duration_seconds=clock() - started,
         engines=engines, cache_config=cache_config, rejected_metrics=metrics.rejected,
-        admission_rejections=tuple((secrets.scrub(model), reason, n) for model, reason, n in metrics.admission_rejections),
+        admission_rejections=tuple((secrets.scrub(model), secrets.scrub(reason), n)
+                                   for model, reason, n in metrics.admission_rejections),
     )
 
 
