@@ -64,6 +64,9 @@ class ProcessSample:
     ppid: int | None = None  # parent PID: tells which vLLM server a worker belongs to
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm
+    # Which of its server's processes it is: api_server | engine_core | worker | "" (another
+    # child, or not known); set for a vLLM server's own processes (VllmSample.processes).
+    server_role: str = ""
     cmdline: str = ""  # only filled when the operator opted in
     allocator: AllocatorStats | None = None  # None: no probe in this process (or not read)
 
@@ -230,6 +233,9 @@ class VllmSample:
     engines: tuple[VllmEngineStats, ...] = ()
     cache_config: CacheConfig | None = None
     pids: tuple[int, ...] = ()  # the server's root processes (listener or PID file); descendants belong too
+    # The server's own processes (the listener and its descendants) with their host memory, GPU
+    # or not: on vLLM's CPU backend the model and KV cache live here, in host memory.
+    processes: tuple[ProcessSample, ...] = ()
     memory_profile: tuple[tuple[str, int], ...] = ()  # (component, bytes) from its start-up log
     startup: MemoryProfile | None = None  # all of its start-up log's figures (memory_profile's source)
     # Metrics whose values were impossible (negative, NaN, a ratio over 1): dropped from this

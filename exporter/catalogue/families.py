@@ -155,10 +155,12 @@ PROCESS_MEMORY_USED_BYTES = gauge(
         'GPU memory a process uses on a GPU (compute and graphics). Absent where NVML says "not available".'))
 PROCESS_HOST_RSS_BYTES = gauge(
     "gpumem_process_host_rss_bytes",
-    "Host resident memory of a process using a GPU.", ("pid", "process", "role", "container", "pod", "namespace"),
+    "Host resident memory of a process using a GPU, or of a vLLM server on no GPU.",
+    ("pid", "process", "role", "container", "pod", "namespace"),
     section=PROCESSES, unit="bytes", doc=(
         "Host resident memory of each process that uses a GPU (vLLM leaks host memory too; on unified memory "
-        "it is GPU memory)."))
+        "it is GPU memory), and of each process of a vLLM server that no GPU lists (vLLM's CPU backend: the API "
+        "server, `VLLM::EngineCore` and `VLLM::Worker`, whose host memory holds the model and its KV cache)."))
 PROCESS_MEMORY_GROWTH_BYTES_PER_SECOND = gauge(
     "gpumem_process_memory_growth_bytes_per_second",
     "Robust trend of the process's GPU memory.", TREND,

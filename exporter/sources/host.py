@@ -110,6 +110,13 @@ class LocalHost(HostView):
         if len(self._tracked) >= MAX_TRACKED:
             self._tracked.clear()
 
+    def children(self, pid: int) -> tuple[int, ...]:
+        # psutil reads every process's parent to find them: the caller caches the answer.
+        try:
+            return tuple(sorted(c.pid for c in psutil.Process(pid).children(recursive=True)))
+        except _PROCESS_ERRORS:
+            return ()
+
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds (5 us each; a GPU host has tens of
         # thousands). A known listener is confirmed from its own sockets once a TTL; the whole

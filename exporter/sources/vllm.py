@@ -22,14 +22,14 @@ from dataclasses import replace
 
 import requests
 
-from ..model import Snapshot, VllmSample
+from ..model import GpuSample, Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, public_url
 from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
 from .vllm_normalise import ParseError, normalise
-from .vllm_procs import ServerPids, StickyRoles, assign_roles
+from .vllm_procs import ServerPids, ServerProcesses, StickyRoles, assign_roles
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -153,6 +153,7 @@ class VllmSource:
         logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
+        self._server_processes = ServerProcesses(time.monotonic)
 
     def collect(self, snapshot: Snapshot) -> Reading:
         samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes])
@@ -160,6 +161,7 @@ class VllmSource:
             samples = self.profiles.attach(samples)
         gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
                                                                                       self.host))
+        samples = self._with_processes(samples, gpus)
         down = [s for s in samples if not s.up]
         return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "")
 
@@ -194,6 +196,22 @@ class VllmSource:
             self._warn_rejected(sample)
         return tuple(self._with_pids(self.endpoints[i], results[i], candidates)
                      for i in range(len(self.endpoints)))
+
+    def _with_processes(self, samples: tuple[VllmSample, ...], gpus: tuple[GpuSample, ...]) -> tuple[VllmSample, ...]:
+        """A server none of whose processes a GPU lists (vLLM's CPU backend, or one still
+        loading) gets its own processes from the host, with their memory."""
+        if self.host is None:
+            return samples
+        on_gpu = {p.endpoint for g in gpus for p in g.processes if p.role == "vllm"}
+        out = []
+        for sample in samples:
+            if sample.pids and sample.endpoint not in on_gpu:
+                try:
+                    sample = replace(sample, processes=self._server_processes(sample, self.host))
+                except Exception as exc:  # a source never raises on the host's faults
+                    log.warning("vLLM endpoint %s: reading its processes failed: %s", sample.endpoint, exc)
+            out.append(sample)
+        return tuple(out)
 
     def _warn_rejected(self, sample: VllmSample) -> None:
         """Impossible values are said once per endpoint and metric, then only counted."""
