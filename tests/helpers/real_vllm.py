@@ -336,6 +336,10 @@ class Shape:
     max_tokens: int
 
 
+# What the tests' leaking plugin keeps per request while it is switched on (tests/real_vllm/leak_plugin).
+LEAK_BYTES_PER_REQUEST = 512 << 10
+# Short requests, many a second: the leak's pace (LEAK_BYTES_PER_REQUEST each).
+SHORT = Shape(prompt_tokens=16, max_tokens=24)
 # Saturates MAIN's 256 blocks from about 80 clients: each request ends holding 4 blocks.
 RAMP = Shape(prompt_tokens=60, max_tokens=440)
 # Each request holds 2 blocks, then 3: 72 clients hold 60-85 % of MAIN's cache.
