@@ -8,7 +8,8 @@ Timed side by side in one run, medians of `--repeats` rounds (CPU time of this p
 - the whole page through prometheus_client's parser (what a scraper that reads every family pays);
 - `normalise()`: the page into the values the exporter exports;
 - one scrape over loopback: HTTP GET over a kept-alive connection, then `normalise()` (the page
-  served by a plain HTTP/1.1 server in a child process, as uvicorn serves it);
+  served by a plain HTTP/1.1 server in a child process, as uvicorn serves it: the whole page,
+  as vLLM 0.32 serves /metrics whatever `?name[]=` asks, its instrumentator's route being first);
 - one tick of the `vllm` source with 4 such endpoints (scrapes run on its worker threads).
 With `--baseline REF` the same steps run on that commit's code too (`git archive`, in a
 subprocess), and the table shows both and their ratio.

@@ -30,15 +30,16 @@ CONTROL_SECONDS = LEAK.settle_seconds + LEAK.windows_seconds[0] + 2 * 60 * SCALE
 CLIENTS = 2
 
 
-def processes(server: real_vllm.Server) -> dict[str, int]:
-    """pid of each of the server's processes, by its part (vLLM's process titles)."""
-    out = {"api_server": server.pid}
+def processes(server: real_vllm.Server) -> dict[str, tuple[int, str]]:
+    """(pid, name as psutil reads it) of each of the server's processes, by its part (vLLM's
+    process titles)."""
+    out = {"api_server": (server.pid, "")}
     for p in server.processes():
         name = p.name()
         if name.startswith("VLLM::EngineCor"):
-            out["engine_core"] = p.pid
+            out["engine_core"] = (p.pid, name)
         elif name.startswith("VLLM::Worker"):
-            out["worker"] = p.pid
+            out["worker"] = (p.pid, name)
     return out
 
 
@@ -61,7 +62,7 @@ def test_a_real_leak_is_found_in_the_engine_core_and_alerted_and_nothing_without
                 assert leaks(watch) == [], "a leak raised with the plugin off"
                 time.sleep(1)
             rss = watch.prometheus.result('gpumem_process_host_rss_bytes{role="vllm"}')
-            assert {int(r["metric"]["pid"]) for r in rss} >= set(pids.values()), rss
+            assert {int(r["metric"]["pid"]) for r in rss} >= {pid for pid, _ in pids.values()}, rss
             started = time.time()
             before = load.completed
             leak_switch.touch()
@@ -73,12 +74,11 @@ def test_a_real_leak_is_found_in_the_engine_core_and_alerted_and_nothing_without
             requests = load.completed - before
     assert not load.failures, load.failures
     ev = finding["evidence"]
-    assert (finding["pid"], finding["process"], finding["role"], finding["gpu"]) == (
-        pids["engine_core"], "VLLM::EngineCor", "vllm", None)
+    assert (finding["pid"], finding["process"], finding["role"], finding["gpu"]) == (*pids["engine_core"], "vllm", None)
     assert ev["server_role"] == "engine_core" and ev["cpu_backend"] == 1
     assert "the server's engine core" in finding["summary"]
     assert ev["slope_bytes_per_second"] > 0
-    assert [(a["labels"]["pid"], a["labels"].get("gpu")) for a in alerts] == [(str(pids["engine_core"]), None)]
+    assert [(a["labels"]["pid"], a["labels"].get("gpu")) for a in alerts] == [(str(pids["engine_core"][0]), None)]
     assert "host memory" in alerts[0]["annotations"]["summary"]
     delay = finding["first_detected_at"] - started
     real_vllm.TIMINGS[f"leak found (detector x{SCALE}, {requests} requests of "
