@@ -203,9 +203,12 @@ class VllmSource:
         if self.host is None:
             return samples
         on_gpu = {p.endpoint for g in gpus for p in g.processes if p.role == "vllm"}
+        # A root another endpoint's GPU processes descend from is a GPU server's too (several
+        # endpoints of one process: a proxy, a test harness).
+        gpu_roots = {pid for s in samples if s.endpoint in on_gpu for pid in s.pids}
         out = []
         for sample in samples:
-            if sample.pids and sample.endpoint not in on_gpu:
+            if sample.pids and sample.endpoint not in on_gpu and not gpu_roots.intersection(sample.pids):
                 try:
                     sample = replace(sample, processes=self._server_processes(sample, self.host))
                 except Exception as exc:  # a source never raises on the host's faults
