@@ -25,7 +25,7 @@ def register() -> None:
     except Exception:  # another vLLM layout: nothing to patch
         return
     original = EngineCore.add_request
-    if getattr(original, "_gpumem_test_leak", False):  # vLLM may load plugins twice in a process
+    if getattr(original, "_leaky_vllm_plugin", False):  # vLLM may load plugins twice in a process
         return
 
     def add_request(self, request, request_wave=0):  # type: ignore[no-untyped-def]
@@ -35,5 +35,5 @@ def register() -> None:
             _kept.clear()
         return original(self, request, request_wave)
 
-    add_request._gpumem_test_leak = True  # type: ignore[attr-defined]
+    add_request._leaky_vllm_plugin = True  # type: ignore[attr-defined]
     EngineCore.add_request = add_request  # type: ignore[method-assign]
