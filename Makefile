@@ -43,7 +43,8 @@ system-deps:
 # tests/real_vllm/requirements.txt, in an environment of its own: never a dependency of the
 # exporter. pip also pulls torchvision, torchaudio and torchcodec, built for another torch: they
 # break `import transformers`, and a text model needs none of them. The allocator probe goes in
-# too (editable), so vLLM's plugin loader finds it.
+# too (editable), so vLLM's plugin loader finds it, and so does the tests' leaking plugin
+# (tests/real_vllm/leak_plugin: inert unless a server's environment sets GPUMEM_TEST_LEAK_FILE).
 # A failed install does not stop `make deps`: pip's output is kept in
 # $(VLLM_VENV)/install-failed.log and every real_vllm test fails with it (none is skipped), while
 # the rest of the suite still runs and reports.
@@ -63,9 +64,9 @@ $(VLLM_VENV)/.installed: $(VLLM_REQ)
 	  tail -n 5 $(VLLM_VENV)/install-failed.log; \
 	fi
 
-$(VLLM_VENV)/.installed-probe: probe/pyproject.toml | $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed-probe: probe/pyproject.toml tests/real_vllm/leak_plugin/pyproject.toml | $(VLLM_VENV)/.installed
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
-	  $(VLLM_VENV)/bin/pip install -q --no-deps -e ./probe > $(VLLM_VENV)/pip.log 2>&1 \
+	  $(VLLM_VENV)/bin/pip install -q --no-deps -e ./probe -e ./tests/real_vllm/leak_plugin > $(VLLM_VENV)/pip.log 2>&1 \
 	    || { cat $(VLLM_VENV)/pip.log; exit 1; }; \
 	  touch $@; \
 	fi

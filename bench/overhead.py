@@ -24,7 +24,8 @@ serve /metrics with prometheus_client's HTTP server, so the listener is the same
 Ours runs twice: with the 4 vLLM endpoints ("ours"), and without them ("ours, no vLLM"), which
 is the same work nvitop-exporter does. The simulated vLLM servers answer with a page the size
 of a real one (about 500 lines: vLLM's request histograms, the API server's http_* families)
-over keep-alive connections, as uvicorn does.
+over keep-alive connections, as uvicorn does; with `--vllm-page FILE` each answers with that
+file instead (tests/fixtures/vllm/v0_32_cpu_served.prom: a real vLLM 0.32's page, 620 lines).
 """
 from __future__ import annotations
 
@@ -166,6 +167,38 @@ def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, tick
 
 
 # -- the parent: spawn processes and servers, run workers, scrape, report ---------------------------
+@contextlib.contextmanager
+def page_server(path: str):
+    """An HTTP/1.1 keep-alive server answering every GET with the file's body (its first line, a
+    fixture's provenance comment, aside); yields its /metrics URL."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = Path(path).read_bytes().partition(b"\n")[2]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def scrape_latencies(port: int, n: int) -> tuple[list[float], int]:
     url = f"http://127.0.0.1:{port}/metrics"
     times, size = [], 0
@@ -204,6 +237,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, nargs="+", default=[16, 64, 256], help="processes per GPU")
     ap.add_argument("--ticks", type=int, default=12)
     ap.add_argument("--scrapes", type=int, default=200)
+    ap.add_argument("--vllm-page", help="serve this page (a real one) from the 4 vLLM endpoints, not the simulator's")
     default_site = next(iter(sorted(glob.glob("/tmp/nvitop-venv/lib/python3*/site-packages"))), "")
     ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
     ap.add_argument("--worker", choices=["ours", "nvitop"], help=argparse.SUPPRESS)
@@ -237,8 +271,11 @@ def main() -> int:
                     scenario = from_dict(spec)
                     clock = VirtualClock(speed=1.0)
                     with contextlib.ExitStack() as stack:
-                        urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
-                                for i in range(VLLM_ENDPOINTS)]
+                        if args.vllm_page:
+                            urls = [stack.enter_context(page_server(args.vllm_page)) for _ in range(VLLM_ENDPOINTS)]
+                        else:
+                            urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
+                                    for i in range(VLLM_ENDPOINTS)]
                         row = {"gpus": gpus, "procs": per_gpu,
                                "ours": run_worker("ours", spec_file, urls, "", args.ticks, args.scrapes),
                                "ours, no vLLM": run_worker("ours", spec_file, [], "", args.ticks, args.scrapes)}

@@ -64,6 +64,9 @@ class ProcessSample:
     ppid: int | None = None  # parent PID: tells which vLLM server a worker belongs to
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm
+    # Which of its server's processes it is: api_server | engine_core | worker | "" (another
+    # child, or not known); set for a vLLM server's own processes (VllmSample.processes).
+    server_role: str = ""
     cmdline: str = ""  # only filled when the operator opted in
     allocator: AllocatorStats | None = None  # None: no probe in this process (or not read)
 
@@ -154,6 +157,11 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     cache_dtype: str = ""
+    # Prefix caching and KV offloading (to host memory: vLLM's "native" backend, LMCache, ...):
+    # the labels as vLLM prints them ("True"/"False", "None" for unset), "" where not reported.
+    enable_prefix_caching: str = ""
+    kv_offloading_backend: str = ""
+    kv_offloading_size: str = ""
     # --kv-cache-memory: the KV cache size per GPU; when set, vLLM ignores gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
     # The KV capacity vLLM computed at start-up (0.11+), per data-parallel engine: tokens that fit
@@ -184,6 +192,13 @@ class VllmEngineStats:
     preemptions_total: float | None = None
     prefix_cache_queries_total: float | None = None
     prefix_cache_hits_total: float | None = None
+    # vllm:num_requests_waiting_by_reason (0.2x+): (reason, requests), "capacity" (waiting for the
+    # scheduler's capacity: KV cache, max_num_seqs) or "deferred" (LoRA budget and the like).
+    requests_waiting_by_reason: tuple[tuple[str, float], ...] = ()
+    # vllm:request_num_preemptions (a histogram over finished requests): its sum (preemptions of
+    # the requests that finished) and count (requests that finished); per request = sum / count.
+    request_preemptions_total: float | None = None
+    requests_finished_total: float | None = None
     # vllm:engine_sleep_state, in vLLM's words: awake | weights_offloaded (sleep level 1) |
     # discard_all (level 2) | asleep (no level given); "" when the server does not report it.
     sleep_state: str = ""
@@ -241,12 +256,18 @@ class VllmSample:
     engines: tuple[VllmEngineStats, ...] = ()
     cache_config: CacheConfig | None = None
     pids: tuple[int, ...] = ()  # the server's root processes (listener or PID file); descendants belong too
+    # The server's own processes (the listener and its descendants) with their host memory, GPU
+    # or not: on vLLM's CPU backend the model and KV cache live here, in host memory.
+    processes: tuple[ProcessSample, ...] = ()
     memory_profile: tuple[tuple[str, int], ...] = ()  # (component, bytes) from its start-up log
     startup: MemoryProfile | None = None  # all of its start-up log's figures (memory_profile's source)
     # Metrics whose values were impossible (negative, NaN, a ratio over 1): dropped from this
     # sample, to be counted as gpumem_vllm_scrape_errors_total{kind="out_of_range"}.
     rejected_metrics: tuple[str, ...] = ()
     truncated: bool = False  # the page held more vllm: lines than its budget: the rest unread
+    # vllm:admission_rejections_total (per model, no engine): (model, reason, rejections), the
+    # requests refused by a queue limit (max_num_queued_reqs, max_num_queued_tokens).
+    admission_rejections: tuple[tuple[str, str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -308,6 +329,44 @@ class Snapshot:
         return None
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """A vLLM server's settings as its log states them (sources/vllm_args.py); None = not stated.
+    What advice reads so that it never suggests what is already set."""
+
+    source: str = ""  # where they were read: "non-default args" | "command line" | "" (engine lines only)
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes as given
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    sleep_mode: bool | None = None
+    backend: str = ""  # "cpu" when the log shows vLLM's CPU backend
+    memory_node: str = ""  # the CPU backend's memory (NUMA) node
+    # The CPU backend said "Explicitly set (...) GiB for KV cache": the KV size was given, by
+    # --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (which vLLM turns into it).
+    kv_cache_explicit: bool = False
+
+    @property
+    def explicit_kv_cache(self) -> bool:
+        """The KV cache size was given, so gpu_memory_utilization sizes nothing."""
+        return self.kv_cache_memory_bytes is not None or self.kv_cache_explicit
+
+    @property
+    def empty(self) -> bool:
+        return self == ServerSettings()
+
+    def stated(self) -> dict[str, object]:
+        """The fields the log stated (for JSON and evidence)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) not in (None, "", False)}
+
+
 # What an OomMessage can be (its `kind`), as sources/oom_messages.py finds them.
 OOM_KINDS = (
     "torch_cuda_oom",  # PyTorch's caching allocator: CUDA, ROCm/HIP and Ascend NPU alike
@@ -322,10 +381,11 @@ OOM_KINDS = (
     "container_oom_killed",  # Kubernetes / Docker reporting a container OOM-killed
     "ray_oom_kill",  # Ray's memory monitor killed a worker
     "host_memory_error",  # Python MemoryError, PyTorch's CPU allocator
+    "vllm_cpu_memory_check",  # vLLM's CPU backend: its memory node has less available than it wants
 )
 # The kinds about host RAM rather than GPU memory.
 HOST_OOM_KINDS = frozenset({"kernel_oom_kill", "cgroup_oom", "container_oom_killed",
-                            "ray_oom_kill", "host_memory_error"})
+                            "ray_oom_kill", "host_memory_error", "vllm_cpu_memory_check"})
 
 
 @dataclass(frozen=True)
@@ -362,6 +422,9 @@ class OomMessage:
     victim_pid: int | None = None  # host kills: the killed process
     victim_name: str = ""
     memory_limit: str = ""  # host kills: the cgroup (or Ray threshold) whose limit was hit
+    memory_node: str | None = None  # vLLM's CPU backend: the memory (NUMA) node its check read
+    # The server's settings as its log stated them before this message (vLLM logs only).
+    settings: ServerSettings = field(default_factory=ServerSettings)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -420,8 +420,9 @@ def vllm() -> JSON:
             # The exporter decides saturation (its kv_saturation finding); this draws its default level.
             target(f"vector({KvSaturationConfig.usage_ratio:g})", "full (kv_saturation's default)")],
             unit="percentunit", max_=1, overrides=[threshold_line("B", "full (kv_saturation's default)")],
-            description=("Share of KV cache blocks in use. Full with a growing queue is saturation: the "
-                         "exporter's kv_saturation finding (detectors.kv_saturation in its configuration).")),
+            description=("Share of KV cache blocks in use. A saturated cache saw-tooths: full in a share of the "
+                         "samples with requests waiting (the exporter's kv_saturation finding, "
+                         "detectors.kv_saturation in its configuration), never full in all.")),
         timeseries("GPU memory of the servers' GPUs", [
             target(f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}", "{{instance}} GPU {{gpu}}"),
             target("gpumem:threshold_memory_high:ratio", "page threshold")],

@@ -166,7 +166,8 @@ def test_each_detector_declares_its_section_and_checks_it_itself():
         "detectors.stale_memory: stale: lookback_seconds must cover seconds and exit_grace_seconds"]
     assert problems({"detectors": {"kv_saturation": {"usage_ratio": 2, "nope": 1}}}) == [
         "detectors.kv_saturation.usage_ratio: must be at most 1, got 2",
-        "detectors.kv_saturation.nope: unknown key (known keys: usage_ratio, window_seconds, min_waiting)"]
+        "detectors.kv_saturation.nope: unknown key (known keys: usage_ratio, window_seconds, min_full_share, "
+        "min_waiting, min_queued_share, clear_full_share)"]
     # Statistical constants a detector does not list stay out of the file.
     assert problems({"detectors": {"leak": {"min_z": 2}}})[0].startswith("detectors.leak.min_z: unknown key")
 

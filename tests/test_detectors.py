@@ -454,18 +454,15 @@ def test_fragmentation_when_oom_happens_with_free_memory_on_nvml():
     assert "free" in f.summary
 
 
-def test_fragmentation_preemptions_rising_while_kv_usage_low():
+def test_preemptions_while_sampled_kv_usage_looks_low_are_not_fragmentation():
+    """vLLM preempts only when its KV cache has no free block: usage that looked low in the
+    samples is sampling that missed the peak, never fragmentation (#18 defect 6)."""
     cfg = FragmentationConfig(window_seconds=300)
 
     def make(e):
         pre = 5 + (e >= 200) * 7  # seven preemptions at t=200
         return snap(T0 + e, [gpu([vllm_proc(10, 70 * GiB)])], vllm=[vllm_server(pre, 0.3)])
-    per_tick = run_detector(fragmentation.DETECTOR, timeline(600, 10, make), cfg)
-    assert not any(per_tick[:20])
-    f = per_tick[20][0]
-    assert f.endpoint == "http://127.0.0.1:8000" and f.gpu == "0"
-    assert dict(f.evidence)["preemptions_in_window"] == 7
-    assert not per_tick[-1]  # the preemptions left the window
+    assert not any(run_detector(fragmentation.DETECTOR, timeline(600, 10, make), cfg))
 
 
 def test_fragmentation_silent_for_preemptions_with_a_full_kv_cache():

@@ -116,8 +116,8 @@ def test_leak_alert_reaches_alertmanager(stack, alerting):
     stack.exporter("leak", speed=240, interval=5, target=exporter)
     running = alive(stack, am_stack)
 
-    # The process leaks GPU memory and host memory: one alert for each of its two findings (the
-    # host-memory one has no GPU), both naming it; the GPU one is the one checked in detail.
+    # The alert fires from the leak findings: the process leaks GPU memory and, if the detector
+    # also judges its host memory a leak, that finding (no GPU) alerts too; both name it.
     alerts = wait_until(lambda: [a for a in am_alerts(alertmanager, "GpuMemoryLeakSuspected", exporter)
                                  if a["labels"].get("gpu") == "0"], 90,
                         "GpuMemoryLeakSuspected for GPU 0 in Alertmanager", alive=running)

@@ -285,6 +285,9 @@ def test_a_known_listener_is_confirmed_from_its_own_sockets_and_a_restart_is_fou
         clock[0] += 25
         listed = _fd_dirs_listed(lambda: host.pid_listening_on(port))
         assert listed == {f"/proc/{first.pid}/fd"}  # confirmed from its own sockets only
+        clock[0] += 35
+        assert _fd_dirs_listed(lambda: host.pid_listening_on(port)) == set()  # the same socket: one readlink
+        assert host.pid_listening_on(port) == first.pid
         first.kill()
         first.wait()
         second = _listen(port)  # the server restarts on the same port

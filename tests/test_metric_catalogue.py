@@ -36,8 +36,10 @@ def full_state():
         allocated_bytes=512 << 20, reserved_bytes=768 << 20, inactive_split_bytes=64 << 20, alloc_retries=2, ooms=0))
     gpu = dataclasses.replace(gpu, processes=(probed, *gpu.processes[1:]))
     server = snap.vllm[0]
-    server = dataclasses.replace(server, engines=tuple(dataclasses.replace(e, sleep_state="weights_offloaded")
-                                                      for e in server.engines))
+    server = dataclasses.replace(server, engines=tuple(dataclasses.replace(
+        e, sleep_state="weights_offloaded", requests_waiting_by_reason=(("capacity", 1.0), ("deferred", 0.0)),
+        request_preemptions_total=3.0, requests_finished_total=40.0) for e in server.engines),
+        admission_rejections=(("meta-llama/Llama-3.1-8B", "max_num_queued_reqs", 2.0),))
     kv = KvCache(endpoint="llama", model="meta-llama/Llama-3.1-8B", engine="0", capacity_tokens=432_000,
                  capacity_bytes=60 << 30, usage_ratio=0.42, used_tokens=181_440, used_bytes=25 << 30,
                  max_model_len=32_768, max_concurrency=13.2)

@@ -18,7 +18,9 @@ def load(name: str) -> str:
 
 
 def test_every_fixture_names_the_vllm_source_it_follows():
-    for path in (p for p in FIXTURES.glob("*") if p.suffix != ".py"):  # not the script rendering them
+    # Not the scripts that render or capture them; load/ holds captured series with their own
+    # provenance line (tests/test_kv_saturation_real.py checks it).
+    for path in (p for p in FIXTURES.glob("*") if p.is_file() and p.suffix != ".py"):
         first = path.read_text().splitlines()[0]
         assert first.startswith("# Fixture: vLLM"), path.name
 
@@ -33,7 +35,7 @@ def test_v0_6_engine_metrics():
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=27910,
                                               block_size=16, cache_dtype="auto",
-                                              kv_cache_memory_bytes=None)
+                                              kv_cache_memory_bytes=None, enable_prefix_caching="False")
 
 
 def test_v0_8_early_v1_uses_old_names():
@@ -56,7 +58,7 @@ def test_v0_10_with_deprecated_names_alongside():
                         prefix_cache_queries_total=1048576.0, prefix_cache_hits_total=524288.0),
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.9, num_gpu_blocks=28672,
-                                              block_size=16, cache_dtype="auto")
+                                              block_size=16, cache_dtype="auto", enable_prefix_caching="True")
 
 
 def test_current_v1_two_engines_created_series_ignored():
@@ -72,7 +74,7 @@ def test_current_v1_two_engines_created_series_ignored():
     )
     assert result.cache_config == CacheConfig(gpu_memory_utilization=0.92, num_gpu_blocks=21846,
                                               block_size=16, cache_dtype="fp8_e4m3",
-                                              kv_cache_memory_bytes=None)
+                                              kv_cache_memory_bytes=None, enable_prefix_caching="True")
 
 
 def test_new_name_wins_over_deprecated_one_when_they_differ():

@@ -231,21 +231,42 @@ def saturated(seconds, usage=0.99, waiting=lambda e: 2 + e // 30, preemptions=la
             for e in range(0, seconds + 1, step)]
 
 
-def test_a_full_kv_cache_with_a_growing_queue_and_no_preemption_is_seen():
+def test_a_full_kv_cache_with_a_queue_and_no_preemption_is_seen():
     analyzer, _ = replay(saturated(300))
     (f,) = [f for f in analyzer.all_findings if f.kind == "kv_saturation"]
     ev = dict(f.evidence)
-    assert f.first_detected_at == T0 + 120 and f.endpoint == EP
-    assert ev["preemptions_in_window"] == 0 and ev["requests_waiting"] > ev["requests_waiting_at_start"]
+    # The window (60 s) must be half covered before it is judged: 4 samples 10 s apart.
+    assert f.first_detected_at == T0 + 30 and f.endpoint == EP
+    assert ev["preemptions_in_window"] == 0 and ev["full_share"] == 1.0 and ev["queued_share"] == 1.0
     assert (ev["kv_cache_capacity_tokens"], ev["max_model_len"], ev["max_concurrency"]) == (262_144, 32_768, 8.0)
     assert "no preemption counted" in f.summary
     advice = " ".join(f.advice)
     assert "--max-num-seqs" in advice and "--max-model-len 32,768" in advice
-    assert "--kv-cache-memory (now 32.0 GiB)" in advice  # the knob this server uses
+    assert "--kv-cache-memory-bytes (now 32.00 GiB)" in advice  # the knob this server uses
 
 
-def test_no_kv_saturation_when_the_queue_does_not_grow_or_the_cache_has_room():
-    for snaps in (saturated(300, waiting=lambda e: 5), saturated(300, usage=0.9),
-                  saturated(300, waiting=lambda e: 0)):
+def test_no_kv_saturation_when_the_cache_has_room_or_nobody_waits():
+    for snaps in (saturated(300, usage=0.9), saturated(300, waiting=lambda e: 0)):
         analyzer, _ = replay(snaps)
         assert "kv_saturation" not in {f.kind for f in analyzer.all_findings}
+
+
+def test_a_saw_tooth_is_one_episode_and_a_dip_does_not_clear_it():
+    """Full in two samples of three, a dip to half in the third, requests waiting throughout:
+    one finding from the first judged window to the end (the old rule, full in every sample
+    for 120 s, never fired on this)."""
+    usage = {0: 0.99, 1: 0.99, 2: 0.5}
+    snaps = [dataclasses.replace(s, vllm=(dataclasses.replace(s.vllm[0], engines=(dataclasses.replace(
+        s.vllm[0].engines[0], kv_cache_usage_ratio=usage[i % 3]),)),))
+        for i, s in enumerate(saturated(600, step=5))]
+    analyzer, _ = replay(snaps)
+    episodes = [(f, cleared) for f, cleared in analyzer.episodes() if f.kind == "kv_saturation"]
+    assert len(episodes) == 1 and episodes[0][1] is None
+    # The load stops: the cache empties, nobody waits; the finding clears within two windows.
+    idle = [dataclasses.replace(s, timestamp=s.timestamp + 605, vllm=(dataclasses.replace(
+        s.vllm[0], engines=(dataclasses.replace(s.vllm[0].engines[0], kv_cache_usage_ratio=0.0,
+                                                requests_waiting=0.0),)),)) for s in saturated(120, step=5)]
+    for s in idle:
+        analyzer.update(s)
+    ((_, cleared),) = [(f, c) for f, c in analyzer.episodes() if f.kind == "kv_saturation"]
+    assert cleared is not None and cleared <= T0 + 605 + 120

@@ -4,7 +4,10 @@ is, on paper, there.
 Three signals, one finding per (GPU, endpoint):
 - an out-of-memory event (from the logs) where PyTorch held a large share reserved but
   unallocated, or NVML/the message showed enough free memory for the request;
-- vLLM preemptions rising while KV-cache usage stayed low or the GPU had free memory;
+- vLLM preemptions rising while the GPU had free memory. vLLM preempts only when the KV cache
+  has no free block, so a preemption proves the cache was full at that moment: KV usage that
+  looked low in the samples is sampling that missed the peak (a real ramp saw-tooths within
+  seconds), never a sign of fragmentation, and is not read;
 - a vLLM server using far more than its planned budget (gpu_memory_utilization x total)
   for a sustained time: memory outside what vLLM sized for (allocator cache, NCCL buffers).
 """
@@ -36,7 +39,6 @@ _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 class FragmentationConfig:
     reserved_unallocated_share: float = 0.20  # of PyTorch's reserved memory at the OOM
     free_ratio: float = 0.20  # GPU free share that makes an OOM or preemption suspicious
-    kv_low_ratio: float = 0.50  # KV usage peak below this while preempting is suspicious
     window_seconds: float = 300.0  # how long OOM events and preemptions count
     budget_excess_bytes: int = GIB  # "far above budget": by this much ...
     budget_excess_ratio: float = 0.05  # ... and this share of the GPU's total
@@ -53,8 +55,7 @@ class FragmentationConfig:
     inactive_split_sustain_seconds: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("reserved_unallocated_share", "free_ratio", "kv_low_ratio",
-                     "budget_excess_ratio", "inactive_split_share"):
+        for name in ("reserved_unallocated_share", "free_ratio", "budget_excess_ratio", "inactive_split_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"fragmentation: {name} must be within 0-1")
         if self.window_seconds <= 0 or self.budget_sustain_seconds < 0:
@@ -180,10 +181,8 @@ def _from_preemptions(history: History, snapshot: Snapshot, config: Fragmentatio
         gpus = [_gpu(snapshot, b.gpu) for b in budgets if b.endpoint == server.endpoint]
         free_ratios = [g.free_bytes / g.total_bytes for g in gpus
                        if g is not None and g.free_bytes is not None and g.total_bytes]
-        kv_low = kv_peak is not None and kv_peak < config.kv_low_ratio
-        free = bool(free_ratios) and min(free_ratios) >= config.free_ratio
-        if not (kv_low or free):
-            continue
+        if not free_ratios or min(free_ratios) < config.free_ratio:
+            continue  # preempted with the GPU full: the KV cache ran out, which is kv_saturation's
         evidence: list[tuple[str, float | int | str]] = [
             ("preemptions_in_window", preempted), ("window_seconds", config.window_seconds)]
         if kv_peak is not None:
@@ -191,12 +190,10 @@ def _from_preemptions(history: History, snapshot: Snapshot, config: Fragmentatio
         if free_ratios:
             evidence.append(("gpu_free_ratio_min", round(min(free_ratios), 4)))
         evidence.append(("gpus", ",".join(g.index for g in gpus if g is not None)))
-        why = (f"KV-cache usage peaked at {kv_peak:.0%}" if kv_low
-               else f"{min(free_ratios):.0%} of the GPU free")
-        advice = _advice(len(gpus) > 1)
-        if free:
-            advice += ("The GPU has memory vLLM does not use: raise --gpu-memory-utilization "
-                       "for a larger KV cache, or lower --max-num-seqs / --max-model-len.",)
+        why = f"{min(free_ratios):.0%} of the GPU free"
+        advice = _advice(len(gpus) > 1) + (
+            "The GPU has memory vLLM does not use: raise --gpu-memory-utilization "
+            "for a larger KV cache, or lower --max-num-seqs / --max-model-len.",)
         findings.append(Finding(
             kind="fragmentation", severity="warning", first_detected_at=now,
             gpu=gpus[0].index if len(gpus) == 1 and gpus[0] else None,
@@ -456,7 +453,6 @@ DETECTOR = DetectorSpec(
                                        "reserved memory unallocated is fragmentation."),
         "free_ratio": ("A GPU with at least this share free makes an out-of-memory event or preemptions "
                        "suspicious."),
-        "kv_low_ratio": "Preemptions while the KV cache's peak usage stayed below this are suspicious.",
         "budget_excess_bytes": "A vLLM server above its budget by this much ...",
         "budget_excess_ratio": "... and this share of the GPU's total ...",
         "budget_sustain_seconds": "... for this long is using memory outside what it sized for.",

@@ -313,6 +313,12 @@ class History:
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
                     self._add(rss_key, t, float(p.host_rss_bytes), p.name)
+        for server in snapshot.vllm:  # a server's own processes, on no GPU (vLLM's CPU backend)
+            for p in server.processes:
+                rss_key = ("rss", p.pid, p.start_time)
+                if p.host_rss_bytes is not None and rss_key not in rss_done:
+                    rss_done.add(rss_key)
+                    self._add(rss_key, t, float(p.host_rss_bytes), p.name)
         frames = self._frames
         if (len(frames) >= 2 and frames[-1][0].timestamp - frames[-2][0].timestamp < self.raw_gap
                 and not frames[-1][0].log_events):

@@ -108,7 +108,19 @@ class LeakDetector:
                     findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds, why))
                 if rss_leak and host is not None and \
                         not any(f.pid == p.pid and f.gpu is None for f in findings):
-                    findings.append(_rss_leak(gpu, p, host, snapshot, tp, critical_seconds))
+                    findings.append(_rss_leak(p, host, snapshot, tp, critical_seconds, gpu.unified))
+        # A vLLM server's own processes on no GPU (vLLM's CPU backend: the model and its KV cache
+        # are host memory, as on unified memory): their host memory is all there is to judge.
+        for server in snapshot.vllm:
+            for p in server.processes:
+                if p.host_rss_bytes is None or p.identity in rss:
+                    continue
+                a = self._assess(("rss", p.identity), history.process_rss(p.identity), host_total, now, config,
+                                 SIGNALS_PER_SERIES)
+                leaking = self._latch.update(("rss", p.identity), a.suspected and p.endpoint not in asleep, now)
+                rss[p.identity] = (a, leaking)
+                if leaking:
+                    findings.append(_rss_leak(p, a, snapshot, False, critical_seconds, True, cpu=True))
         self._latch.prune(now)
         self._assess.prune()  # only the series of live processes are kept
         return LeakResult(tuple(trends), tuple(findings))
@@ -167,8 +179,10 @@ def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, t
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=False, component=why.component))
 
 
-def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Snapshot, tp: bool,
-              critical_seconds: float) -> Finding:
+def _rss_leak(p: ProcessSample, a: LeakAssessment, snapshot: Snapshot, tp: bool, critical_seconds: float,
+              unified: bool, cpu: bool = False) -> Finding:
+    """A serving process's host memory leaking; `unified`: that memory is also what the model
+    runs in (unified memory, or vLLM's CPU backend: `cpu`)."""
     slope = a.slope_bytes_per_second or 0.0
     host = snapshot.host
     left = host.available_bytes / slope if host is not None and slope > 0 else None
@@ -178,17 +192,25 @@ def _rss_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, snapshot: Sna
         evidence.append(("host_available_bytes", host.available_bytes))
     if left is not None:
         evidence.append(("time_to_full_seconds", round(left, 1)))
-    evidence.append(("unified_memory", int(gpu.unified)))
+    evidence.append(("unified_memory", int(unified and not cpu)))
+    if cpu:
+        evidence.append(("cpu_backend", 1))
+    if p.server_role:
+        evidence.append(("server_role", p.server_role))
     evidence += [(k, v) for k, v in a.evidence if k not in dict(evidence)]
     evidence += NO_PROBE.evidence
-    where = " (unified memory: this is GPU memory)" if gpu.unified else ""
+    where = (" (vLLM's CPU backend: the model and its KV cache live in this memory)" if cpu
+             else " (unified memory: this is GPU memory)" if unified else "")
+    part = {"api_server": "API server", "engine_core": "engine core", "worker": "worker"}.get(p.server_role, "")
+    role = f", the server's {part}" if part else ""
+    who = f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}{role})"
     return Finding(
         kind="leak", severity=_severity(left, critical_seconds),
         first_detected_at=snapshot.timestamp, gpu=None, uuid="", pid=p.pid, process=p.name,
         role=p.role, endpoint=p.endpoint,
-        summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) host memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + where + _full_in(left)),
-        evidence=tuple(evidence), advice=_advice(p, left, tp, host=True))
+        summary=(f"{who} host memory grows {slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + where
+                 + _full_in(left)),
+        evidence=tuple(evidence), advice=_advice(p, left, tp, host=True, cpu=cpu))
 
 
 def _sure(a: LeakAssessment) -> str:
@@ -210,10 +232,19 @@ def _full_in(seconds: float | None) -> str:
 
 
 def _advice(p: ProcessSample, left: float | None, tp: bool, host: bool,
-            component: str = "unknown") -> tuple[str, ...]:
+            component: str = "unknown", cpu: bool = False) -> tuple[str, ...]:
     # Where the probe says what grows, its advice replaces the guesses below.
     advice = list(component_advice(component, tp, p.role))
-    if not advice and p.role == "vllm":
+    if cpu:
+        advice += [
+            "On vLLM's CPU backend the KV cache is allocated once, at its set size "
+            "(--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE): memory that keeps growing beyond it is "
+            "held by the process itself. Check what the server loads besides vLLM (vllm.general_plugins "
+            "entry points, patches), multimodal and processor caches, and KV offloading to host memory.",
+            "Compare the engine core's and the worker's growth with the request rate: growth per request "
+            "is something kept for every request.",
+        ]
+    elif not advice and p.role == "vllm":
         if tp:
             advice.append("Tensor parallelism: set NCCL_CUMEM_ENABLE=0 in the server's "
                           "environment (NCCL's cuMem allocations have leaked in several "
@@ -269,7 +300,7 @@ DETECTOR = DetectorSpec(
                          "growing.{{ end }}{{ else }}; its resident host memory is "
                          '{{ with printf "max(gpumem_process_host_rss_bytes{instance=%q,pid=%q})" '
                          "$labels.instance $labels.pid | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
-                         "(on unified memory that is GPU memory).{{ end }}"))),),
+                         "(on unified memory and vLLM's CPU backend that is the model's memory).{{ end }}"))),),
     settings={
         "critical_seconds": (
             "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "

@@ -62,6 +62,8 @@ def classify(message: OomMessage) -> OomEvent:
         v = _tgi_warmup(message)
     elif kind == "nccl_oom":
         v = _nccl(message)
+    elif kind == "vllm_cpu_memory_check":
+        v = _vllm_cpu(message)
     elif kind in HOST_OOM_KINDS:
         v = _host(message)
     else:  # cuda_runtime_oom and anything new
@@ -116,6 +118,28 @@ def _causes(*pairs: tuple[str, int | None]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(((name, b) for name, b in pairs if b), key=lambda p: -p[1]))
 
 
+def _more_parallel(m: OomMessage) -> str:
+    """The tensor-parallel advice for this server: a size above the one it already has."""
+    tp = m.settings.tensor_parallel_size
+    if tp is None:
+        return "--tensor-parallel-size 2 or more"
+    return f"--tensor-parallel-size {2 * tp} (it runs at {tp} now)"
+
+
+def _smaller_footprint(m: OomMessage, what: str) -> str:
+    """Quantisation and parallelism advice that leaves out what the server already does."""
+    s = m.settings
+    ways = []
+    if not s.quantization:
+        ways.append("quantise the weights (--quantization fp8/awq)")
+    if s.backend != "cpu":
+        ways.append(f"shard the model with {_more_parallel(m)}")
+    if not ways:
+        return ""
+    text = " or ".join(ways)
+    return f"{text[0].upper()}{text[1:]}{what}."
+
+
 def _shortage_advice(m: OomMessage, shortfall: int | None) -> list[str]:
     advice = []
     if shortfall is not None and m.total_bytes and m.requested_bytes is not None:
@@ -125,8 +149,8 @@ def _shortage_advice(m: OomMessage, shortfall: int | None) -> list[str]:
             f" {_ceil2(shortfall / m.total_bytes + 0.01):.2f} to leave {format_bytes(shortfall)}"
             " more headroom for activations.")
     advice.append("Lower --max-num-seqs or --max-num-batched-tokens to shrink the activation peak.")
-    advice.append("Quantise the weights (--quantization fp8/awq) or shard the model with"
-                  " --tensor-parallel-size 2 or more.")
+    if footprint := _smaller_footprint(m, ""):
+        advice.append(footprint)
     return advice
 
 
@@ -309,6 +333,30 @@ def _vllm_warmup(m: OomMessage) -> _Verdict:
          "Or lower --gpu-memory-utilization by 0.05 to leave room for the sampler's peak."])
 
 
+def _kv_cache_knob(m: OomMessage, needed: int | None, short: int | None, approx: bool = False) -> str:
+    """How to give the KV cache more memory on this server: the setting that sizes it. With an
+    explicit KV size --gpu-memory-utilization sizes nothing, so it is never the advice then."""
+    s = m.settings
+    if s.explicit_kv_cache:
+        target = f" to {'about' if approx else 'at least'} {format_bytes(needed)}" if needed else ""
+        if s.kv_cache_memory_bytes is not None:
+            return (f"raise --kv-cache-memory-bytes (now {format_bytes(s.kv_cache_memory_bytes)}){target},"
+                    " if the memory is there")
+        gib = f" to {'about' if approx else 'at least'} {math.ceil(needed / GiB)} (GiB)" if needed else ""
+        return (f"raise VLLM_CPU_KVCACHE_SPACE{gib}, or set --kv-cache-memory-bytes{target},"
+                " if the memory node has it")
+    util = s.gpu_memory_utilization if s.gpu_memory_utilization is not None else m.gpu_memory_utilization
+    now = f" (now {util:g})" if util is not None else ""
+    more = f" to give the KV cache {format_bytes(short)} more" if short else ""
+    where = " of the memory node" if s.backend == "cpu" else ""
+    return f"raise --gpu-memory-utilization{now}{more}{where}, if there is room"
+
+
+def _kv_dtype(m: OomMessage) -> str:
+    dtype = (m.settings.kv_cache_dtype or "").lower()
+    return "" if dtype.startswith("fp8") else "--kv-cache-dtype fp8"
+
+
 def _vllm_kv_cache(m: OomMessage) -> _Verdict:
     max_len, fits = m.max_model_len, m.max_model_len_fits
     needed, available = m.requested_bytes, m.free_bytes
@@ -316,28 +364,38 @@ def _vllm_kv_cache(m: OomMessage) -> _Verdict:
         return _Verdict(
             "configuration", "Weights and the activation peak already fill vLLM's budget: no"
             " memory is left for the KV cache.",
-            ["Weights and activation peak already use the whole memory budget:"
-             " raise --gpu-memory-utilization if the GPU has room.",
-             "Lower --max-num-batched-tokens / --max-num-seqs, quantise the weights"
-             " (--quantization fp8/awq) or add --tensor-parallel-size."])
-    advice = []
-    if needed is None:  # vLLM < 0.8: counted in tokens
-        verdict = (f"The KV cache holds {fits} tokens, fewer than --max-model-len {max_len}: the"
-                   " configuration asks for more than the budget holds.")
-        advice += [f"The KV cache holds {fits} tokens but --max-model-len is {max_len}:"
-                   f" set --max-model-len {fits} or lower.",
-                   "Or raise --gpu-memory-utilization, use --kv-cache-dtype fp8, or add"
-                   " --tensor-parallel-size to make room for the KV cache."]
+            [f"Weights and activation peak already use the whole memory budget: {_kv_cache_knob(m, None, None)}.",
+             "Lower --max-num-batched-tokens / --max-num-seqs"
+             + (f"; {footprint[0].lower()}{footprint[1:]}" if (footprint := _smaller_footprint(m, "")) else ".")])
+    others = ", ".join(x for x in (_kv_dtype(m), "" if m.settings.backend == "cpu" else _more_parallel(m)) if x)
+    if needed is None:
+        # Counted in tokens (vLLM < 0.8), or in GiB too small to print (vLLM prints sizes below
+        # 0.005 GiB as 0.0): the tokens are the numbers there are.
+        have = f" ({format_bytes(available)})" if available else ""
+        verdict = (f"The KV cache{have} holds one request of at most {fits} tokens, fewer than"
+                   f" --max-model-len {max_len}: the configuration asks for more than the budget holds.")
+        if m.requested_bytes is None and m.free_bytes is None and fits:
+            verdict += " vLLM stated the sizes only as 0.0 GiB, so the bytes are unknown."
+        estimate = available * max_len // fits if available and fits else None
+        advice = []
+        if fits:
+            advice.append(f"The KV cache holds {fits} tokens but --max-model-len is {max_len}:"
+                          f" set --max-model-len {fits} or lower.")
+        knob = _kv_cache_knob(m, estimate, None, approx=True)
+        advice.append(f"Or {knob}" + (f" (about {format_bytes(estimate)} holds {max_len} tokens at the"
+                                      f" {format_bytes(available)} per {fits} tokens it has now)"
+                                      if estimate and not m.settings.explicit_kv_cache else "")
+                      + (f"; or use {others}" if others else "") + ".")
         return _Verdict("configuration", verdict, advice)
     short = max(0, needed - (available or 0))
     verdict = (f"--max-model-len {max_len} needs {format_bytes(needed)} of KV cache,"
                f" {format_bytes(available)} is available: {format_bytes(short)} short. The"
                " configuration asks for more than the budget holds.")
+    advice = []
     if fits:
         advice.append(f"--max-model-len {max_len} needs {format_bytes(needed)} of KV cache but"
                       f" {format_bytes(available)} is available: set --max-model-len {fits} or lower.")
-    advice.append(f"Or raise --gpu-memory-utilization to give the KV cache {format_bytes(short)}"
-                  " more, or use --kv-cache-dtype fp8 / --tensor-parallel-size.")
+    advice.append(f"Or {_kv_cache_knob(m, needed, short)}" + (f"; or use {others}" if others else "") + ".")
     return _Verdict("configuration", verdict, advice, shortfall=short)
 
 
@@ -358,6 +416,74 @@ def _tgi_warmup(m: OomMessage) -> _Verdict:
         [f"Lower --max-batch-prefill-tokens below {tokens} (try {max(1, tokens // 2)}), and"
          " --max-batch-total-tokens with it.",
          "Or quantise the weights (--quantize) or shard the model (--num-shard)."])
+
+
+def _vllm_cpu(m: OomMessage) -> _Verdict:
+    """vLLM's CPU backend refused to start: its memory node had less available than it wanted.
+    The counterfactual on host memory: what the rest of the node held against what was missing."""
+    F, T, want, node = m.free_bytes, m.total_bytes, m.requested_bytes, m.memory_node
+    where = f"memory node {node}" if node is not None else "the memory node"
+    s = m.settings
+    used = T - F if T is not None and F is not None else None
+    said = (f"{format_bytes(F)} of {format_bytes(T)} available on {where}" if used is not None
+            else f"less available on {where} than it wanted")
+    # The explicit size's check runs before vLLM logs the size: the flag, when the log shows it
+    # given, else the legacy variable (vLLM turns it into the flag).
+    flag = ("--kv-cache-memory-bytes" if s.kv_cache_memory_bytes is not None
+            else "VLLM_CPU_KVCACHE_SPACE (in GiB) or --kv-cache-memory-bytes")
+    if m.gpu_memory_utilization is not None:  # at start-up, sized by the utilisation
+        util = m.gpu_memory_utilization
+        head = (f"The CPU backend wanted --gpu-memory-utilization {util:g} of {where} ({format_bytes(want)})"
+                f" with {said}. ")
+        explicit = ("Give the KV cache an explicit size (--kv-cache-memory-bytes, or VLLM_CPU_KVCACHE_SPACE"
+                    " in GiB): the CPU backend then skips this check and --gpu-memory-utilization sizes nothing.")
+        fits = _floor2(F / T - 0.01) if F is not None and T else None
+        lower = (f"Or lower --gpu-memory-utilization from {util:g} to {fits:.2f} or below"
+                 f" (the share of {where} that was available)." if fits and fits >= 0.05 else "")
+        if util >= 0.99 or (want is not None and T is not None and want >= T):
+            return _Verdict(
+                "configuration", head + f"That is all of {where}: the system and vLLM's own API server"
+                " and engine core always hold some of it, so no machine passes this check.",
+                [explicit] + ([lower] if lower else []))
+        return _Verdict(
+            "contention", head + (f"{format_bytes(used)} was in use on {where} (other processes, the"
+                                  " page cache it cannot reclaim, vLLM's own API server and engine core),"
+                                  " at least the shortfall: freeing it would have let vLLM start, so this is"
+                                  " contention." if used is not None else ""),
+            [explicit] + ([lower] if lower else []) + [f"Or stop what holds memory on {where}."],
+            shortfall=want - F if want is not None and F is not None else None,
+            causes=(("in_use_at_start", used),) if used else ())
+    if m.allowed_bytes is not None:  # an automatic size: utilisation x node, less the worker's own use
+        own = f" the worker already held {format_bytes(m.process_bytes)}" if m.process_bytes else ""
+        if want is None:
+            return _Verdict(
+                "configuration", f"The worker may use {format_bytes(m.allowed_bytes)} of {where}"
+                f" (--gpu-memory-utilization) and{own or ' already used it all'}: nothing is left for"
+                " the KV cache.",
+                ["Give the KV cache an explicit size (--kv-cache-memory-bytes, or VLLM_CPU_KVCACHE_SPACE in"
+                 " GiB), or raise --gpu-memory-utilization."])
+        return _Verdict(
+            "contention", f"The CPU backend wanted {format_bytes(want)} for the KV cache with {said}:"
+            " other processes on the node hold what was missing, so this is contention.",
+            [f"Stop what holds memory on {where}, or lower --gpu-memory-utilization.",
+             "Or give the KV cache an explicit size that fits (--kv-cache-memory-bytes)."],
+            shortfall=want - F if F is not None else None,
+            causes=(("in_use_at_start", used),) if used else ())
+    # An explicit KV size.
+    fits_now = f" at most {format_bytes(F)}" if F else " less"
+    if want is not None and T is not None and want > T:
+        return _Verdict(
+            "configuration", f"The KV cache was set to {format_bytes(want)}, more than all of {where}"
+            f" ({format_bytes(T)}): no machine like this one holds it.",
+            [f"Set {flag} to{fits_now} (what {where} had available), and lower --max-model-len or"
+             " --max-num-seqs if that is too small for them."])
+    return _Verdict(
+        "contention", f"The KV cache was set to {format_bytes(want)} with {said}: "
+        + (f"{format_bytes(used)} was in use on the node, at least the shortfall; freeing it would have"
+           " let vLLM start, so this is contention." if used is not None else "other processes hold the rest."),
+        [f"Stop what holds memory on {where}, or set {flag} to{fits_now}."],
+        shortfall=want - F if want is not None and F is not None else None,
+        causes=(("in_use_at_start", used),) if used else ())
 
 
 # ------------------------------------------------------------------ host memory
@@ -391,6 +517,23 @@ def _host(m: OomMessage) -> _Verdict:
                   " or run fewer workers on it.",
                   "Or raise RAY_memory_usage_threshold if the node can take it."]
         verdict = "Ray's memory monitor killed a worker: host RAM, not GPU memory."
+    elif m.kind == "host_memory_error" and (m.settings.backend == "cpu" or (
+            m.requested_bytes is not None and m.requested_bytes == m.settings.kv_cache_memory_bytes)):
+        # vLLM's CPU backend keeps the model and the KV cache in host memory.
+        size = m.requested_bytes
+        kv = m.settings.kv_cache_memory_bytes
+        what = f" {format_bytes(size)}" if size is not None else ""
+        advice = []
+        if kv is not None and size is not None and size >= kv:
+            advice.append(f"The worker could not allocate the{what} KV cache that --kv-cache-memory-bytes"
+                          f" ({format_bytes(kv)}) asks for: lower it, or give the server that much more"
+                          " memory (a container or cgroup limit, ulimit -v, other processes on the host).")
+        else:
+            advice.append(f"vLLM's CPU backend could not allocate{what} of host memory: free host memory"
+                          " or raise the server's memory limit (container, cgroup, ulimit -v).")
+        advice.append("Lower --max-num-seqs or --max-model-len to need less memory per step.")
+        verdict = ("A host allocation failed in vLLM's CPU backend, where the model and its KV cache"
+                   " live in host memory.")
     elif m.kind == "host_memory_error":
         what = (f" allocating {format_bytes(m.requested_bytes)}"
                 if m.requested_bytes is not None else "")

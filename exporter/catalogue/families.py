@@ -46,6 +46,21 @@ server's memory then counts as planned.
 |---|---|---|
 | V0 (≤ 0.10) and V1 (0.8+) | `--gpu-memory-utilization` (`cache_config_info` label) | `gpu_memory_utilization × total`: weights, activation peak, non-torch memory and the KV cache are sized to fit in it (V1 0.21+ counts the CUDA-graph estimate in too; before, graphs come on top of it). |
 | V1 0.11+ | `--kv-cache-memory` (`cache_config_info` label `kv_cache_memory_bytes`) | `kv_cache_memory_bytes` + the start-up log's non-KV memory (weights + activation peak + non-torch + CUDA graphs). vLLM skips memory profiling and takes exactly those bytes for the KV cache, ignoring `gpu_memory_utilization` (which only gates start-up: free memory must reach it), so no fraction of the total applies (`vllm/v1/worker/gpu_worker.py`, `Worker.determine_available_memory`). Without the log's weights figure the budget is unknown. In this mode vLLM logs neither the activation peak nor non-torch memory, so the budget is a lower bound by them (typically 1–3 GiB). |
+
+### What vLLM's page has that is not exported
+
+vLLM 0.32's page (`tests/fixtures/vllm/v0_32_cpu_served.prom`, about 620 lines) carries more than a
+memory exporter reads. Each of these is left out on purpose, and why:
+
+| vLLM series | why it is not exported |
+|---|---|
+| sleep-mode operations | vLLM counts none: its page has only the state, `vllm:engine_sleep_state` (exported as `gpumem_vllm_engine_sleep_state`). Each sleep's effect is read from the server's log (`Sleep mode freed … GiB memory`) and judged by the `sleep_leak` finding. |
+| `vllm:prompt_tokens_cached_by_source_total{source}`, `vllm:prompt_tokens_by_source_total`, `vllm:prompt_tokens_cached_total`, `vllm:external_prefix_cache_*`, `vllm:mm_cache_*` | token accounting of the prefix cache by tier (device, host, disk, p2p) and of the multimodal cache: throughput, not memory. Whether prefix caching and KV offloading are on, and how large the offload is, are in `gpumem_vllm_cache_config_info`; the device prefix cache's hit rate is `gpumem_vllm_prefix_cache_{hits,queries}_total`. |
+| `vllm:estimated_{flops,read_bytes,write_bytes}_per_gpu_total` | model FLOPs utilisation estimates: compute, not memory (and on the CPU backend they stay 0). |
+| `vllm:request_success_total{finished_reason}`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` | request outcomes and token counts: load, not memory. Finished requests are counted in `gpumem_vllm_requests_finished_total`. |
+| the request histograms (`vllm:time_to_first_token_seconds`, `…_latency_seconds`, `…_queue_time_seconds`, `vllm:iteration_tokens_total`, `vllm:request_prompt_tokens`, …) | latency and size distributions: service quality, not memory. Of `vllm:request_num_preemptions` the sum and count are exported (preemptions per request). |
+| the API server's `http_*` families, `process_*`, `python_*` | the HTTP server's and the API server process's own: the exporter reads every serving process's memory from `/proc` itself. |
+| `vllm:cache_config_info`'s other labels (about forty in 0.32: block size details, Mamba settings, hashing) | configuration that does not change what memory holds; the labels read are those above. `num_gpu_blocks` is reported on the CPU backend too, where the blocks are host memory. |
 """)  # noqa: E501
 EXPORTER = Section("The exporter itself")
 RECORDER = Section("Flight recorder", intro="""\
@@ -145,10 +160,12 @@ PROCESS_MEMORY_USED_BYTES = gauge(
         'available".'))
 PROCESS_HOST_RSS_BYTES = gauge(
     "gpumem_process_host_rss_bytes",
-    "Host resident memory of a process using a GPU.", ("pid", "process", "role", "container", "pod", "namespace"),
+    "Host resident memory of a process using a GPU, or of a vLLM server on no GPU.",
+    ("pid", "process", "role", "container", "pod", "namespace"),
     section=PROCESSES, unit="bytes", doc=(
         "Host resident memory of each process that uses a GPU (vLLM leaks host memory too; on unified memory "
-        "it is GPU memory)."))
+        "it is GPU memory), and of each process of a vLLM server that no GPU lists (vLLM's CPU backend: the API "
+        "server, `VLLM::EngineCore` and `VLLM::Worker`, whose host memory holds the model and its KV cache)."))
 PROCESS_MEMORY_GROWTH_BYTES_PER_SECOND = gauge(
     "gpumem_process_memory_growth_bytes_per_second",
     "Robust trend of the process's GPU memory.", TREND,
@@ -280,11 +297,39 @@ VLLM_REQUESTS_WAITING = gauge(
     "Requests waiting to be scheduled.", ENGINE,
     section=VLLM, doc=(
         "Requests queued."))
+VLLM_REQUESTS_WAITING_BY_REASON = gauge(
+    "gpumem_vllm_requests_waiting_by_reason",
+    "Requests waiting to be scheduled, by vLLM's reason.", (*ENGINE, "reason"),
+    section=VLLM, doc=(
+        "`vllm:num_requests_waiting_by_reason`: `capacity` (waiting for the scheduler's capacity: KV cache "
+        "blocks, `--max-num-seqs`, the token budget) or `deferred` (held back by a transient constraint such as "
+        "the LoRA budget). A queue that waits for capacity while the KV cache is full is KV saturation."))
 VLLM_PREEMPTIONS_TOTAL = counter(
     "gpumem_vllm_preemptions_total",
     "Requests preempted for lack of KV cache.", ENGINE,
     section=VLLM, doc=(
-        "Requests preempted because the KV cache ran out."))
+        "Requests preempted because the KV cache ran out. vLLM (V1) counts a preemption when the preempted "
+        "request next produces output, so the counter lags a full cache."))
+VLLM_REQUEST_PREEMPTIONS_TOTAL = counter(
+    "gpumem_vllm_request_preemptions_total",
+    "Preemptions of the requests that finished (the sum of vllm:request_num_preemptions).", ENGINE,
+    section=VLLM, doc=(
+        "Preemptions the finished requests went through: the sum of vLLM's `vllm:request_num_preemptions` "
+        "histogram. Over `gpumem_vllm_requests_finished_total` it is the preemptions per request "
+        "(`rate(a[5m]) / rate(b[5m])`): how often each request's KV cache was thrown away and recomputed."))
+VLLM_REQUESTS_FINISHED_TOTAL = counter(
+    "gpumem_vllm_requests_finished_total",
+    "Requests that finished (the count of vllm:request_num_preemptions).", ENGINE,
+    section=VLLM, doc=(
+        "Requests that finished, whatever their outcome: the count of `vllm:request_num_preemptions`."))
+VLLM_ADMISSION_REJECTIONS_TOTAL = counter(
+    "gpumem_vllm_admission_rejections_total",
+    "Requests vLLM refused at a queue limit, by reason.", ("endpoint", "model", "reason"),
+    section=VLLM, doc=(
+        "`vllm:admission_rejections_total`: requests refused because the queue was at a limit "
+        "(`max_num_queued_reqs`, `max_num_queued_tokens`). The queue grows when the KV cache cannot take more "
+        "requests, so rejections follow a saturated cache. Per model: vLLM's API server counts them, without an "
+        "`engine`."))
 VLLM_PREFIX_CACHE_QUERIES_TOTAL = counter(
     "gpumem_vllm_prefix_cache_queries_total",
     "Prefix cache queries (tokens).", ENGINE,
@@ -298,9 +343,14 @@ VLLM_PREFIX_CACHE_HITS_TOTAL = counter(
 VLLM_CACHE_CONFIG_INFO = gauge(
     "gpumem_vllm_cache_config_info",
     "The server's KV cache configuration; always 1.",
-    ("endpoint", "block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks"),
+    ("endpoint", "block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching",
+     "kv_offloading_backend", "kv_offloading_size"),
     section=VLLM, doc=(
-        "Always 1: the server's KV cache configuration."))
+        "Always 1: the server's KV cache configuration, as `vllm:cache_config_info` states it: `enable_prefix_caching`"
+        " (`True`/`False`), and KV offloading to host memory (`kv_offloading_backend`, e.g. `native` or `lmcache`;"
+        " `kv_offloading_size`, in GiB, empty when unset: no offloading). Empty where vLLM does not say. With an "
+        "explicit KV size (`kv_cache_memory_bytes`) `gpu_memory_utilization` sizes nothing, though vLLM still "
+        "reports it."))
 VLLM_MEMORY_BUDGET_BYTES = gauge(
     "gpumem_vllm_memory_budget_bytes",
     "What the server planned to use on the GPU: gpu_memory_utilization x total, or --kv-cache-memory plus its "

@@ -74,6 +74,8 @@ def event_to_dict(event: OomEvent) -> dict[str, Any]:
             value = [{"pid": pid, "bytes": b} for pid, b in value]
         elif f.name == "causes":
             value = [{"cause": name, "bytes": b} for name, b in value]
+        elif f.name == "settings":
+            value = value.stated()  # what the server's log said of its settings
         elif isinstance(value, tuple):
             value = list(value)
         out[_RENAMED.get(f.name, f.name)] = value
@@ -122,6 +124,9 @@ def render_text(events: list[OomEvent], files: list[dict[str, Any]], max_bytes: 
         if e.other_processes:
             others = ", ".join(f"pid {pid} {format_bytes(b)}" for pid, b in e.other_processes)
             out.append(f"  other processes: {others}")
+        if not e.settings.empty:
+            stated = ", ".join(f"{k} {v}" for k, v in e.settings.stated().items() if k != "source")
+            out.append(f"  server settings ({e.settings.source or 'its log'}): {stated}")
         if e.verdict:
             out.append(f"  why: {e.verdict}")
         out.extend(f"  - {a}" for a in e.advice)

@@ -123,6 +123,12 @@ class StateCollector(Collector):
                     seen_rss.add(p.pid)
                     rss.add_metric([str(p.pid), p.name, p.role, p.container, p.pod, p.namespace],
                                    p.host_rss_bytes)
+        for v in snap.vllm:  # a server on no GPU (vLLM's CPU backend): its own processes
+            for p in v.processes:
+                if p.host_rss_bytes is not None and p.pid not in seen_rss:
+                    seen_rss.add(p.pid)
+                    rss.add_metric([str(p.pid), p.name, p.role, p.container, p.pod, p.namespace],
+                                   p.host_rss_bytes)
         yield used
         yield rss
         yield from self._allocator(snap)
@@ -173,7 +179,11 @@ class StateCollector(Collector):
             "preemptions_total": m.VLLM_PREEMPTIONS_TOTAL.new(),
             "prefix_cache_queries_total": m.VLLM_PREFIX_CACHE_QUERIES_TOTAL.new(),
             "prefix_cache_hits_total": m.VLLM_PREFIX_CACHE_HITS_TOTAL.new(),
+            "request_preemptions_total": m.VLLM_REQUEST_PREEMPTIONS_TOTAL.new(),
+            "requests_finished_total": m.VLLM_REQUESTS_FINISHED_TOTAL.new(),
         }
+        by_reason = m.VLLM_REQUESTS_WAITING_BY_REASON.new()
+        rejections = m.VLLM_ADMISSION_REJECTIONS_TOTAL.new()
         budget = m.VLLM_MEMORY_BUDGET_BYTES.new()
         budget_used = m.VLLM_MEMORY_USED_BYTES.new()
         for b in state.analysis.budgets if state.analysis is not None else ():
@@ -196,12 +206,17 @@ class StateCollector(Collector):
                     value = getattr(e, attr)
                     if value is not None:
                         counter.add_metric(labels, value)
+                for reason, n in e.requests_waiting_by_reason:
+                    by_reason.add_metric([*labels, reason], n)
+            for model, reason, n in v.admission_rejections:
+                rejections.add_metric([v.endpoint, model, reason], n)
             for component, value in v.memory_profile:
                 profile.add_metric([v.endpoint, component], value)
             c = v.cache_config
             if c is not None:
                 cfg.add_metric([v.endpoint, _str(c.block_size), c.cache_dtype,
-                                _str(c.gpu_memory_utilization), _str(c.num_gpu_blocks)], 1)
+                                _str(c.gpu_memory_utilization), _str(c.num_gpu_blocks), c.enable_prefix_caching,
+                                c.kv_offloading_backend, c.kv_offloading_size], 1)
         errors = m.VLLM_SCRAPE_ERRORS_TOTAL.new()
         for (endpoint, kind), n in sorted(state.vllm_errors_total.items()):
             errors.add_metric([endpoint, kind], n)
@@ -214,8 +229,8 @@ class StateCollector(Collector):
                     engine_levels[e.engine] = max(levels[e.sleep_state], engine_levels.get(e.engine, 0))
             for engine, level in sorted(engine_levels.items()):
                 sleep.add_metric([v.endpoint, engine], level)
-        yield from (up, dur, kv, running, waiting, *counters.values(), cfg, budget, budget_used, profile,
-                    sleep, *self._kv_caches(state.analysis), errors)
+        yield from (up, dur, kv, running, waiting, by_reason, *counters.values(), rejections, cfg, budget,
+                    budget_used, profile, sleep, *self._kv_caches(state.analysis), errors)
 
     def _kv_caches(self, analysis: Analysis | None) -> Iterator[Metric]:
         tokens = m.VLLM_KV_CACHE_CAPACITY_TOKENS.new()

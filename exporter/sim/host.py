@@ -69,6 +69,18 @@ class SimulatedHost:
             cmdline=(proc.cmdline or proc.name) if with_cmdline else "",
         )
 
+    def children(self, pid: int) -> tuple[int, ...]:
+        kids: dict[int | None, list[int]] = {}
+        for proc in self._state().processes:
+            kids.setdefault(proc.ppid, []).append(proc.pid)
+        out: list[int] = []
+        todo = list(kids.get(pid, ()))
+        while todo and len(out) < 4096:
+            child = todo.pop()
+            out.append(child)
+            todo += kids.get(child, ())
+        return tuple(sorted(out))
+
     def pid_listening_on(self, port: int) -> int | None:
         scenario_port = self._ports.get(port)
         if scenario_port is None:  # no socket of ours: a real server's port, or nobody's

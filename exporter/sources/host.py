@@ -65,6 +65,9 @@ class LocalHost(HostView):
         self._listeners: dict[int, int] = {}  # port -> pid, from the last whole-table scan
         self._listeners_at = float("-inf")
         self._listener_checked: dict[int, float] = {}  # port -> when its pid was last confirmed
+        # port -> (pid, its listening socket's /proc/<pid>/fd/<n> and what that link read): a
+        # confirmation is then one readlink, not a parse of the host's socket tables.
+        self._listener_sockets: dict[int, tuple[int, str, str]] = {}
         self._tracked: dict[int, _Tracked] = {}
         self._swept_at = monotonic()
         self._top: tuple[int, ...] = ()  # PIDs of the largest processes at the last walk
@@ -127,6 +130,12 @@ class LocalHost(HostView):
             self._top_at = now
         found = [info for info in map(self.process, self._top) if info is not None and info.rss_bytes]
         return tuple(sorted(found, key=lambda i: -(i.rss_bytes or 0)))
+    def children(self, pid: int) -> tuple[int, ...]:
+        # psutil reads every process's parent to find them: the caller caches the answer.
+        try:
+            return tuple(sorted(c.pid for c in psutil.Process(pid).children(recursive=True)))
+        except _PROCESS_ERRORS:
+            return ()
 
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds (5 us each; a GPU host has tens of
@@ -138,7 +147,7 @@ class LocalHost(HostView):
         if pid is not None and psutil.pid_exists(pid):
             if now - self._listener_checked.get(port, self._listeners_at) < self._listener_ttl:
                 return pid
-            if _listens(pid, port):
+            if self._same_socket(port, pid) or self._listens(pid, port):
                 self._listener_checked[port] = now
                 return pid
         wait = LISTENER_RESCAN_SECONDS if pid is not None else self._listener_ttl
@@ -146,6 +155,29 @@ class LocalHost(HostView):
             return None
         self._listeners, self._listeners_at, self._listener_checked = _listening_ports(), now, {}
         return self._listeners.get(port)
+
+    def _same_socket(self, port: int, pid: int) -> bool:
+        """The socket the last full check found still open at the same descriptor: still listening
+        (a listening socket is never reconnected; a closed one frees its inode)."""
+        known = self._listener_sockets.get(port)
+        if known is None or known[0] != pid:
+            return False
+        try:
+            return os.readlink(known[1]) == known[2]
+        except OSError:
+            return False
+
+    def _listens(self, pid: int, port: int) -> bool:
+        fd = _listening_fd(pid, port)
+        if fd is None:
+            self._listener_sockets.pop(port, None)
+            return False
+        path = f"{self.proc_root}/{pid}/fd/{fd}"
+        try:
+            self._listener_sockets[port] = (pid, path, os.readlink(path))
+        except OSError:
+            self._listener_sockets.pop(port, None)
+        return True
 
     def memory(self) -> HostMemory | None:
         try:
@@ -213,12 +245,16 @@ def _listening_ports() -> dict[int, int]:
             if c.status == psutil.CONN_LISTEN and c.pid and c.laddr}
 
 
-def _listens(pid: int, port: int) -> bool:
+def _listening_fd(pid: int, port: int) -> int | None:
+    """The descriptor of `pid`'s socket listening on `port` (-1 when psutil cannot say), or None."""
     try:
         conns = psutil.Process(pid).net_connections(kind="tcp")
     except _PROCESS_ERRORS:
-        return False
-    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            return c.fd
+    return None
 
 
 def _innermost_nspid(status: str) -> int | None:

@@ -28,6 +28,9 @@ class HostView(Protocol):
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
         """The process's identity, or None when it no longer exists (a normal race)."""
 
+    def children(self, pid: int) -> tuple[int, ...]:
+        """Every descendant of `pid` (children, theirs, ...); () when it has none or is gone."""
+
     def pid_listening_on(self, port: int) -> int | None:
         """The PID of the process with a TCP socket listening on `port`, if any is visible."""
 

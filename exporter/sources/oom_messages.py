@@ -21,17 +21,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..model import OomMessage
 from ..units import bytes_in_message
+from .vllm_args import SettingsReader
 
 MAX_MESSAGE_CHARS = 500  # what a message keeps of its text
 MAX_LINE_CHARS = 16384  # a longer line is cut before matching (bounds regex work)
 MAX_PENDING_LINES = 24  # a multi-line message longer than this is cut off
 MAX_PENDING_CHARS = 8192
-DEDUPE_WINDOW_LINES = 100  # the same message re-printed (traceback chaining) within this is one
+# The same message re-printed is one event: a traceback re-printing its exception, a worker
+# logging its error twice, the engine echoing it ("Worker failed with error '...'"), the API
+# server re-raising it. Each copy comes within DEDUPE_WINDOW_LINES of the one before, a failure's
+# copies within DEDUPE_CHAIN_LINES of the first (vLLM 0.32's CPU worker: four copies over 110
+# lines); a storm of identical errors still counts once per chain.
+DEDUPE_WINDOW_LINES = 100
+DEDUPE_CHAIN_LINES = 500
 # The kernel prints `invoked oom-killer`, then a memory and task dump (a line per process), then
 # the kill: the report is one event if the kill comes within this many lines.
 KERNEL_REPORT_LINES = 2000
@@ -193,8 +200,17 @@ _VLLM_MAX_LEN_V1 = re.compile(
     r"\s*(-?[\d.]+)\s*GiB KV cache is needed, which is larger than the available KV cache memory"
     r"\s*\(\s*(-?[\d.]+)\s*GiB\)"
 )
+# vLLM's CPU backend (v1/worker/cpu_worker.py, 0.11+) checks the memory node, in three wordings:
+# at start-up without an explicit KV size; before allocating an explicit KV size; before
+# allocating an automatic one ("(kv/requested GiB)", kv <= 0 when the worker alone exceeds it).
+_VLLM_CPU_STARTUP = re.compile(
+    r"Available memory on node (\d{1,4})\s*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)\s*on startup is less than"
+    r" desired CPU memory utilization\s*\(\s*([\d.]+)\s*,\s*([\d.]+)\s*GiB\)")
+_VLLM_CPU_KV = re.compile(
+    r"Available memory on node (\d{1,4})\s*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)\s*on kv cache\s*allocation is less"
+    r" than requested memory for kv\s*\(\s*(-?[\d.]+)\s*(?:/\s*([\d.]+)\s*)?GiB\)")
 _VLLM_WRAPPED_START = re.compile(
-    r"Free memory on device|To serve at least one request with the model")
+    r"Free memory on device|To serve at least one request with the model|Available memory on node \d")
 _VLLM_ESTIMATED_LEN = re.compile(r"estimated maximum model length is (\d+)")
 _SGLANG_NO_KV = re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")
 _TGI_WARMUP = re.compile(r"Not enough memory to handle (\d+) (?:total tokens with \d+ )?prefill tokens")
@@ -240,7 +256,15 @@ _RSS = re.compile(r"\b(anon-rss|file-rss|shmem-rss):([\d,]{1,20})\s?kB")
 
 
 def _vllm_startup_match(text: str) -> re.Match[str] | None:
-    return _VLLM_FREE.search(text) or _VLLM_MAX_LEN_V1.search(text)
+    return (_VLLM_FREE.search(text) or _VLLM_MAX_LEN_V1.search(text) or _VLLM_CPU_STARTUP.search(text)
+            or _VLLM_CPU_KV.search(text))
+
+
+def _gib(number: str) -> int | None:
+    """A size vLLM printed in GiB with format_gib (rounded to 2 decimals): None where it printed
+    0 (anything below 0.005 GiB, about 5 MiB: the size is unknown, not zero)."""
+    value = bytes_in_message(number.lstrip("-"), "GiB")
+    return value if value else None
 
 
 # ------------------------------------------------------------------ PyTorch messages
@@ -407,7 +431,9 @@ class OomParser:
         self.source = source
         self._pending: _Pending | None = None
         self._kernel: _KernelReport | None = None
-        self._recent: list[tuple[int, tuple[object, ...]]] = []  # (line, signature) of recent messages
+        # (first line, last line, signature) of recent messages
+        self._recent: list[tuple[int, int, tuple[object, ...]]] = []
+        self._settings = SettingsReader()  # the server's settings, from its own lines
         self._last_line = 0
         self.faults = 0  # lines dropped because the parser itself failed (a bug, counted)
         self.routine_records = 0  # lines skipped as routine records (is_routine_record)
@@ -448,6 +474,7 @@ class OomParser:
 
     def _feed_part(self, line_no: int, text: str) -> list[OomMessage]:
         body, pid, indent = _strip(text)
+        self._settings.feed(body)
         out, consumed = self._kernel_line(line_no, body)
         if consumed:
             return out
@@ -475,18 +502,21 @@ class OomParser:
         numbers, the same text from the same process."""
         if message is None:
             return []
-        numbered = not (message.requested_bytes is None and message.total_bytes is None
-                        and message.victim_pid is None)
-        signature = (message.kind, message.gpu, message.requested_bytes, message.total_bytes,
-                     message.free_bytes, message.reserved_unallocated_bytes,
-                     message.other_processes, message.process_bytes, message.victim_pid,
-                     "" if numbered else message.message, None if numbered else pid)
-        self._recent = [(ln, sig) for ln, sig in self._recent
-                        if message.line - ln <= DEDUPE_WINDOW_LINES]
-        if any(sig == signature for _, sig in self._recent):
-            return []
-        self._recent.append((message.line, signature))
-        return [message]
+        numbers = (message.gpu, message.requested_bytes, message.total_bytes, message.free_bytes,
+                   message.reserved_unallocated_bytes, message.other_processes, message.process_bytes,
+                   message.victim_pid, message.max_model_len, message.max_model_len_fits,
+                   message.memory_node)
+        numbered = any(n not in (None, ()) for n in numbers[1:])
+        signature = (message.kind, *numbers, "" if numbered else message.message, None if numbered else pid)
+        line = message.line
+        self._recent = [r for r in self._recent if line - r[1] <= DEDUPE_WINDOW_LINES]
+        for i, (first, _, sig) in enumerate(self._recent):
+            if sig == signature and line - first <= DEDUPE_CHAIN_LINES:
+                self._recent[i] = (first, line, sig)  # the chain goes on from this copy
+                return []
+        self._recent.append((line, line, signature))
+        settings = self._settings.settings
+        return [replace(message, settings=settings) if not settings.empty else message]
 
     def _message(self, kind: str, line: int, text: str, **numbers: Any) -> OomMessage:
         return OomMessage(kind=kind, line=line, source=self.source, message=_clean_message(text),
@@ -610,6 +640,9 @@ class OomParser:
             m = _VLLM_MAX_LEN_V1.search(p.text)
             if m:
                 return self._vllm_kv_v1(p.line, p.text, m)
+            m = _VLLM_CPU_STARTUP.search(p.text) or _VLLM_CPU_KV.search(p.text)
+            if m:
+                return self._vllm_cpu(p.line, p.text, m)
             if _VLLM_FREE_LOOSE.search(p.text):
                 return self._vllm_free(p.line, p.text, None)
             return None  # "Free memory on device" in an informational line: not a failure
@@ -640,18 +673,51 @@ class OomParser:
 
     def _vllm_kv_v1(self, line_no: int, body: str, m: re.Match[str]) -> OomMessage:
         max_len = int(m.group(1))
-        needed = bytes_in_message(m.group(2), "GiB") if not m.group(2).startswith("-") else None
+        # vLLM prints GiB rounded to 2 decimals: "0.0" is any size below about 5 MiB, unknown.
+        needed = _gib(m.group(2)) if not m.group(2).startswith("-") else None
         # A negative "available" (weights alone exceed the budget) means none.
-        available = 0 if m.group(3).startswith("-") else (bytes_in_message(m.group(3), "GiB") or 0)
+        available = 0 if m.group(3).startswith("-") else _gib(m.group(3))
+        explicit = self._settings.settings.kv_cache_memory_bytes
+        if available is None and explicit is not None:
+            available = explicit  # an explicit KV size is exactly the memory the KV cache gets
         est = _VLLM_ESTIMATED_LEN.search(body)
         if est:
             fits = int(est.group(1))
-        elif needed:
+        elif needed and available is not None:
             fits = int(max_len * available / needed)
         else:
             fits = 0
         return self._message("vllm_kv_cache_too_small", line_no, body, requested_bytes=needed,
                              free_bytes=available, max_model_len=max_len, max_model_len_fits=fits)
+
+    def _vllm_cpu(self, line_no: int, body: str, m: re.Match[str]) -> OomMessage:
+        """The CPU backend's checks of its memory node: available/total, and what it wanted (the
+        utilisation's share of the node, or the KV cache; with an automatic size also the
+        worker's whole request, whose difference is what the worker itself already used)."""
+        node, available, total = m.group(1), _gib(m.group(2)), _gib(m.group(3))
+        if m.re is _VLLM_CPU_STARTUP:
+            try:
+                utilization: float | None = float(m.group(4))
+            except ValueError:
+                utilization = None
+            return self._message("vllm_cpu_memory_check", line_no, body, memory_node=node,
+                                 free_bytes=available, total_bytes=total, requested_bytes=_gib(m.group(5)),
+                                 gpu_memory_utilization=utilization)
+        kv = m.group(4)
+        if m.group(5) is None:  # an explicit KV size
+            return self._message("vllm_cpu_memory_check", line_no, body, memory_node=node,
+                                 free_bytes=available, total_bytes=total, requested_bytes=_gib(kv))
+        # Automatic: "(kv/requested GiB)", requested = utilisation x node, kv = requested less what
+        # the worker already holds (<= 0 when the worker alone used all of it).
+        requested = _gib(m.group(5))
+        kv_magnitude = bytes_in_message(kv.lstrip("-"), "GiB") or 0
+        kv_signed = -kv_magnitude if kv.startswith("-") else kv_magnitude
+        consumed = requested - kv_signed if requested is not None else None
+        return self._message("vllm_cpu_memory_check", line_no, body, memory_node=node,
+                             free_bytes=available, total_bytes=total,
+                             requested_bytes=kv_signed if kv_signed > 0 else None,
+                             process_bytes=consumed if consumed is not None and consumed > 0 else None,
+                             allowed_bytes=requested)
 
     def _ray(self, p: _Pending) -> OomMessage:
         usage, task = _RAY_USAGE.search(p.text), _RAY_TASK.search(p.text)

@@ -22,14 +22,14 @@ from dataclasses import replace
 
 import requests
 
-from ..model import Snapshot, VllmSample
+from ..model import GpuSample, Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
 from .vllm_normalise import ParseError, normalise
-from .vllm_procs import ServerPids, StickyRoles, assign_roles
+from .vllm_procs import ServerPids, ServerProcesses, StickyRoles, assign_roles
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -86,6 +86,8 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
         endpoint=endpoint.label, up=True, scrape_duration_seconds=clock() - started,
         engines=engines, cache_config=cache_config, rejected_metrics=metrics.rejected,
         truncated=metrics.truncated,
+        admission_rejections=tuple((secrets.scrub(model), secrets.scrub(reason), n)
+                                   for model, reason, n in metrics.admission_rejections),
     )
 
 
@@ -151,6 +153,7 @@ class VllmSource:
         logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
+        self._server_processes = ServerProcesses(time.monotonic)
 
     def collect(self, snapshot: Snapshot) -> Reading:
         samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes])
@@ -158,6 +161,7 @@ class VllmSource:
             samples = self.profiles.attach(samples)
         gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
                                                                                       self.host))
+        samples = self._with_processes(samples, gpus)
         down = [s for s in samples if not s.up]
         cut = sum(s.truncated for s in samples)  # pages past their budget: counted, the rest unread
         return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "",
@@ -194,6 +198,25 @@ class VllmSource:
             self._warn_rejected(sample)
         return tuple(self._with_pids(self.endpoints[i], results[i], candidates)
                      for i in range(len(self.endpoints)))
+
+    def _with_processes(self, samples: tuple[VllmSample, ...], gpus: tuple[GpuSample, ...]) -> tuple[VllmSample, ...]:
+        """A server none of whose processes a GPU lists (vLLM's CPU backend, or one still
+        loading) gets its own processes from the host, with their memory."""
+        if self.host is None:
+            return samples
+        on_gpu = {p.endpoint for g in gpus for p in g.processes if p.role == "vllm"}
+        # A root another endpoint's GPU processes descend from is a GPU server's too (several
+        # endpoints of one process: a proxy, a test harness).
+        gpu_roots = {pid for s in samples if s.endpoint in on_gpu for pid in s.pids}
+        out = []
+        for sample in samples:
+            if sample.pids and sample.endpoint not in on_gpu and not gpu_roots.intersection(sample.pids):
+                try:
+                    sample = replace(sample, processes=self._server_processes(sample, self.host))
+                except Exception as exc:  # a source never raises on the host's faults
+                    log.warning("vLLM endpoint %s: reading its processes failed: %s", sample.endpoint, exc)
+            out.append(sample)
+        return tuple(out)
 
     def _warn_rejected(self, sample: VllmSample) -> None:
         """Impossible values are said once per endpoint and metric, then only counted."""

@@ -33,7 +33,14 @@ multi-line messages are sometimes split over lines):
                                 sleep mode: "Sleep mode freed 70.25 GiB memory, 1.21 GiB memory is still in use."
                kv_cache_utils   "GPU KV cache size: 449,856 tokens, Maximum concurrency for 32,768 tokens per
                                  request: 13.73x"
-(tests/fixtures/vllm/v0_33_*.log are rendered by vLLM 0.33's own logger and statements.)
+  V1 CPU backend cpu_worker.py  "Explicitly set (0.03/10.96) GiB for KV cache on node 0." (an explicit
+               (0.11-0.32)       --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE, of the memory node's
+                                 total) or "Auto set (K/T) GiB for KV cache on node 0, with R GiB requested
+                                 memory for the worker. C GiB memory was consumed by non-kv usages.";
+                                 "CPU KV cache size: 32,768 tokens, ..." (its memory is host memory: the
+                                 "GPU" figures below are the memory node's)
+(tests/fixtures/vllm/v0_33_*.log are rendered by vLLM 0.33's own logger and statements;
+v0_32_cpu_*.log are a real CPU server's.)
 
 A log can hold several starts (a failed one, then the one that serves): every start line
 ("Initializing a V1 LLM engine", "vLLM API server version", ...) begins a new profile, so the
@@ -101,8 +108,17 @@ _SIZE_RULES: tuple[tuple[str, re.Pattern[str], int], ...] = tuple(
         ("total_gpu_bytes", r"total_gpu_memory \(" + _SIZE + r"\)", 1),
         ("total_gpu_bytes", r"\btotal_gpu_memory=" + _SIZE, 1),
         ("non_kv_cache_bytes", r"Total non KV cache memory: " + _SIZE, 1),
+        # The CPU backend (format_gib: two decimals, so a size below 0.005 GiB reads 0.0 and is
+        # kept only as a lower-priority figure; the page's kv_cache_memory_bytes is exact).
+        ("kv_cache_bytes", r"(?:Explicitly|Auto) set \(" + _NUM + r"/[\d.]+\) (GiB) for KV cache on node", 1),
+        ("kv_cache_memory_flag_bytes", r"Explicitly set \(" + _NUM + r"/[\d.]+\) (GiB) for KV cache on node", 1),
+        ("total_gpu_bytes", r"(?:Explicitly|Auto) set \(-?[\d.]+/" + _NUM + r"\) (GiB) for KV cache on node", 1),
+        ("requested_bytes", _SIZE + r" requested memory for the worker", 1),
+        ("non_kv_cache_bytes", _SIZE + r" memory was consumed by non-kv usages", 1),
     )
 )
+# The CPU backend's sizes, printed with two decimals of GiB: a 0.0 is a size below 5 MiB.
+_ZERO_IS_UNKNOWN = frozenset(pattern for _, pattern, _ in _SIZE_RULES if "for KV cache on node" in pattern.pattern)
 _UTILIZATION = (re.compile(r"gpu_memory_utilization \((\d+(?:\.\d+)?)\)"),
                 re.compile(r"\bgpu_memory_utilization=(\d+(?:\.\d+)?)"),
                 re.compile(r"Desired GPU memory utilization is \((\d+(?:\.\d+)?),", re.IGNORECASE))
@@ -149,7 +165,10 @@ class ProfileParser:
         for field, pattern, priority in _SIZE_RULES:
             match = pattern.search(line)
             if match:
-                _keep(found, field, priority, _bytes(match.group(1), match.group(2)))
+                value = _bytes(match.group(1), match.group(2))
+                if value == 0 and pattern in _ZERO_IS_UNKNOWN:
+                    continue  # printed as 0.0 GiB: below 0.005 GiB, not nothing
+                _keep(found, field, priority, value)
         for pattern in _UTILIZATION:
             match = pattern.search(line)
             if match:

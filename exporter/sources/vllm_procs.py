@@ -20,7 +20,8 @@ from dataclasses import replace
 import psutil
 
 from ..boundedio import read_head
-from ..model import GpuSample, VllmSample
+from ..model import GpuSample, ProcessSample, VllmSample
+from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
 from .vllm_endpoint import VllmEndpoint
 
@@ -161,6 +162,66 @@ class StickyRoles:
             out.append(replace(gpu, processes=tuple(procs)))
         self._roles = roles  # only processes alive now: bounded by the process table
         return tuple(out)
+
+
+MAX_SERVER_PROCESSES = 64  # per server: an API server, engine cores, workers (TP x PP), helpers
+DESCENDANTS_REFRESH_SECONDS = 30.0
+
+
+def server_role(pid: int, root: int, name: str) -> str:
+    """Which of a vLLM server's processes this is, from vLLM's own process titles (V1:
+    `VLLM::EngineCore`, `VLLM::Worker`, `VLLM::Worker_TP1`; the kernel keeps 15 characters)."""
+    if pid == root:
+        return "api_server"
+    if name.startswith("VLLM::EngineCor"):
+        return "engine_core"
+    if name.startswith("VLLM::Worker"):
+        return "worker"
+    return ""
+
+
+class ServerProcesses:
+    """Each server's own processes (its root and the root's descendants) with their host memory:
+    what a server on vLLM's CPU backend holds, where no GPU lists its processes. The descendants
+    are looked up again every DESCENDANTS_REFRESH_SECONDS (a walk of the process table) or as
+    soon as one of them is gone; each tick reads only the known processes."""
+
+    def __init__(self, monotonic: Callable[[], float]):
+        self._monotonic = monotonic
+        self._descendants: dict[int, tuple[float, tuple[int, ...]]] = {}  # root -> (when, pids)
+
+    def __call__(self, sample: VllmSample, host: HostView) -> tuple[ProcessSample, ...]:
+        now = self._monotonic()
+        out: list[ProcessSample] = []
+        for root in sample.pids:
+            pids = (root, *self._children(root, host, now))
+            infos = [(pid, _safe_process(host, pid)) for pid in pids[:MAX_SERVER_PROCESSES]]
+            if any(info is None for pid, info in infos if pid != root):
+                self._descendants.pop(root, None)  # one is gone: look again next tick
+            out += [_server_process(info, root, sample.endpoint) for _, info in infos if info is not None]
+        roots = set(sample.pids)
+        for root in [r for r in self._descendants if r not in roots and now - self._descendants[r][0] > 600]:
+            del self._descendants[root]  # a server restarted under another root long ago
+        return tuple(out)
+
+    def _children(self, root: int, host: HostView, now: float) -> tuple[int, ...]:
+        cached = self._descendants.get(root)
+        if cached is None or now - cached[0] >= DESCENDANTS_REFRESH_SECONDS:
+            try:
+                cached = (now, tuple(host.children(root))[:MAX_SERVER_PROCESSES])
+            except Exception as exc:  # a HostView without it, or a failure: the root alone
+                log.debug("descendants of %d: %s", root, exc)
+                cached = (now, ())
+            self._descendants[root] = cached
+        return cached[1]
+
+
+def _server_process(info: ProcessInfo, root: int, endpoint: str) -> ProcessSample:
+    container, pod_uid = parse_cgroup(info.cgroup)
+    return ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
+                         start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
+                         ns_pid=info.ns_pid, ppid=info.ppid, role="vllm", endpoint=endpoint,
+                         server_role=server_role(info.pid, root, info.name))
 
 
 def is_local_host(hostname: str) -> bool:

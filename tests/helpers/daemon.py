@@ -17,8 +17,9 @@ from .tools import HANG
 
 
 class Daemon:
-    def __init__(self, *args: str, env: Mapping[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", "127.0.0.1:0", *args],
+    def __init__(self, *args: str, env: Mapping[str, str] | None = None, command: tuple[str, ...] = ("-m", "exporter")):
+        """`command`: what runs `run` (helpers.scaled_exporter for a daemon with faster detectors)."""
+        self.proc = subprocess.Popen([sys.executable, *command, "run", "--listen", "127.0.0.1:0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []

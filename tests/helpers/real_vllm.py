@@ -319,3 +319,103 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout:g}s for {what}")
         time.sleep(interval)
+
+
+# -- load ------------------------------------------------------------------------------------------
+# The tiny model's vocabulary: token ids below this exist (scripts/tiny_llama.py VOCAB).
+VOCAB = 1024
+BLOCK_TOKENS = 128  # the CPU backend's KV cache block (cache_config_info block_size)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One kind of request: `prompt_tokens` random token ids (random, so the prefix cache shares
+    no block between requests), then exactly `max_tokens` generated."""
+
+    prompt_tokens: int
+    max_tokens: int
+
+
+# What the tests' leaking plugin keeps per request while it is switched on (tests/real_vllm/leak_plugin).
+LEAK_BYTES_PER_REQUEST = 512 << 10
+# Short requests, many a second: the leak's pace (LEAK_BYTES_PER_REQUEST each).
+SHORT = Shape(prompt_tokens=16, max_tokens=24)
+# Saturates MAIN's 256 blocks from about 80 clients: each request ends holding 4 blocks.
+RAMP = Shape(prompt_tokens=60, max_tokens=440)
+# Each request holds 2 blocks, then 3: 72 clients hold 60-85 % of MAIN's cache.
+HELD = Shape(prompt_tokens=250, max_tokens=100)
+
+
+class Load:
+    """Closed-loop clients: each sends a completion, waits for it, sends the next, until stop().
+    `add(n)` starts n more; failures (a status other than 200, an exception) are kept in
+    `failures` (bounded)."""
+
+    def __init__(self, server: Server, shape: Shape, seed: int = 0):
+        import threading
+
+        self.server, self.shape, self.seed = server, shape, seed
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.failures: list[object] = []
+        self.completed = 0
+
+    @property
+    def clients(self) -> int:
+        return len(self._threads)
+
+    def add(self, n: int) -> Load:
+        import threading
+
+        for _ in range(n):
+            thread = threading.Thread(target=self._client, args=(self.seed * 100_000 + len(self._threads),),
+                                      daemon=True, name="vllm-load")
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _client(self, seed: int) -> None:
+        import random
+
+        rng = random.Random(seed)
+        while not self._stop.is_set():
+            prompt = [rng.randrange(10, VOCAB) for _ in range(self.shape.prompt_tokens)]
+            try:
+                status, answer = post_json(self.server.url + "/v1/completions", {
+                    "model": self.server.served_model_name, "prompt": prompt, "max_tokens": self.shape.max_tokens,
+                    "ignore_eos": True, "temperature": 0}, timeout=600)
+            except Exception as exc:  # the server went away: say so, do not spin
+                status, answer = 0, {"error": repr(exc)}
+            if status == 200:
+                self.completed += 1
+            else:
+                if len(self.failures) < 20:
+                    self.failures.append((status, str(answer)[:300]))
+                self._stop.wait(1.0)
+
+    def stop(self, timeout: float = 600.0) -> None:
+        """Stop sending; wait for the requests in flight to finish."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> Load:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_values(text: str) -> dict[str, float]:
+    """Engine 0's values on a vLLM page that the KV saturation tests read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_requests_running": "running",
+              "vllm:num_requests_waiting": "waiting", "vllm:num_preemptions_total": "preemptions"}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and sample.labels.get("engine") == "0":
+                out[wanted[sample.name]] = float(sample.value)
+    return out

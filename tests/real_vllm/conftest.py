@@ -44,13 +44,23 @@ def probe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def main_server(vllm_python: str, tiny_model: tuple[Path, str], probe_dir: Path,
+def leak_switch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """While this file exists, the main server's engine core keeps host memory for every request
+    (tests/real_vllm/leak_plugin, the tests' leaking vLLM plugin); it does not exist otherwise."""
+    return tmp_path_factory.mktemp("leak") / "leak-on"
+
+
+@pytest.fixture(scope="session")
+def main_server(vllm_python: str, tiny_model: tuple[Path, str], probe_dir: Path, leak_switch: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[real_vllm.Server]:
     """The one long-lived server of the session (real_vllm.MAIN), with the probe looking every
-    half second. A failed start fails every test that uses it, with vLLM's log."""
+    half second, and the tests' leaking plugin armed but off (leak_switch). A failed start fails
+    every test that uses it, with vLLM's log."""
     server = real_vllm.Server(real_vllm.MAIN, tiny_model[0], tmp_path_factory.mktemp("vllm") / "main.log",
                               port=free_port(), interpreter=vllm_python,
-                              env={"GPUMEM_PROBE_DIR": str(probe_dir), "GPUMEM_PROBE_INTERVAL": "0.5"})
+                              env={"GPUMEM_PROBE_DIR": str(probe_dir), "GPUMEM_PROBE_INTERVAL": "0.5",
+                                   "GPUMEM_TEST_LEAK_FILE": str(leak_switch),
+                                   "GPUMEM_TEST_LEAK_BYTES": str(real_vllm.LEAK_BYTES_PER_REQUEST)})
     server.start()
     try:
         server.wait_ready()
@@ -66,3 +76,14 @@ def main_server(vllm_python: str, tiny_model: tuple[Path, str], probe_dir: Path,
         yield server
     finally:
         server.stop()
+
+
+# Run last: the tests whose side effects outlast them. The contention test's second process takes
+# 1.5 GiB of a shared host's memory; the page cache it evicts (torch's libraries) slows the main
+# server for a while after (a real batch decoded at a quarter of its speed), which the timing of
+# the next tests of the same server does not survive.
+RUN_LAST = ("test_real_contention.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: any(name in item.nodeid for name in RUN_LAST))  # stable: the rest keep their order

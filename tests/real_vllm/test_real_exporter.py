@@ -77,9 +77,20 @@ FROM_THE_PAGE: dict[str, Callable[[Page], float]] = {
     "gpumem_vllm_max_model_len_tokens": lambda page: (_config("kv_cache_size_tokens")(page)
                                                       / _config("kv_cache_max_concurrency")(page)),
     "gpumem_vllm_engine_sleep_state": _sleep_level,
+    # The preemption histogram's sum and count: preemptions per finished request.
+    "gpumem_vllm_request_preemptions_total": _direct("vllm:request_num_preemptions_sum"),
+    "gpumem_vllm_requests_finished_total": _direct("vllm:request_num_preemptions_count"),
 }
-# vllm:cache_config_info's labels the exporter copies into gpumem_vllm_cache_config_info.
-CONFIG_LABELS = ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks")
+# Exported family with a `reason` label -> vLLM's family, whose series carry the same `reason`
+# (admission rejections are counted per model, without an engine).
+BY_REASON = {
+    "gpumem_vllm_requests_waiting_by_reason": "vllm:num_requests_waiting_by_reason",
+    "gpumem_vllm_admission_rejections_total": "vllm:admission_rejections_total",
+}
+# vllm:cache_config_info's labels the exporter copies into gpumem_vllm_cache_config_info
+# (vLLM's "None" is exported as empty).
+CONFIG_LABELS = ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching",
+                 "kv_offloading_backend", "kv_offloading_size")
 # Exported vLLM families that are not values of the page: about the scrape, from the start-up
 # log, or about GPU memory (none here).
 NOT_FROM_THE_PAGE = {"gpumem_vllm_up", "gpumem_vllm_scrape_duration_seconds", "gpumem_vllm_scrape_errors_total",
@@ -95,7 +106,7 @@ def exported(page: Page) -> dict[str, float]:
     """The exporter's vLLM values for the real server's engine 0, by family."""
     out: dict[str, float] = {}
     for name, series in page.items():
-        if name.startswith("gpumem_vllm_") and name not in NOT_FROM_THE_PAGE:
+        if name.startswith("gpumem_vllm_") and name not in NOT_FROM_THE_PAGE and name not in BY_REASON:
             mine = [v for lb, v in series if lb.get("endpoint") == ENDPOINT and lb.get("engine", "0") == "0"]
             assert len(mine) <= 1, (name, series)
             if mine:
@@ -141,6 +152,19 @@ def vllm_page(server: real_vllm.Server) -> Page:
     return parse(real_vllm.get_text(server.metrics_url))
 
 
+def by_reason(page: Page, name: str, ours: bool) -> dict[str, float]:
+    """reason -> value of a family with a `reason` label: the exporter's series of the real
+    server (`ours`), or vLLM's own."""
+    out = {}
+    for labels, value in page.get(name, []):
+        if ours and labels.get("endpoint") != ENDPOINT:
+            continue
+        if labels.get("engine", "0") == "0":
+            assert labels["reason"] not in out, (name, page[name])
+            out[labels["reason"]] = value
+    return out
+
+
 def test_every_exported_vllm_value_is_on_the_page_and_equals_it_at_rest(main_server, exporter):
     ex = Exporter(exporter)
     # At rest: nothing running or waiting (an earlier test's load has drained).
@@ -157,9 +181,16 @@ def test_every_exported_vllm_value_is_on_the_page_and_equals_it_at_rest(main_ser
     for name, read in FROM_THE_PAGE.items():
         assert read(before) == read(after), f"{name} moved at rest"
         assert values[name] == pytest.approx(read(before), rel=1e-12, abs=0), name
+    served = {n for n, series in page.items() if any(lb.get("endpoint") == ENDPOINT for lb, _ in series)}
+    assert set(BY_REASON) <= served, "a family by reason the exporter no longer exports"
+    for name, theirs_name in BY_REASON.items():
+        assert by_reason(before, theirs_name, ours=False) == by_reason(after, theirs_name, ours=False), name
+        assert by_reason(page, name, ours=True) == by_reason(before, theirs_name, ours=False), name
+        assert by_reason(page, name, ours=True), f"{name}: no series (vLLM's page has them)"
     labels = one(page, "gpumem_vllm_cache_config_info", endpoint=ENDPOINT)[0]
     theirs = one(before, "vllm:cache_config_info", engine="0")[0]
-    assert {k: labels[k] for k in CONFIG_LABELS} == {k: theirs[k] for k in CONFIG_LABELS}
+    assert {k: labels[k] for k in CONFIG_LABELS} == {k: "" if theirs[k] == "None" else theirs[k]
+                                                     for k in CONFIG_LABELS}
     # The status page says the same to a person.
     capacity = int(FROM_THE_PAGE["gpumem_vllm_kv_cache_capacity_tokens"](before))
     assert (f"<td>{ENDPOINT}</td><td><span class=\"ok\">up</span></td><td>{main_server.served_model_name}</td>"
@@ -196,10 +227,10 @@ def test_under_load_the_exported_values_lag_the_page_by_at_most_one_sample(main_
     batch = 24
     checked = 0
     failures: list[object] = []
-    for _attempt in range(3):  # a batch that ends before enough rounds (a very fast machine) is run again
+    for _attempt in range(5):  # a batch that ends before enough rounds (a very fast machine) is run again
         threads = _load(main_server, batch, 480, failures)
         try:
-            checked += _check_rounds(main_server, ex, threads, batch, 3 - checked)
+            checked += _check_rounds(main_server, ex, threads, batch, 3 - checked, failures)
         finally:
             for thread in threads:
                 thread.join(HANG * 5)
@@ -210,11 +241,20 @@ def test_under_load_the_exported_values_lag_the_page_by_at_most_one_sample(main_
 
 
 def _check_rounds(server: real_vllm.Server, ex: Exporter, threads: list[threading.Thread], batch: int,
-                  wanted: int) -> int:
+                  wanted: int, failures: list[object]) -> int:
     """Up to `wanted` rounds of a <= e <= b while the batch decodes; how many were checked."""
     checked = 0
-    real_vllm.wait_until(lambda: one(vllm_page(server), "vllm:num_requests_running", engine="0")[1] == batch,
-                         HANG, f"{batch} requests running")
+
+    def running() -> float:
+        return one(vllm_page(server), "vllm:num_requests_running", engine="0")[1]
+    # All of the batch running, or nothing more to wait for: a request failed, or the whole batch
+    # ended between two looks (a fast machine: the caller runs another).
+    try:
+        real_vllm.wait_until(lambda: failures or not any(t.is_alive() for t in threads) or running() == batch,
+                             HANG, f"{batch} requests running")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the server's log ends:\n{server.log_tail()}") from None
+    assert not failures, (failures[:3], server.log_tail())
     while any(t.is_alive() for t in threads) and checked < wanted:
         a = vllm_page(server)
         page = ex.sampled_after(time.time())

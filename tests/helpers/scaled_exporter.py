@@ -1,0 +1,56 @@
+"""`gpu-memory-exporter run` with the leak detector's time constants scaled down, for the
+real_vllm leak test: a real daemon (a real process, real /proc, its real HTTP listener) whose
+leak detector is the shipped one with every duration multiplied by SCALE (and the slope it
+needs divided by it), so a leak it would find in 18 minutes (a 10-minute settling period after
+the series starts, then an 8-minute window) it finds in under two at SCALE 0.1.
+
+    python -m helpers.scaled_exporter SCALE run [run's arguments]   (with tests/ on PYTHONPATH)
+
+Nothing but the leak statistics' durations, the history's bucket and contention's window (its
+baseline is that old) change; the other detectors run as shipped.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from exporter import service
+from exporter.analysis.engine import AnalysisConfig, Analyzer
+from exporter.analysis.history import History
+from exporter.analysis.leak import LeakConfig
+from exporter.cli import main as cli_main
+from exporter.config import Config
+
+DURATIONS = ("settle_seconds", "max_tooth_seconds", "drop_lookback_seconds", "slope_window_seconds",
+             "stale_seconds")
+
+
+def scaled_leak(scale: float, base: LeakConfig | None = None) -> LeakConfig:
+    base = base or LeakConfig()
+    return replace(base, windows_seconds=tuple(w * scale for w in base.windows_seconds),
+                   min_slope_bytes_per_second=base.min_slope_bytes_per_second / scale,
+                   **{name: getattr(base, name) * scale for name in DURATIONS})
+
+
+def main() -> int:
+    scale = float(sys.argv[1])
+    shipped = service.make_analyzer
+
+    def make_analyzer(config: Config) -> Analyzer:
+        analyzer = shipped(config)
+        c: AnalysisConfig = analyzer.config
+        analyzer.config = replace(c, leak=scaled_leak(scale, c.leak), contention=replace(
+            c.contention, window_seconds=c.contention.window_seconds * scale))
+        h = analyzer.history
+        analyzer.history = History(raw_seconds=h.raw_seconds, retention_seconds=h.retention_seconds,
+                                   dead_grace_seconds=h.dead_grace_seconds, bucket_seconds=h.bucket_seconds * scale,
+                                   max_raw_samples=c.history_max_raw_samples)
+        return analyzer
+
+    service.make_analyzer = make_analyzer  # type: ignore[assignment]
+    cli_main(sys.argv[2:], prog_name="gpu-memory-exporter")  # exits
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
