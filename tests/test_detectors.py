@@ -6,6 +6,8 @@ helpers in helpers/timeline.py (shared with test_engine.py and test_analyze.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from exporter.analysis import contention, fragmentation, stale
@@ -414,6 +416,46 @@ def test_contention_unified_silent_while_host_is_steady():
                       processes=(vllm_proc(10, None, host_rss_bytes=70 * GiB),))
         return snap(T0 + e, [g], host=HostMemory(128 * GiB, 40 * GiB, 0.5, 0.0, 7))
     assert not any(run_detector(contention.DETECTOR, timeline(900, 10, make), cfg))
+
+
+def test_contention_on_the_cpu_backend_names_the_host_process_while_the_host_is_short():
+    """vLLM's CPU backend (no GPU on the host: the model and its KV cache in host memory): a
+    notebook growing beside the server is named while the host is short of memory, and for as
+    long as it holds it; the server's own processes never are (#18 item 2g)."""
+    cfg = ContentionConfig(window_seconds=300)
+    total = 64 * GiB
+
+    def make(e):
+        notebook = int(1 * GiB + min(e, 600) / 60 * 600 * MiB)  # 600 MiB/min for 10 min, then held
+        engine = proc(11, None, name="VLLM::EngineCor", host_rss_bytes=20 * GiB, ppid=10, role="vllm")
+        hosts = (engine, proc(10, None, name="vllm", host_rss_bytes=2 * GiB, ppid=1),
+                 proc(4200, None, name="jupyter", host_rss_bytes=notebook, start=T0 - 60, ppid=1))
+        host = HostMemory(total_bytes=total, available_bytes=int(16 * GiB) - notebook)
+        server = dataclasses.replace(vllm_server(0, 0.3, pids=(10,)), processes=(engine,))
+        return Snapshot(timestamp=T0 + e, host=host, host_processes=hosts, vllm=(server,))
+    per_tick = run_detector(contention.DETECTOR, timeline(1800, 30, make), cfg)
+    short_from = next(i for i, e in enumerate(range(0, 1800, 30))
+                      if (16 * GiB - (1 * GiB + min(e, 600) / 60 * 600 * MiB)) / total < 0.15)
+    assert not any(per_tick[:short_from])
+    assert all(per_tick[short_from:]), "named while the notebook holds the memory"
+    f = per_tick[-1][0]
+    assert f.gpu is None and f.severity == "warning" and dict(f.evidence)["cpu_backend"] == 1
+    assert "CPU backend" in f.summary and "pid 4200 (jupyter)" in f.summary and "VLLM" not in f.summary
+    assert dict(f.evidence)["process_1_pid"] == 4200 and "process_2_pid" not in dict(f.evidence)
+
+
+def test_contention_on_a_host_with_gpus_never_judges_the_host_pool_for_a_loading_server():
+    """A server no GPU lists yet (loading) on a host with discrete GPUs: its processes come from
+    the host, but the host's memory is not the model's: no host-pool contention."""
+    cfg = ContentionConfig(window_seconds=300)
+
+    def make(e):
+        engine = proc(11, None, name="VLLM::EngineCor", host_rss_bytes=20 * GiB, ppid=10, role="vllm")
+        hosts = (proc(4200, None, name="jupyter", host_rss_bytes=30 * GiB, start=T0 - 60, ppid=1),)
+        server = dataclasses.replace(vllm_server(0, 0.3, pids=(10,)), processes=(engine,))
+        return Snapshot(timestamp=T0 + e, gpus=(gpu([]),), host=HostMemory(64 * GiB, 2 * GiB),
+                        host_processes=hosts, vllm=(server,))
+    assert not any(run_detector(contention.DETECTOR, timeline(900, 30, make), cfg))
 
 
 # ------------------------------------------------------------------ fragmentation

@@ -177,6 +177,15 @@ def with_settings(tmp_path: Path, first_line: str) -> dict:
     return event
 
 
+def test_settings_quoted_in_a_clients_request_are_not_the_servers(tmp_path):
+    """A prompt the request logger quotes is a client's text, not the server's start-up: its
+    "non-default args" set nothing (logs are evidence, not commands)."""
+    event = with_settings(tmp_path, (
+        "(APIServer pid=61) INFO 07-05 08:54:41 [logger.py:43] Received request cmpl-7: prompt: "
+        "non-default args: {'tensor_parallel_size': 8, 'max_model_len': 128}"))
+    assert "tensor_parallel_size" not in event["settings"] and "max_model_len" not in event["settings"]
+
+
 @pytest.mark.parametrize("line", [
     "(APIServer pid=61) INFO 07-05 08:54:40 [api_utils.py:286] non-default args: {'model': 'meta-llama/"
     "Llama-3.1-70B', 'tensor_parallel_size': 2, 'max_model_len': 32768}",

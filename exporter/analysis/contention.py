@@ -13,6 +13,9 @@
   named (the host source reads the largest processes on such hosts, GPU processes or not),
   with their growth. It is critical where GpuUnifiedMemoryHostPressure pages (the thresholds of
   exporter/thresholds.py, read through pressure.unified_host_short) or the OOM killer ran.
+- vLLM's CPU backend (a host with no GPU, serving vLLM): the model and its KV cache are host
+  memory too, so the same shortage names the same holders, in a finding without a GPU. It is
+  critical once the OOM killer ran (no page reads the host pool of a host without GPUs).
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
@@ -112,6 +115,11 @@ def detect_contention(history: History, snapshot: Snapshot,
                         for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up)
             finding = _discrete(gpu, old, base is not None,
                                 tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config, history)
+        if finding is not None:
+            findings.append(finding)
+    if not snapshot.gpus and any(server.up and server.processes for server in snapshot.vllm):
+        short = any(s.host is not None and _host_short(s.host, config) for s, _ in recent)
+        finding = _unified(None, snapshot, base, short, config, history)
         if finding is not None:
             findings.append(finding)
     return findings
@@ -272,12 +280,15 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
 def _serving_pids(snapshot: Snapshot) -> set[int]:
     """The vLLM servers' processes: their roots, and every GPU process serving one."""
     pids = {pid for server in snapshot.vllm for pid in server.pids}
+    pids |= {p.pid for server in snapshot.vllm for p in server.processes}
     pids |= {p.pid for g in snapshot.gpus for p in g.processes if p.role == "vllm"}
     return pids
 
 
-def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: bool,
+def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, short: bool,
              config: ContentionConfig, history: History) -> Finding | None:
+    """The host short of memory where that memory is the model's: a unified GPU's, or (`gpu`
+    None) that of vLLM's CPU backend."""
     host = snapshot.host
     if host is None or host.total_bytes <= 0:
         return None
@@ -300,11 +311,29 @@ def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: b
         evidence.append(("psi_some_avg10", host.psi_some_avg10))
     evidence += named_evidence
     # Critical exactly where GpuUnifiedMemoryHostPressure pages, or once the OOM killer ran.
-    critical = kills > 0 or bool(unified_host_short(host))
-    why = ", ".join(w for w, on in (
-        (f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})", True),
-        (f"memory PSI {host.psi_some_avg10:.0f} %", stalled),
-        (f"the kernel OOM killer ran {kills} time(s) in {config.window_seconds / 60:.0f} min", kills > 0)) if on)
+    critical = kills > 0 or (gpu is not None and bool(unified_host_short(host)))
+    reasons = [f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})"]
+    if stalled:  # a host without PSI (older kernels, containers) has psi_some_avg10 None
+        reasons.append(f"memory PSI {host.psi_some_avg10:.0f} %")
+    if kills > 0:
+        reasons.append(f"the kernel OOM killer ran {kills} time(s) in {config.window_seconds / 60:.0f} min")
+    why = ", ".join(reasons)
+    kills_advice = "Kernel OOM kills: see `journalctl -k | grep -i oom` for the victims."
+    if gpu is None:
+        return Finding(
+            kind="contention", severity="critical" if critical else "warning",
+            first_detected_at=snapshot.timestamp,
+            summary=(f"The host serving vLLM on its CPU backend is short of memory ({why}); "
+                     f"outside vLLM the most is held by: {names}"),
+            evidence=(*evidence, ("cpu_backend", 1)),
+            advice=(
+                "On vLLM's CPU backend the model and its KV cache live in host memory: every host "
+                "process counts against them. Stop or move the named processes, or cap them with a "
+                "cgroup memory limit (systemd MemoryMax=, container --memory).",
+                "Size the KV cache (--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE) from what the "
+                "host can spare beside the model, the OS and the page cache.",
+                kills_advice,
+            ))
     return Finding(
         kind="contention", severity="critical" if critical else "warning",
         first_detected_at=snapshot.timestamp, gpu=gpu.index, uuid=gpu.uuid,
@@ -317,7 +346,7 @@ def _unified(gpu: GpuSample, snapshot: Snapshot, base: Snapshot | None, short: b
             "a cgroup memory limit (systemd MemoryMax=, container --memory).",
             "Size vLLM's --gpu-memory-utilization from what the host can spare (it is a "
             "share of the whole shared memory), leaving room for the OS and page cache.",
-            "Kernel OOM kills: see `journalctl -k | grep -i oom` for the victims.",
+            kills_advice,
         ))
 
 
@@ -364,18 +393,21 @@ def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
 
 DETECTOR = DetectorSpec(
     name="contention", config=ContentionConfig, create=lambda: _detect,
-    help="Another process takes the memory a vLLM server needs (on unified memory: the host's).",
+    help=("Another process takes the memory a vLLM server needs (on unified memory and vLLM's CPU backend: "
+          "the host's)."),
     history_needed={"window_seconds": 2, "hold_seconds": 1},
     kinds=(FindingKind(
         "contention", scenario="contention",
         help=("processes outside the serving stack hold memory a vLLM server's budget needs (on unified "
-              "memory: the host is short of memory); named, with their bytes and growth, while they hold it"),
+              "memory and vLLM's CPU backend: the host is short of memory); named, with their bytes and growth, "
+              "while they hold it"),
         alert=FindingAlert(
             "GpuMemoryContention", severity="ticket", for_="5m",
-            summary=("Another process competes for GPU {{ $labels.gpu }} memory on "
+            summary=("Another process competes for {{ if $labels.gpu }}GPU {{ $labels.gpu }} memory{{ else }}the "
+                     "host memory of vLLM's CPU backend{{ end }} on "
                      "{{ $labels.instance }}{{ with $labels.process }} ({{ . }}){{ end }}."),
-            description=("The exporter's contention detector finds memory on GPU {{ $labels.gpu }} of "
-                         "{{ $labels.instance }} taken by a process outside the vLLM "
+            description=("{{ if $labels.gpu }}The exporter's contention detector finds memory on GPU {{ $labels.gpu }} "
+                         "of {{ $labels.instance }} taken by a process outside the vLLM "
                          "server{{ with $labels.endpoint }} {{ . }}{{ end }}{{ with $labels.pid }}: "
                          "{{ $labels.process }} (pid {{ . }}){{ end }}. Non-vLLM processes hold "
                          '{{ with printf "instance_gpu:gpumem_other_process_memory:bytes{instance=%q,gpu=%q}" '
@@ -384,7 +416,12 @@ DETECTOR = DetectorSpec(
                          '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | "
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
-                         "run."))),),
+                         "run.{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
+                         "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
+                         "held by processes outside vLLM; MemAvailable is "
+                         '{{ with printf "gpumem_host_memory_available_bytes{instance=%q}" $labels.instance | query }}'
+                         "{{ . | first | value | humanize1024 }}B{{ end }}. The finding names them "
+                         "(/api/findings).{{ end }}"))),),
     settings={
         "window_seconds": "The named processes' growth is measured over this window.",
         "min_bytes": "The other processes must hold at least this in all.",
@@ -392,7 +429,8 @@ DETECTOR = DetectorSpec(
         "min_spare_ratio": ("Budgets known: contention when what is left beside the vLLM budgets and "
                             "everything else on the GPU is under this share of it."),
         "min_utilization_ratio": "Budgets unknown: contention when the GPU is at least this full (used/total).",
-        "host_available_low_ratio": "Unified memory: host MemAvailable below this share of its total ...",
+        "host_available_low_ratio": ("Unified memory and vLLM's CPU backend: host MemAvailable below this share "
+                                     "of its total ..."),
         "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as short.",
         "top_processes": "How many of the processes that hold the most a finding names.",
         "hold_seconds": ("Short of room at any sample this recent counts as short now, so a GPU hovering "

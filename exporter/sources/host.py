@@ -282,8 +282,9 @@ class HostSource:
     def collect(self, snapshot: Snapshot) -> Reading:
         memory = self.view.memory()
         gpus = enrich(snapshot.gpus, self.view, self.read_cmdline)
-        # Where a GPU's memory is the host's, any process can take it: the largest are named.
-        top = host_processes(self.view) if any(g.unified for g in gpus) else ()
+        # Where a GPU's memory is the host's, or no GPU is listed at all (vLLM's CPU backend keeps
+        # the model in host memory), any process can take it: the largest are named.
+        top = host_processes(self.view) if not gpus or any(g.unified for g in gpus) else ()
         if memory is None:
             return Reading(dataclasses.replace(snapshot, gpus=gpus, host_processes=top), up=False,
                            errors=(SourceError("host", "memory_unreadable"),),

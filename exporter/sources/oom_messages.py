@@ -467,6 +467,12 @@ class OomParser:
         self._last_line = line_no
         if is_routine_record(text):
             self.routine_records += 1
+            # No incident, but vLLM's own INFO records say how the server was started (its
+            # non-default args, the CPU backend's KV cache line): read for the advice. A client's
+            # request, quoted by the request logger or the access log, never is.
+            body = _strip(logical_lines(text)[0])[0]
+            if not _REQUEST_RECORD.match(body.strip()):
+                self._settings.feed(body)
             return out
         for part in logical_lines(text):
             out += self._feed_part(line_no, part)

@@ -1,8 +1,7 @@
 """`gpu-memory-exporter run` with the leak detector's time constants scaled down, for the
 real_vllm leak test: a real daemon (a real process, real /proc, its real HTTP listener) whose
-leak detector is the shipped one with every duration multiplied by SCALE (and the slope it
-needs divided by it), so a leak it would find in 18 minutes (a 10-minute settling period after
-the series starts, then an 8-minute window) it finds in under two at SCALE 0.1.
+leak detector is the shipped one with every duration and window multiplied by SCALE (and the
+slope it needs divided by it), so a leak it would find in 20 minutes it finds in two at SCALE 0.1.
 
     python -m helpers.scaled_exporter SCALE run [run's arguments]   (with tests/ on PYTHONPATH)
 
@@ -21,13 +20,13 @@ from exporter.analysis.leak import LeakConfig
 from exporter.cli import main as cli_main
 from exporter.config import Config
 
-DURATIONS = ("settle_seconds", "max_tooth_seconds", "drop_lookback_seconds", "slope_window_seconds",
-             "stale_seconds")
+DURATIONS = ("settle_seconds", "max_tooth_seconds", "slope_window_seconds", "stale_seconds", "young_seconds",
+             "first_tooth_seconds", "earlier_level_seconds", "noise_refresh_seconds", "staircase_max_gap_seconds")
 
 
 def scaled_leak(scale: float, base: LeakConfig | None = None) -> LeakConfig:
     base = base or LeakConfig()
-    return replace(base, windows_seconds=tuple(w * scale for w in base.windows_seconds),
+    return replace(base, windows_minutes=tuple(w * scale for w in base.windows_minutes),
                    min_slope_bytes_per_second=base.min_slope_bytes_per_second / scale,
                    **{name: getattr(base, name) * scale for name in DURATIONS})
 

@@ -2,9 +2,9 @@
 backend (its model and KV cache in host memory), a second process grows to 1.5 GiB and holds it.
 The contention finding must name that process as the culprit for as long as it holds the memory.
 
-Expected to fail today (strict xfail, so it turns into a failure the day it passes): see the
-reason below. The findings-true stream is rewriting contention (every process that holds the
-headroom, unified memory included); this test is what it has to pass on a real CPU server.
+The host is "short" below `detectors.contention.host_available_low_ratio` of its memory (15 % by
+default). A test cannot take 85 % of a shared machine's memory, so the daemon is configured with
+the level the grower's 1.5 GiB crosses: 768 MiB under what is available when the test starts.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from helpers.real_monitoring import watching
@@ -28,17 +29,13 @@ for _ in range(24):                 # 64 MiB every half second: 1.5 GiB in 12 s
 print("held", flush=True)
 sys.stdin.read()                    # holds it until the test closes stdin
 """
-WHY = ("contention.py judges GPUs only: the discrete rule needs a GPU whose process list (NVML) holds the "
-       "other process, the unified-memory rule a GPU marked unified plus host MemAvailable below 15 % (or PSI "
-       "some >= 10) and names only GPU processes' RSS growth. vLLM's CPU backend has no GPU: no device stands for "
-       "its host memory pool, a process outside the server is never sampled, and 1.5 GiB on a 23-GiB host is not "
-       "'low'. Passing needs contention over the host pool for CPU-backend servers (the serving processes' "
-       "memory vs. the other processes' growth, from /proc), the findings-true stream's rewrite.")
 
 
-@pytest.mark.xfail(strict=True, reason=WHY)
 def test_a_process_growing_beside_the_real_server_is_named_while_it_holds_the_memory(main_server, tmp_path):
-    with watching(main_server, tmp_path, scale=SCALE) as watch:
+    memory = psutil.virtual_memory()
+    short_below = (memory.available - (768 << 20)) / memory.total
+    extra = f"detectors:\n  contention:\n    host_available_low_ratio: {short_below:.4f}\n"
+    with watching(main_server, tmp_path, scale=SCALE, extra=extra) as watch:
         time.sleep(40)  # contention compares with a baseline one (scaled) window old
         grower = subprocess.Popen([sys.executable, "-c", GROW], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)

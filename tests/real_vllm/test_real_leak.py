@@ -26,7 +26,7 @@ SCALE = 0.1
 LEAK = scaled_leak(SCALE)
 # Long enough for the detector to judge the control run: its settling period, then its first
 # window, then two of the history's (scaled) buckets.
-CONTROL_SECONDS = LEAK.settle_seconds + LEAK.windows_seconds[0] + 2 * 60 * SCALE
+CONTROL_SECONDS = LEAK.settle_seconds + LEAK.windows_minutes[0] * 60 + 2 * 60 * SCALE
 CLIENTS = 2
 
 
