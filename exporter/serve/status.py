@@ -147,10 +147,15 @@ def _servers(state: State) -> list[tuple[object, ...]]:
             budget = "; ".join(f"GPU {b.gpu}: {_gib(b.used_bytes)} of {_gib(b.budget_bytes)}" for b in budgets) + how
         elif budgets:
             budget = "not known (no cache_config_info yet)"
+        elif v.processes and snap is not None and not snap.gpus:
+            held = sum(p.host_rss_bytes or 0 for p in v.processes)
+            budget = f"host memory (vLLM's CPU backend): its processes hold {_gib(held)}"
         else:
             budget = "no GPU process found"
         by_engine = {(k.model, k.engine): k for k in caches}
-        kv = "; ".join(_kv(e.kv_cache_usage_ratio, by_engine.get((e.model, e.engine))) for e in v.engines) or "?"
+        where = "per GPU" if budgets or (snap is not None and snap.gpus) else "of host memory"
+        kv = "; ".join(_kv(e.kv_cache_usage_ratio, by_engine.get((e.model, e.engine)), where)
+                       for e in v.engines) or "?"
         state_ = _updown(v.up, v.error_kind) + (" loading" if v.up and _loading(budgets, snap) else "")
         rows.append((escape(v.endpoint), escape(models), state_, escape(budget), escape(kv) if v.up else "",
                      *(_total(v.engines, name) if v.up else ""
@@ -158,15 +163,16 @@ def _servers(state: State) -> list[tuple[object, ...]]:
     return rows
 
 
-def _kv(ratio: float | None, k: KvCache | None) -> str:
-    """One engine's KV cache: the share in use, the tokens of its capacity, its bytes per GPU."""
+def _kv(ratio: float | None, k: KvCache | None, where: str = "per GPU") -> str:
+    """One engine's KV cache: the share in use, the tokens of its capacity, its bytes (per GPU,
+    or of host memory on vLLM's CPU backend)."""
     ratio = k.usage_ratio if k is not None and k.usage_ratio is not None else ratio
     text = "?" if ratio is None else f"{ratio:.0%}"
     if k is not None and k.capacity_tokens:
         text += (f" ({k.used_tokens:,} of {k.capacity_tokens:,} tokens)" if k.used_tokens is not None
                  else f" of {k.capacity_tokens:,} tokens")
     if k is not None and k.capacity_bytes:
-        text += f", {_gib(k.capacity_bytes)} per GPU"
+        text += f", {_gib(k.capacity_bytes)} {where}"
     return text
 
 

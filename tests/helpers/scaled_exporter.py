@@ -38,8 +38,11 @@ def main() -> int:
     def make_analyzer(config: Config) -> Analyzer:
         analyzer = shipped(config)
         c: AnalysisConfig = analyzer.config
-        analyzer.config = replace(c, leak=scaled_leak(scale, c.leak), contention=replace(
-            c.contention, window_seconds=c.contention.window_seconds * scale))
+        detectors = dict(c.detectors)
+        detectors["leak"] = scaled_leak(scale, detectors["leak"])
+        detectors["contention"] = replace(detectors["contention"],
+                                          window_seconds=detectors["contention"].window_seconds * scale)
+        analyzer.config = replace(c, detectors=detectors)
         h = analyzer.history
         analyzer.history = History(raw_seconds=h.raw_seconds, retention_seconds=h.retention_seconds,
                                    dead_grace_seconds=h.dead_grace_seconds, bucket_seconds=h.bucket_seconds * scale,
