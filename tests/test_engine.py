@@ -33,7 +33,7 @@ def utilisation_timeline(ratios, step=10):
 
 def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
     analyzer = Analyzer(detectors=PRESSURE_ONLY)
-    ratios = [0.5] * 3 + [0.9] * 6 + [0.5] * 3
+    ratios = [0.5] * 3 + [0.9] * 6 + [0.5] * 5
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
         results = [analyzer.update(s) for s in utilisation_timeline(ratios)]
     records = [r for r in caplog.records if r.name == "exporter.findings"]
@@ -42,7 +42,8 @@ def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
     assert "pressure" in records[0].getMessage() and "gpu=0" in records[0].getMessage()
     assert records[0].finding["kind"] == "pressure"
     active = [r.findings for r in results]
-    assert [len(a) for a in active] == [0] * 3 + [1] * 6 + [0] * 3
+    # Cleared once its condition has been gone CLEAR_AFTER_SECONDS (30 s: three more ticks).
+    assert [len(a) for a in active] == [0] * 3 + [1] * 6 + [1] * 3 + [0] * 2
     # The same finding keeps the moment it was first raised while it stays active.
     assert {a[0].first_detected_at for a in active if a} == {T0 + 30}
 
@@ -50,13 +51,13 @@ def test_finding_is_logged_once_when_raised_and_once_when_cleared(caplog):
 def test_severity_change_keeps_first_detection_and_records_the_worst_version():
     analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
     results = [analyzer.update(s)
-               for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.88, 0.5])]
+               for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.88, 0.5, 0.5, 0.5, 0.5])]
     assert [r.findings[0].severity for r in results[:5]] == ["warning", "warning", "critical",
                                                             "critical", "warning"]
     assert {r.findings[0].first_detected_at for r in results[:5]} == {T0}
     (recorded,) = analyzer.all_findings
     assert recorded.severity == "critical" and recorded.first_detected_at == T0
-    assert analyzer.episodes()[0][1] == T0 + 50  # cleared at the last tick
+    assert analyzer.episodes()[0][1] == T0 + 80  # cleared 30 s after its condition went
 
 
 def test_escalation_and_de_escalation_are_logged_once_each(caplog):
@@ -64,7 +65,7 @@ def test_escalation_and_de_escalation_are_logged_once_each(caplog):
     de-escalated and cleared, one line each, however long it stays at each severity."""
     analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
-        for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.97, 0.88, 0.88, 0.5]):
+        for s in utilisation_timeline([0.86, 0.86, 0.97, 0.97, 0.97, 0.88, 0.88, 0.5, 0.5, 0.5, 0.5]):
             analyzer.update(s)
     records = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "exporter.findings"]
     assert records == [(logging.WARNING, "finding raised"), (logging.WARNING, "finding escalated"),
@@ -77,10 +78,22 @@ def test_escalation_and_de_escalation_are_logged_once_each(caplog):
 def test_a_finding_raised_again_after_clearing_is_a_new_episode(caplog):
     analyzer = Analyzer(detectors=PRESSURE_ONLY)
     with caplog.at_level(logging.INFO, logger="exporter.findings"):
-        for s in utilisation_timeline([0.9, 0.5, 0.9]):
+        for s in utilisation_timeline([0.9, 0.5, 0.5, 0.5, 0.5, 0.9]):
             analyzer.update(s)
-    assert [f.first_detected_at for f in analyzer.all_findings] == [T0, T0 + 20]
+    assert [f.first_detected_at for f in analyzer.all_findings] == [T0, T0 + 50]
     assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO, logging.WARNING]
+
+
+def test_a_condition_hovering_at_its_threshold_is_one_finding(caplog):
+    """Memory PSI or usage hovering at a threshold: the detector says yes, no, yes from one tick
+    to the next; the finding is raised once and stays, so no alert's `for:` restarts (the
+    newcomer's trial of unified-memory saw pressure raised and cleared three times in 50 s)."""
+    analyzer = Analyzer(detectors=PRESSURE_ONLY)
+    with caplog.at_level(logging.INFO, logger="exporter.findings"):
+        results = [analyzer.update(s) for s in utilisation_timeline([0.9, 0.5, 0.9, 0.5, 0.5, 0.9, 0.5, 0.9])]
+    assert all(r.findings for r in results)
+    assert [f.first_detected_at for f in analyzer.all_findings] == [T0]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["finding raised"]
 
 
 def test_gpu_analysis_admission_hysteresis_and_unattributed_bytes():
@@ -135,7 +148,8 @@ def test_oom_event_becomes_a_finding_held_for_a_while():
         results.append(analyzer.update(snap(T0 + e, [gpu([vllm_proc(10, 70 * GiB)])],
                                             events=events)))
     oom = [[f for f in r.findings if f.kind == "oom"] for r in results]
-    assert [bool(x) for x in oom] == [False, False] + [True] * 7 + [False] * 4
+    # Held by the detector for hold_seconds (60 s), then by the engine's clear hold (30 s).
+    assert [bool(x) for x in oom] == [False, False] + [True] * 10 + [False]
     f = oom[2][0]
     assert f.gpu == "0" and f.uuid == "GPU-0" and f.severity == "critical"
     assert dict(f.evidence)["class"] == "shortage" and f.advice == ("Lower --max-num-seqs.",)
@@ -183,11 +197,12 @@ def test_active_findings_of_a_failed_detector_are_kept_not_cleared(monkeypatch):
 def test_all_findings_is_bounded():
     cfg = AnalysisConfig(max_recorded_findings=3)
     analyzer = Analyzer(cfg, log_findings=False, detectors=PRESSURE_ONLY)
-    for i in range(10):  # ten separate pressure episodes
-        analyzer.update(snap(T0 + 20 * i, [gpu([proc(1, 75 * GiB)])]))
-        analyzer.update(snap(T0 + 20 * i + 10, [gpu([proc(1, GiB)])]))
+    for i in range(10):  # ten separate pressure episodes, each cleared 30 s after its condition went
+        analyzer.update(snap(T0 + 60 * i, [gpu([proc(1, 75 * GiB)])]))
+        for after in (10, 20, 30, 40):
+            analyzer.update(snap(T0 + 60 * i + after, [gpu([proc(1, GiB)])]))
     assert len(analyzer.all_findings) == 3 and analyzer.dropped_findings == 7
-    assert [f.first_detected_at for f in analyzer.all_findings] == [T0 + 140, T0 + 160, T0 + 180]
+    assert [f.first_detected_at for f in analyzer.all_findings] == [T0 + 420, T0 + 480, T0 + 540]
 
 
 def test_history_stays_bounded_under_process_churn():
@@ -264,7 +279,8 @@ def test_the_engine_runs_whatever_is_registered():
     in the object `create` made for this analyzer, and tracks its findings like any other's."""
     analyzer = Analyzer(log_findings=False, detectors=[_TENTH])
     results = [analyzer.update(s) for s in utilisation_timeline([0.5] * 21)]
-    assert [i for i, r in enumerate(results) if r.findings] == [9, 19]
+    # Each held until it has been gone 30 s (three ticks), then cleared.
+    assert [i for i, r in enumerate(results) if r.findings] == [9, 10, 11, 12, 19, 20]
     assert [f.summary for f in analyzer.all_findings] == ["tick 10, 0 active before", "tick 20, 0 active before"]
     assert results[0].process_trends == ()  # no detector here publishes trends
     other = Analyzer(log_findings=False, detectors=[_TENTH])  # its own state

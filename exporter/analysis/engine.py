@@ -36,6 +36,12 @@ findings_log = logging.getLogger("exporter.findings")
 log = logging.getLogger(__name__)
 
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+# A finding its detector stops reporting is cleared only once it has been absent for this long
+# and this many ticks: a condition hovering at a threshold (memory PSI, a saw-tooth, a window with
+# too few samples while sampling falls behind) keeps one finding instead of raising and clearing
+# it every other tick, which would restart every alert's `for:`.
+CLEAR_AFTER_SECONDS = 30.0
+CLEAR_AFTER_TICKS = 2
 MAX_RECENT_OOMS = 16  # oom episodes the status page can list (within RECENT_OOM_SECONDS)
 
 C = TypeVar("C")
@@ -110,6 +116,7 @@ class Analyzer:
         self.detector_errors: Counter[str] = Counter()  # detector -> exceptions caught
         self.dropped_findings = 0  # episodes evicted from all_findings by the size bound
         self._active: dict[FindingKey, tuple[int, Finding]] = {}  # key -> (episode id, finding)
+        self._absent: dict[FindingKey, tuple[float, int]] = {}  # active, not reported: (since, ticks)
         self._episodes: OrderedDict[int, _Episode] = OrderedDict()
         self._next_episode = 0
         self._oom_episodes: deque[int] = deque(maxlen=MAX_RECENT_OOMS)  # the latest oom episodes' ids
@@ -205,13 +212,21 @@ class Analyzer:
                                          extra={"finding": f.to_json()})
             active[key] = (episode_id, f)
         for key, (episode_id, f) in self._active.items():
-            if key not in active:
-                episode = self._episodes.get(episode_id)
-                if episode is not None:
-                    episode.cleared_at = now
-                if self.log_findings:
-                    findings_log.info("finding cleared: %s", _describe(f),
-                                      extra={"finding": f.to_json(), "cleared_at": now})
+            if key in active:
+                self._absent.pop(key, None)
+                continue
+            since, ticks = self._absent.get(key, (now, 0))
+            if now - since < CLEAR_AFTER_SECONDS or ticks + 1 < CLEAR_AFTER_TICKS:
+                self._absent[key] = (since, ticks + 1)
+                active[key] = (episode_id, f)  # held as it was last reported
+                continue
+            self._absent.pop(key, None)
+            episode = self._episodes.get(episode_id)
+            if episode is not None:
+                episode.cleared_at = now
+            if self.log_findings:
+                findings_log.info("finding cleared: %s (as last reported; its condition gone for %.0f s)",
+                                  _describe(f), now - since, extra={"finding": f.to_json(), "cleared_at": now})
         self._active = active
         return tuple(f for _, f in active.values())
 
