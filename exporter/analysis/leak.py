@@ -54,7 +54,7 @@ from typing import TypeVar
 
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
-from .trend_test import Prefix, WindowResult, kappas, refine, robust_sigma, scan, threshold_z
+from .trend_test import Prefix, Wander, WindowResult, kappas, refine, robust_sigma, scan, threshold_z, wander_fit
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -383,7 +383,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         return "settling"  # too few points to tell the noise
     prefix = Prefix(times, values, cuts)
 
-    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float]]:
+    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float], Wander | None]:
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         # Steps down, left in for the test, would pass for wandering noise at the block sizes
         # that span them: the noise is measured with them taken out too.
@@ -391,15 +391,21 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         if any(d < 0 for _, d, _ in steps):
             t3, v3, c3 = _destep(raw_times, raw_values, steps, downs=True)
             quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
-        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}
-    sigma, table, kappa_at = memo.get(name, end, base_time, n - settled, config, noise)
+        # The block estimates, and a model of noise that wanders (AR(1)) fitted on the same
+        # points: the model reaches windows longer than the blocks measured, and a young series.
+        # (Not for the troughs: one point a tooth, too few for the lags to show wandering apart
+        # from a leak's onset.)
+        wander = wander_fit(quiet, start) if name != "troughs" else None
+        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}, wander
+    sigma, table, kappa_at, wander = memo.get(name, end, base_time, n - settled, config, noise)
     if young:  # warm-up and first cycles are expected: a higher bar
         threshold *= config.young_threshold_factor
     # Windows longer than an hour move slowly: each is tested every third minute only (which
     # third, from the clock), a third of the cost for a minute more at most on slow leaks.
     turn = int(end // 60) % 3
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
-    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at)
+    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
+                   wander=wander)
     if not windows:
         return "trend_not_significant"
     why = "trend_not_significant"
@@ -415,7 +421,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
             break
     if best is None:
         return why
-    rate = refine(prefix, best, sigma, table, config.min_points)  # the onset to the point, for the rate
+    rate = refine(prefix, best, sigma, table, config.min_points, wander)  # the onset to the point, for the rate
     seconds = times[-1] - times[rate.onset]
     return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
                   rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)
