@@ -298,7 +298,9 @@ def kappa_from_table(window_points: int, table: list[tuple[int, float]]) -> floa
         best = max(best, k2 * (x / b2) ** growth)
     elif table:  # one block size measured: no rate to go by, assume the worst (a random walk)
         b1, k1 = table[0]
-        best = max(best, k1 * x / b1) if k1 > 1.5 else best
+        # Its excess over white noise grows as a random walk's would, however small: a young
+        # series has shown nothing of how it wanders over the window's length.
+        best = max(best, k1 * x / b1 if k1 > 1.5 else 1.0 + (k1 - 1.0) * x / b1)
     return best
 
 
