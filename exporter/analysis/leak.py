@@ -97,9 +97,10 @@ class LeakConfig:
     min_slope_bytes_per_second: float = 0.25 * MiB / 60
     # ... and has grown at least this much over the window that shows it.
     min_growth_bytes: float = 4 * MiB
-    # The line must beat the best one-step model by this many noise variances, and the best
-    # two-step model must not beat the line by this many times log(points) noise variances.
-    min_step_margin: float = 2.0
+    # The line must beat the best one-step model by this many noise variances (4: a small step
+    # straddling a bucket, two points after it, fits a ramp within 2), and the best two-step
+    # model must not beat the line by this many times log(points) noise variances.
+    min_step_margin: float = 4.0
     two_step_penalty: float = 2.0
     # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
     max_concavity_z: float = 2.5
@@ -320,10 +321,10 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     else:  # the medians ride the teeth: only the troughs say whether the level grows
         tested.append(("troughs", *_troughs(times, lows, base, drops)))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
-    young = tooth is None and end < settled_from + config.young_seconds
+    young_until = settled_from + config.young_seconds if tooth is None else -math.inf
     why = "no_window"
     for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, era)
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era)
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
@@ -355,7 +356,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
 
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
-                 threshold: float, config: LeakConfig, young: bool, memo: NoiseMemo,
+                 threshold: float, config: LeakConfig, young_until: float, memo: NoiseMemo,
                  base_time: float) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
     why not."""
@@ -363,6 +364,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     if n < config.min_points:
         return "too_few_points"
     end = times[-1]
+    young = end < young_until
     settled = bisect.bisect_left(times, settled_from)
     step_noise = memo.get(name + ".steps", end, base_time, n - settled, config,
                           lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
@@ -406,6 +408,11 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
     windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
                    wander=wander)
+    if not young:
+        # Growth that began while the series was young (a warm-up's steps, a first tooth) keeps
+        # the young bar after the young period: the period's end is no evidence against them.
+        bar = threshold * config.young_threshold_factor
+        windows = [w for w in windows if times[w.onset] >= young_until or w.z >= bar]
     if not windows:
         return "trend_not_significant"
     why = "trend_not_significant"
