@@ -13,7 +13,8 @@ long enough for its rate has passed, close to what the noise allows (bench/leak_
 What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
-    young, a higher bar and no rise shorter than a sawtooth's first tooth;
+    young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
+    a sawtooth's first tooth;
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step, and two steps must

@@ -13,11 +13,15 @@ Three things keep it honest on real memory series:
     noise variance of b-point block means to what white noise would give (b * sigma_b^2 /
     sigma_1^2), measured on the series itself at several block sizes (an Allan-variance style
     estimate from second differences, blind to a linear trend); a window uses the largest
-    kappa at the block sizes up to a quarter of its length.
+    kappa at the block sizes up to a quarter of its length. Where the variances of second
+    differences rise clearly with their lag, an AR(1) model fitted to them (Wander) gives the
+    exact inflation for every window length, which the blocks cannot reach on a young series or
+    a long window; the larger of the two is used.
   * Steps. A level shift inside a window makes a significant slope; the line must fit
     clearly better than one step (two levels, the point that straddles the step left out), and
     two steps (three levels) must not fit clearly better than the line (by the information
-    criterion's penalty for the steps' extra parameters).
+    criterion's penalty for the steps' extra parameters), the steps fitted
+    with the line's intercept per segment where level shifts were taken out.
   * Warm-up. An allocator warming up decelerates; a quadratic term significantly negative
     (the growth slowing down) is no leak.
 
