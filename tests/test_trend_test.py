@@ -8,12 +8,15 @@ import pytest
 
 from exporter.analysis.trend_test import (
     Prefix,
+    ar1_slope_factor,
     best_split,
     kappa_for,
     kappas,
     robust_sigma,
     scan,
+    step_models,
     threshold_z,
+    wander_fit,
 )
 
 MINUTE = 60.0
@@ -118,3 +121,65 @@ def test_a_short_window_of_wandering_noise_is_not_a_trend():
     table = kappas(prefix, 0, sigma, (2, 4, 8, 16))
     windows = (5, 8, 12, 16, 24, 32, 48)
     assert scan(prefix, 0, sigma, table, windows, 5, threshold=5.0) == []
+
+
+def ar1(n, sd, rho, seed):
+    rng = random.Random(seed)
+    x, out = rng.gauss(0, sd), []
+    for _ in range(n):
+        x = rho * x + rng.gauss(0, sd * math.sqrt(1 - rho * rho))
+        out.append(x)
+    return out
+
+
+def test_ar1_slope_factor_is_the_exact_inflation_of_a_least_squares_slope():
+    for rho, m in ((0.0, 10), (0.5, 7), (0.9, 30), (0.97, 12)):
+        x = [k - (m - 1) / 2 for k in range(m)]
+        sxx = sum(a * a for a in x)
+        brute = sum(x[i] * x[j] * rho ** abs(i - j) for i in range(m) for j in range(m)) / sxx
+        assert ar1_slope_factor(rho, m) == pytest.approx(max(1.0, brute), rel=1e-6)
+    # Long windows see the long-run variance (1 + rho) / (1 - rho); short ones much less of it.
+    assert ar1_slope_factor(0.8, 2000) == pytest.approx(9.0, rel=0.02)
+    assert ar1_slope_factor(0.8, 5) < 4.0
+
+
+def test_wander_fit_finds_noise_that_wanders_and_leaves_white_noise_alone():
+    n, rho, sd = 240, 0.85, 5.0
+    ys = ar1(n, sd, rho, seed=11)
+    model = wander_fit(Prefix(times(n), ys), 0)
+    assert model is not None and 0.7 <= model.rho <= 0.95, model
+    sigma1 = robust_sigma(ys)
+    for m in (15, 30, 60):
+        exact = sd * sd * ar1_slope_factor(rho, m) / (sigma1 * sigma1)
+        assert exact / 2 <= model.kappa(m, sigma1) <= exact * 2, (m, model.kappa(m, sigma1), exact)
+        # The block estimates see far less of it over a window this long.
+        assert kappa_for(m, [], model, sigma1) == model.kappa(m, sigma1)
+    for seed in range(12, 17):
+        noise = white(n, sd, seed)
+        assert wander_fit(Prefix(times(n), noise), 0) is None
+    # A straight line added (a leak from the first point) changes nothing: second differences.
+    leaking = [v + 3.0 * k for k, v in enumerate(ys)]
+    again = wander_fit(Prefix(times(n), leaking), 0)
+    assert again is not None and again.rho == model.rho and again.var == pytest.approx(model.var)
+
+
+def test_step_models_split_only_the_segment_a_step_falls_in():
+    rng = random.Random(13)
+    # Three segments (level shifts taken out, each with an error in its size), a step of 40
+    # inside the last one.
+    ys = [rng.gauss(0, 1) + off + (40.0 if k >= 50 else 0.0)
+          for k, off in enumerate([0.0] * 20 + [25.0] * 20 + [-30.0] * 20)]
+    cut = Prefix(times(len(ys)), ys, cuts=[20, 40])
+    one, two = step_models(cut, 0, len(ys))
+    assert one < 3 * len(ys) and two <= one  # the step explains the segment it falls in
+    # Fitted as if there were no cuts, the step pays for the shifts' errors: the old comparison.
+    assert best_split(cut, 0, len(ys))[0] > 100 * one
+    # Without cuts it is the one-segment models.
+    plain = Prefix(times(len(ys)), ys)
+    assert step_models(plain, 0, len(ys))[0] == best_split(plain, 0, len(ys))[0]
+
+
+def test_one_measured_kappa_grows_with_the_window_as_a_random_walk_would():
+    table = [(2, 1.3)]
+    assert kappa_for(16, table) == pytest.approx(1 + 0.3 * 16 / 2)
+    assert kappa_for(16, [(2, 1.0)]) == 1.0  # white noise loses nothing

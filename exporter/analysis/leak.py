@@ -13,7 +13,8 @@ long enough for its rate has passed, close to what the noise allows (bench/leak_
 What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
-    young, a higher bar and no rise shorter than a sawtooth's first tooth;
+    young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
+    a sawtooth's first tooth;
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step, and two steps must
@@ -54,7 +55,7 @@ from typing import TypeVar
 
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
-from .trend_test import Prefix, WindowResult, kappas, refine, robust_sigma, scan, threshold_z
+from .trend_test import Prefix, Wander, WindowResult, kappas, refine, robust_sigma, scan, threshold_z, wander_fit
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -97,9 +98,10 @@ class LeakConfig:
     min_slope_bytes_per_second: float = 0.25 * MiB / 60
     # ... and has grown at least this much over the window that shows it.
     min_growth_bytes: float = 4 * MiB
-    # The line must beat the best one-step model by this many noise variances, and the best
-    # two-step model must not beat the line by this many times log(points) noise variances.
-    min_step_margin: float = 2.0
+    # The line must beat the best one-step model by this many noise variances (4: a small step
+    # straddling a bucket, two points after it, fits a ramp within 2), and the best two-step
+    # model must not beat the line by this many times log(points) noise variances.
+    min_step_margin: float = 4.0
     two_step_penalty: float = 2.0
     # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
     max_concavity_z: float = 2.5
@@ -320,10 +322,10 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     else:  # the medians ride the teeth: only the troughs say whether the level grows
         tested.append(("troughs", *_troughs(times, lows, base, drops)))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
-    young = tooth is None and end < settled_from + config.young_seconds
+    young_until = settled_from + config.young_seconds if tooth is None else -math.inf
     why = "no_window"
     for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young, memo, era)
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era)
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
@@ -355,7 +357,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
 
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
-                 threshold: float, config: LeakConfig, young: bool, memo: NoiseMemo,
+                 threshold: float, config: LeakConfig, young_until: float, memo: NoiseMemo,
                  base_time: float) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
     why not."""
@@ -363,6 +365,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     if n < config.min_points:
         return "too_few_points"
     end = times[-1]
+    young = end < young_until
     settled = bisect.bisect_left(times, settled_from)
     step_noise = memo.get(name + ".steps", end, base_time, n - settled, config,
                           lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
@@ -383,7 +386,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         return "settling"  # too few points to tell the noise
     prefix = Prefix(times, values, cuts)
 
-    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float]]:
+    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float], Wander | None]:
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         # Steps down, left in for the test, would pass for wandering noise at the block sizes
         # that span them: the noise is measured with them taken out too.
@@ -391,15 +394,26 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         if any(d < 0 for _, d, _ in steps):
             t3, v3, c3 = _destep(raw_times, raw_values, steps, downs=True)
             quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
-        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}
-    sigma, table, kappa_at = memo.get(name, end, base_time, n - settled, config, noise)
+        # The block estimates, and a model of noise that wanders (AR(1)) fitted on the same
+        # points: the model reaches windows longer than the blocks measured, and a young series.
+        # (Not for the troughs: one point a tooth, too few for the lags to show wandering apart
+        # from a leak's onset.)
+        wander = wander_fit(quiet, start) if name != "troughs" else None
+        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}, wander
+    sigma, table, kappa_at, wander = memo.get(name, end, base_time, n - settled, config, noise)
     if young:  # warm-up and first cycles are expected: a higher bar
         threshold *= config.young_threshold_factor
     # Windows longer than an hour move slowly: each is tested every third minute only (which
     # third, from the clock), a third of the cost for a minute more at most on slow leaks.
     turn = int(end // 60) % 3
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
-    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at)
+    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
+                   wander=wander)
+    if not young:
+        # Growth that began while the series was young (a warm-up's steps, a first tooth) keeps
+        # the young bar after the young period: the period's end is no evidence against them.
+        bar = threshold * config.young_threshold_factor
+        windows = [w for w in windows if times[w.onset] >= young_until or w.z >= bar]
     if not windows:
         return "trend_not_significant"
     why = "trend_not_significant"
@@ -415,7 +429,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
             break
     if best is None:
         return why
-    rate = refine(prefix, best, sigma, table, config.min_points)  # the onset to the point, for the rate
+    rate = refine(prefix, best, sigma, table, config.min_points, wander)  # the onset to the point, for the rate
     seconds = times[-1] - times[rate.onset]
     return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
                   rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)

@@ -13,11 +13,15 @@ Three things keep it honest on real memory series:
     noise variance of b-point block means to what white noise would give (b * sigma_b^2 /
     sigma_1^2), measured on the series itself at several block sizes (an Allan-variance style
     estimate from second differences, blind to a linear trend); a window uses the largest
-    kappa at the block sizes up to a quarter of its length.
+    kappa at the block sizes up to a quarter of its length. Where the variances of second
+    differences rise clearly with their lag, an AR(1) model fitted to them (Wander) gives the
+    exact inflation for every window length, which the blocks cannot reach on a young series or
+    a long window; the larger of the two is used.
   * Steps. A level shift inside a window makes a significant slope; the line must fit
     clearly better than one step (two levels, the point that straddles the step left out), and
     two steps (three levels) must not fit clearly better than the line (by the information
-    criterion's penalty for the steps' extra parameters).
+    criterion's penalty for the steps' extra parameters), the steps fitted
+    with the line's intercept per segment where level shifts were taken out.
   * Warm-up. An allocator warming up decelerates; a quadratic term significantly negative
     (the growth slowing down) is no leak.
 
@@ -163,7 +167,117 @@ def kappas(prefix: Prefix, start: int, sigma1: float, scales: Sequence[int],
     return out
 
 
-def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
+@dataclass(frozen=True)
+class Wander:
+    """Noise that wanders, as a model: white noise of variance `white` plus an AR(1) process of
+    variance `var` whose correlation from one point to the next is `rho`. Fitted (wander_fit) to
+    the variances of the series' second differences at several lags, which a straight line does
+    not move. It gives the exact inflation of a least-squares slope for any window length,
+    however much longer than the lags it was fitted on: where the block estimates of kappa need
+    eight blocks of a size before they see it (a young series, a window longer than the largest
+    block), an AR(1) of several minutes' memory makes a short stretch of it look like a trend."""
+
+    white: float
+    var: float
+    rho: float
+
+    def kappa(self, points: int, sigma1: float) -> float:
+        """The slope's variance over a window of `points` equally spaced points, over what white
+        noise of deviation sigma1 would give."""
+        if sigma1 <= 0 or points < 3:
+            return 1.0
+        return (self.white + self.var * ar1_slope_factor(self.rho, points)) / (sigma1 * sigma1)
+
+
+def ar1_slope_factor(rho: float, m: int) -> float:
+    """Var(least-squares slope) over m equally spaced points of an AR(1) process of unit variance
+    and lag-1 correlation rho, over what white noise of unit variance gives:
+    1 + 2 sum_k rho^k S_k / Sxx, S_k = sum_i x_i x_(i+k) over the centred abscissae."""
+    if rho <= 0 or m < 3:
+        return 1.0
+    c = (m - 1) / 2.0
+    sxx = m * (m * m - 1) / 12.0
+    total, power = 0.0, 1.0
+    for k in range(1, m):
+        power *= rho
+        if power < 1e-6:
+            break
+        big_n = m - k  # pairs k apart: sum over i < N of (i - c)(i - c + k)
+        s1 = big_n * (big_n - 1) / 2.0 - c * big_n
+        s2 = (big_n - 1) * big_n * (2 * big_n - 1) / 6.0 - 2 * c * big_n * (big_n - 1) / 2.0 + big_n * c * c
+        total += power * (s2 + k * s1)
+    return max(1.0, 1.0 + 2.0 * total / sxx)
+
+
+_RHOS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.95, 0.96, 0.97, 0.98, 0.99)
+WANDER_LAGS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
+               min_differences: int = 12, min_rise: float = 3.0) -> Wander | None:
+    """The Wander model that best fits the robust variances (MAD) of the second differences at
+    each lag k, y(i+2k) - 2 y(i+k) + y(i), within the segments from `start` on (none across a
+    cut): 6 white + 2 var (3 - 4 rho^k + rho^2k). Fitted in relative terms (each lag's variance
+    is known to a similar fraction), rho on a grid, white and var by least squares, neither
+    negative. None with fewer than two lags to fit."""
+    y = prefix.y
+    pieces = prefix.pieces(start, len(y)) if prefix.cuts else [(start, len(y))]
+    observed: list[tuple[int, float]] = []
+    for k in lags:
+        d2 = [y[i + 2 * k] - 2 * y[i + k] + y[i] for a, b in pieces for i in range(a, b - 2 * k)]
+        # A kink (a leak's onset) biases every difference that spans it, 2k of them: the lag's
+        # differences must be many more than that for their MAD to pass over it.
+        if len(d2) < max(min_differences, 8 * k):
+            break
+        centre = median(d2)
+        v = (_MAD_SIGMA * median([abs(d - centre) for d in d2])) ** 2
+        observed.append((k, v))
+    if len(observed) < 2 or observed[0][1] <= 0:
+        return None
+    # White noise gives the same variance at every lag; estimates from a few dozen overlapping
+    # differences scatter by tens of percent. Only a clear rise (`min_rise`-fold by some lag) is
+    # taken for wandering: a model fitted to scatter would inflate every slope's error.
+    if max(v for _, v in observed[1:]) < min_rise * observed[0][1]:
+        return None
+    # Memory much longer than the longest lag fitted is not told apart from a random walk by
+    # these points (and a random walk's inflation grows without bound with the window): rho is
+    # kept to what the lags can show, correlation falling to a quarter within the longest lag.
+    # Wandering slower than that is the block estimates' to extrapolate (kappa_from_table).
+    rho_max = 0.25 ** (1.0 / observed[-1][0])
+    best: tuple[float, Wander] | None = None
+    for rho in _RHOS:
+        if rho > rho_max:
+            break
+        # Rows a_k = 6 / v_k, b_k = 2 (3 - 4 rho^k + rho^2k) / v_k against 1: least squares in
+        # (white, var), each clipped to >= 0 (then the other alone).
+        rows = [(6.0 / v, 2.0 * (3 - 4 * rho ** k + rho ** (2 * k)) / v) for k, v in observed if v > 0]
+        saa = sum(a * a for a, _ in rows)
+        sbb = sum(b * b for _, b in rows)
+        sab = sum(a * b for a, b in rows)
+        sa = sum(a for a, _ in rows)
+        sb = sum(b for _, b in rows)
+        det = saa * sbb - sab * sab
+        white = (sbb * sa - sab * sb) / det if det > 0 else -1.0
+        var = (saa * sb - sab * sa) / det if det > 0 else -1.0
+        if white < 0 or var < 0:
+            white, var = (sa / saa, 0.0) if sa / saa * sa >= sb / sbb * sb else (0.0, sb / sbb)
+        rss = sum((1.0 - white * a - var * b) ** 2 for a, b in rows)
+        if best is None or rss < best[0]:
+            best = (rss, Wander(white, var, rho))
+    return best[1] if best else None
+
+
+def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander | None = None,
+              sigma1: float = 0.0) -> float:
+    """kappa_from_table, or where the noise was fitted as a Wander model, the larger of that and
+    the model's exact inflation for this window."""
+    k = kappa_from_table(window_points, table)
+    if wander is not None:
+        k = max(k, wander.kappa(window_points, sigma1))
+    return k
+
+
+def kappa_from_table(window_points: int, table: list[tuple[int, float]]) -> float:
     """The slope's variance inflation for a window of this many points: kappa at a block size of
     0.7 x the window, interpolated (log-log) between the block sizes measured, never below a
     smaller block's. For AR(1) noise of any memory this lies within about 25 % of the exact
@@ -188,7 +302,9 @@ def kappa_for(window_points: int, table: list[tuple[int, float]]) -> float:
         best = max(best, k2 * (x / b2) ** growth)
     elif table:  # one block size measured: no rate to go by, assume the worst (a random walk)
         b1, k1 = table[0]
-        best = max(best, k1 * x / b1) if k1 > 1.5 else best
+        # Its excess over white noise grows as a random walk's would, however small: a young
+        # series has shown nothing of how it wanders over the window's length.
+        best = max(best, k1 * x / b1 if k1 > 1.5 else 1.0 + (k1 - 1.0) * x / b1)
     return best
 
 
@@ -220,6 +336,37 @@ def best_two_step_rss(prefix: Prefix, i: int, j: int, first: int) -> float:
     lo = first + 1 if level_rss(first + 1, j) < level_rss(first, j) else first
     split_right = left + best_split(prefix, lo, j)[0]
     return min(split_left, split_right)
+
+
+def step_models(prefix: Prefix, i: int, j: int) -> tuple[float, float]:
+    """RSS of the best one-step and two-step models on [i, j), fitted as the line and the hinge
+    are: an intercept per segment between the cuts (the level shifts already taken out), plus
+    the steps. A step only splits the segment it falls in (the segments after it have their own
+    intercepts), so the best one-step model splits the one segment where that gains most, and
+    the best two-step model splits two segments once each or one segment twice. Without a cut
+    this is best_split and best_two_step_rss over [i, j); with cuts, comparing the line with
+    steps that ignore them would charge the steps for every error in the shifts taken out."""
+    pieces = prefix.pieces(i, j) if prefix.cuts else [(i, j)]
+    if len(pieces) == 1:
+        one, split = best_split(prefix, i, j)
+        return one, best_two_step_rss(prefix, i, j, split)
+    base = 0.0
+    gains: list[float] = []  # per segment: what one step inside it gains
+    doubles: list[float] = []  # per segment: what two steps inside it gain
+    for a, b in pieces:
+        level = prefix.level_rss(a, b)
+        base += level
+        rss, split = best_split(prefix, a, b)
+        if split < 0:
+            continue
+        gains.append(level - rss)
+        doubles.append(level - best_two_step_rss(prefix, a, b, split))
+    if not gains:
+        return math.inf, math.inf
+    gains.sort(reverse=True)
+    one = base - gains[0]
+    two = base - max(max(doubles), gains[0] + (gains[1] if len(gains) > 1 else 0.0))
+    return max(0.0, one), max(0.0, two)
 
 
 def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
@@ -288,7 +435,7 @@ def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int
 
 
 def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
-           min_points: int) -> WindowResult:
+           min_points: int, wander: Wander | None = None) -> WindowResult:
     """The growth `w` found, its onset read to the point: over the same points, the joined
     line (flat, then growing) with the least residual, where it fits better than `w` (a free
     line over a window that began before the onset dilutes the rate with the flat stretch it
@@ -296,7 +443,8 @@ def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int
     best = w
     n = len(prefix.u)
     for i in range(w.start + 2, n - 1):
-        h = hinge(prefix, w.start, i, sigma1, lambda points: kappa_for(points, table), min_points)
+        h = hinge(prefix, w.start, i, sigma1, lambda points: kappa_for(points, table, wander, sigma1),
+                   min_points)
         if h is not None and h.rss < best.rss:
             best = h
     return best
@@ -321,8 +469,7 @@ class WindowResult:
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
-        one, split = best_split(prefix, self.start, self.end)
-        two = best_two_step_rss(prefix, self.start, self.end, split)
+        one, two = step_models(prefix, self.start, self.end)
         return Shape((one - self.rss) / noise, (two - self.rss) / noise,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
                      self.slope / self.residual_se(prefix))
@@ -365,7 +512,8 @@ class Shape:
 
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
          windows_minutes: Sequence[float], min_points: int, threshold: float,
-         baseline: float = 2.0, kappa_at: dict[int, float] | None = None) -> list[WindowResult]:
+         baseline: float = 2.0, kappa_at: dict[int, float] | None = None,
+         wander: Wander | None = None) -> list[WindowResult]:
     """Every growth ending at the newest point, begun a window length ago (the given lengths),
     at or after `start`, whose slope reaches `threshold`, in two models:
       free line   y = a + r t over the window;
@@ -386,7 +534,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
     def kappa_of(points: int) -> float:
         k = kappa_at.get(points)
         if k is None:
-            k = kappa_at[points] = kappa_for(points, table)
+            k = kappa_at[points] = kappa_for(points, table, wander, sigma1)
         return k
     for w in windows_minutes:
         i = bisect.bisect_left(u, end_u - w + 1e-9)
