@@ -51,7 +51,7 @@ system-deps:
 VLLM_VENV ?= .venv-vllm
 VLLM_REQ  := tests/real_vllm/requirements.txt
 $(VLLM_VENV)/.installed: $(VLLM_REQ)
-	@echo "installing vLLM ($$(grep -v '^#' $(VLLM_REQ))) into $(VLLM_VENV) for the real_vllm tests (first run only, ~3 min, 3.5 GiB)..."
+	@echo "installing vLLM ($$(grep -v '^#' $(VLLM_REQ))) into $(VLLM_VENV) for the real_vllm tests (first run only, 3-7 min, 3.5 GiB)..."
 	@rm -rf $(VLLM_VENV) && python3 -m venv $(VLLM_VENV)
 	@if { $(VLLM_VENV)/bin/pip install -q -r $(VLLM_REQ) \
 	      && $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec \

@@ -174,7 +174,7 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
-            evidence=tuple(evidence), advice=_advice(gpu)))
+            evidence=tuple(evidence), advice=_advice(gpu, a.admission_open)))
     return findings
 
 
@@ -182,11 +182,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def _advice(gpu: GpuSample | None) -> tuple[str, ...]:
+def _advice(gpu: GpuSample | None, admission_open: bool) -> tuple[str, ...]:
     advice = [
         "The processes named hold the most; see whether one is growing "
         "(gpumem_process_memory_growth_bytes_per_second) and whether it belongs on this GPU.",
-        "Stop routing new work to this GPU until it drains (gpumem_admission_open).",
+        # The gate closes on use alone; say which way it stands, so no one trusts a closed gate
+        # that is open (host pressure on unified memory raises this finding below that line).
+        "Stop routing new work to this GPU until it drains: its admission (/admission, "
+        "gpumem_admission_open) is " + ("closed, so routers that read it already do." if not admission_open else
+                                        "still open (it closes on the GPU's use alone): route away from it by hand."),
         "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
         "spread the model over more GPUs (tensor parallelism).",
     ]

@@ -150,6 +150,7 @@ class VllmSource:
         self._inflight: dict[int, concurrent.futures.Future[VllmSample]] = {}
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # (endpoint, metric) already logged
+        self._was_up: dict[str, bool] = {}  # endpoint -> up at its last scrape (bounded by the config)
         logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
@@ -162,6 +163,7 @@ class VllmSource:
         gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
                                                                                       self.host))
         samples = self._with_processes(samples, gpus)
+        self._log_changes(samples)
         down = [s for s in samples if not s.up]
         cut = sum(s.truncated for s in samples)  # pages past their budget: counted, the rest unread
         return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "",
@@ -217,6 +219,18 @@ class VllmSource:
                     log.warning("vLLM endpoint %s: reading its processes failed: %s", sample.endpoint, exc)
             out.append(sample)
         return tuple(out)
+
+    def _log_changes(self, samples: tuple[VllmSample, ...]) -> None:
+        """Once when an endpoint stops answering (a timeout under load is the news: a saturated
+        server answers its /metrics late), once when it answers again."""
+        for sample in samples:
+            was = self._was_up.get(sample.endpoint)
+            if sample.up and was is False:
+                log.info("vLLM endpoint %s answers again", sample.endpoint)
+            elif not sample.up and was is not False:
+                log.warning("vLLM endpoint %s is down (%s): %s", sample.endpoint, sample.error_kind or "error",
+                            sample.error)
+            self._was_up[sample.endpoint] = sample.up
 
     def _warn_rejected(self, sample: VllmSample) -> None:
         """Impossible values are said once per endpoint and metric, then only counted."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import requests
 
-HANG = 60.0  # as tests/helpers/tools.HANG: how long a wait may take before it is a hang
+HANG = 180.0  # as tests/helpers/tools.HANG: how long a wait may take before it is a hang
 PROBED_PID = 3150  # the leak scenario's EngineCore, which has the allocator probe
 SMALL_PAGE = (b'vllm:num_requests_running{model_name="m",engine="0"} 3\n'
               b'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25\n')

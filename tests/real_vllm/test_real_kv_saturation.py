@@ -58,7 +58,7 @@ def test_a_real_ramp_raises_kv_saturation_and_its_alert_fires(main_server, watch
     filled_at = None
     finding = None
     with real_vllm.Load(main_server, real_vllm.RAMP, seed=4) as load:
-        deadline = time.monotonic() + HANG * 10
+        deadline = time.monotonic() + HANG * 3
         next_step = time.monotonic()
         while finding is None or not watch.firing("VllmKvCacheSaturated"):
             assert time.monotonic() < deadline, f"no finding and alert; the page: {page(main_server)}"

@@ -67,7 +67,7 @@ def test_a_real_leak_is_found_in_the_engine_core_and_alerted_and_nothing_without
             before = load.completed
             leak_switch.touch()
             try:
-                (finding,) = poll(lambda: leaks(watch), HANG * 10, "the leak finding", every=1)
+                (finding,) = poll(lambda: leaks(watch), HANG * 3, "the leak finding", every=1)
                 alerts = poll(lambda: watch.firing("GpuMemoryLeakSuspected"), HANG, "GpuMemoryLeakSuspected")
             finally:
                 leak_switch.unlink()

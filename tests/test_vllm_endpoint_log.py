@@ -1,0 +1,49 @@
+"""The vLLM source says in its log when an endpoint stops answering and when it answers again,
+once each (the newcomer's trial: a real server too busy to answer /metrics within its timeout
+showed "down timeout" on the status page and nothing in the log for ten minutes)."""
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from exporter.model import Snapshot
+from exporter.sources.vllm import VllmEndpoint, VllmSource
+
+PAGE = (Path(__file__).parent / "fixtures" / "vllm" / "v0_32_cpu_idle.prom").read_bytes().partition(b"\n")[2]
+
+
+class _Page(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):
+        body = PAGE if self.status == 200 else b"busy"
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_endpoint_going_down_and_coming_back_is_logged_once_each(caplog):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    source = VllmSource([VllmEndpoint(url=f"http://127.0.0.1:{server.server_port}/metrics", name="busy",
+                                      timeout_seconds=30)])
+    ups = []
+    try:
+        with caplog.at_level(logging.INFO, logger="exporter.sources.vllm"):
+            for status in (200, 503, 503, 503, 200, 200):
+                _Page.status = status
+                ups.append(source.collect(Snapshot(0.0)).snapshot.vllm[0].up)
+    finally:
+        source.close()
+        server.shutdown()
+        server.server_close()
+    assert ups == [True, False, False, False, True, True]
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "vLLM endpoint busy" in r.getMessage()]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO]
+    assert "is down (http_status)" in lines[0][1] and "answers again" in lines[1][1]
