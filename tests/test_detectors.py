@@ -196,6 +196,23 @@ def test_stale_memory_when_serving_process_exits_and_memory_stays():
     assert "4242" in f.summary and f.gpu == "0"
 
 
+def test_stale_memory_names_the_exited_server_for_as_long_as_its_memory_stays():
+    """Past lookback_seconds (15 min) the exit is no longer in what the detector scans; the
+    finding still names the server that left the memory, with the time since it exited (the
+    newcomer's trial: "20.0 GiB in use by no live process for 37 min", the server forgotten)."""
+    cfg = StaleConfig(exit_grace_seconds=60, seconds=600)
+
+    def make(e):
+        if e < 200:
+            return snap(T0 + e, [gpu([vllm_proc(4242, 30 * GiB)])])
+        return snap(T0 + e, [gpu([], used=30 * GiB + BASE)])
+    per_tick = run_detector(stale.DETECTOR, timeline(3600, 30, make), cfg)
+    assert all(f for f in per_tick[10:])
+    last = per_tick[-1][0]
+    assert dict(last.evidence)["exited_pid"] == 4242
+    assert "vLLM process 4242" in last.summary and "exited 56 min ago" in last.summary, last.summary
+
+
 def test_stale_memory_exit_time_is_accurate_with_dense_sampling():
     """Only a thinned set of past snapshots is scanned; the exit time stays close."""
     cfg = StaleConfig(exit_grace_seconds=60, seconds=600)

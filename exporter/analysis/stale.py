@@ -49,11 +49,18 @@ def _threshold(gpu: GpuSample, config: StaleConfig) -> int:
 
 
 def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig,
-                 tools: GpuTools = NEUTRAL_TOOLS) -> list[Finding]:
-    """`tools`: the GPU backend's commands the advice names (vendor-neutral words by default)."""
+                 tools: GpuTools = NEUTRAL_TOOLS, active: Sequence[Finding] = ()) -> list[Finding]:
+    """`tools`: the GPU backend's commands the advice names (vendor-neutral words by default);
+    `active`: the findings active before this tick (an exited server named once stays named)."""
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
     exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
+    # An exit found within lookback_seconds is remembered by the finding itself for as long as
+    # the memory stays: the cause is named while it lasts, not for the lookback only.
+    for f in active:
+        named = _exited_from(f)
+        if named is not None and named not in exited.get(f.uuid, ()):
+            exited.setdefault(f.uuid, []).append(named)
     # vLLM sleep mode frees and maps memory behind PyTorch's back, and the GPU library reads the
     # device's and each process's figures at different moments: unowned memory on a GPU whose server
     # sleeps, or slept or woke within `seconds`, is not judged until it has settled.
@@ -156,6 +163,18 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
+def _exited_from(f: Finding) -> tuple[float, ProcessSample] | None:
+    """(when, the process) of an exited server a stale_memory finding names, from its evidence."""
+    if f.kind != "stale_memory":
+        return None
+    ev = dict(f.evidence)
+    pid, gone_at, held = ev.get("exited_pid"), ev.get("exited_at"), ev.get("held_bytes")
+    if not isinstance(pid, int) or not isinstance(gone_at, (int, float)) or not isinstance(held, int):
+        return None
+    return float(gone_at), ProcessSample(pid=pid, used_bytes=held, name=str(ev.get("exited_process", "")),
+                                         role="vllm", endpoint=str(ev.get("exited_endpoint", "")))
+
+
 def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, ProcessSample]],
                    now: float, config: StaleConfig, tools: GpuTools) -> Finding | None:
     """The largest serving process that left this GPU while its memory stayed behind."""
@@ -205,7 +224,7 @@ def _advice(gpu: GpuSample, tools: GpuTools) -> tuple[str, ...]:
 
 
 def _detect(tick: Tick, config: StaleConfig) -> list[Finding]:
-    return detect_stale(tick.history, tick.snapshot, config, tick.gpu_tools)
+    return detect_stale(tick.history, tick.snapshot, config, tick.gpu_tools, tick.active)
 
 
 DETECTOR = DetectorSpec(

@@ -7,7 +7,6 @@ ones byte for byte; the shipped `for:` durations are pinned by the promtool test
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 from .daemon import Daemon
 from .e2e_stack import Prometheus, Stack, fast_rules
-from .real_vllm import Server
+from .real_vllm import Server, wait_until
 from .rules import RULES
 from .tools import HANG, REPO
 
@@ -57,14 +56,7 @@ def watching(server: Server, workdir: Path, interval: float = 0.5, scale: float 
 
 
 def poll(check: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:g}s for {what}")
-        time.sleep(every)
+    return wait_until(check, timeout, what, interval=every)
 
 
 __all__ = ["HANG", "Watch", "poll", "watching"]
