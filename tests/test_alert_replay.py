@@ -22,6 +22,7 @@ import subprocess
 import pytest
 import yaml
 
+from exporter.analysis.engine import CLEAR_AFTER_SECONDS
 from exporter.analysis.registry import finding_kinds
 from exporter.model import Finding
 from helpers.rules import RULES, alert_rules
@@ -33,6 +34,9 @@ CHECK_EVERY = 120  # seconds between the moments judged
 SCRAPE_LABELS = {"instance": "sim:9842", "job": "gpu-memory-exporter"}
 IDENTITY = ("gpu", "pid", "endpoint")  # what tells two findings of a kind apart, in the alert's labels
 KINDS = {kind.name: kind.alerts for kind in finding_kinds()}
+# Kinds a raw rule alerts on whose finding the engine holds after its detector stops reporting
+# it (engine.CLEAR_AFTER_SECONDS): the raw alert may end that much before the finding.
+HELD_RAW = {kind.name for kind in finding_kinds() if kind.raw_alerts and kind.clear_hold}
 
 
 def _seconds(duration: str | None) -> float:
@@ -51,10 +55,13 @@ def identity(f: Finding) -> tuple[tuple[str, str], ...]:
 def expectations(replay: Replay, kind: str, alerts: tuple[str, ...]) -> list[tuple[float, set]]:
     """(moment, the identities whose alert must be firing then) at every judged moment."""
     wait = max(FOR[a] for a in alerts) + EVAL  # `for:`, and the evaluation that first sees it
+    # A held finding outlasts its raw alert by up to the hold: judged firing only where it is
+    # still active that long after.
+    after = CLEAR_AFTER_SECONDS + STEP if kind in HELD_RAW else 0
     ids = [{identity(f) for f in findings if f.kind == kind} for findings in replay.active]
     out = []
-    for t in range(0, int(replay.times[-1]) + 1, CHECK_EVERY):
-        window = [i for i, at in enumerate(replay.times) if t - wait <= at <= t]
+    for t in range(0, int(replay.times[-1] - after) + 1, CHECK_EVERY):
+        window = [i for i, at in enumerate(replay.times) if t - wait <= at <= t + after]
         held = set.intersection(*(ids[i] for i in window)) if t >= wait else set()
         # An alert over a recording rule of another group may see it one evaluation late.
         recent = set().union(*(ids[i] for i in window if replay.times[i] >= t - EVAL))

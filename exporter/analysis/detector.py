@@ -91,6 +91,10 @@ class FindingKind:
     # ... or, for a kind whose condition a rule over the raw series judges with the same
     # thresholds (exporter/thresholds.py), the names of those alerts (pressure: the 85 % page).
     raw_alerts: tuple[str, ...] = ()
+    # Held by the engine for a while after its detector stops reporting it (engine.CLEAR_AFTER_*),
+    # so a condition at a threshold is one finding. False for a plain fact that a raw rule
+    # alerts on as well (a GPU that answers again is back, for the finding as for its alert).
+    clear_hold: bool = True
 
     @property
     def alerts(self) -> tuple[str, ...]:

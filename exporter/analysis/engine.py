@@ -39,7 +39,9 @@ _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 # A finding its detector stops reporting is cleared only once it has been absent for this long
 # and this many ticks: a condition hovering at a threshold (memory PSI, a saw-tooth, a window with
 # too few samples while sampling falls behind) keeps one finding instead of raising and clearing
-# it every other tick, which would restart every alert's `for:`.
+# it every other tick, which would restart every alert's `for:`. Not for a finding about one
+# process (its detector keeps its own latch, and a reused PID must not inherit it), nor for a kind
+# declared without the hold (FindingKind.clear_hold).
 CLEAR_AFTER_SECONDS = 30.0
 CLEAR_AFTER_TICKS = 2
 MAX_RECENT_OOMS = 16  # oom episodes the status page can list (within RECENT_OOM_SECONDS)
@@ -122,6 +124,7 @@ class Analyzer:
         self._oom_episodes: deque[int] = deque(maxlen=MAX_RECENT_OOMS)  # the latest oom episodes' ids
         self._gpus = GpuVerdicts()
         self._detectors = [(spec, spec.create()) for spec in detectors]  # stateful ones keep theirs
+        self._unheld = {k.name for spec in detectors for k in spec.kinds if not k.clear_hold}
         self._previous: Snapshot | None = None
 
     # ------------------------------------------------------------------ public
@@ -216,7 +219,8 @@ class Analyzer:
                 self._absent.pop(key, None)
                 continue
             since, ticks = self._absent.get(key, (now, 0))
-            if now - since < CLEAR_AFTER_SECONDS or ticks + 1 < CLEAR_AFTER_TICKS:
+            held = f.pid is None and f.kind not in self._unheld
+            if held and (now - since < CLEAR_AFTER_SECONDS or ticks + 1 < CLEAR_AFTER_TICKS):
                 self._absent[key] = (since, ticks + 1)
                 active[key] = (episode_id, f)  # held as it was last reported
                 continue

@@ -78,5 +78,5 @@ DETECTOR = DetectorSpec(
     name="gpu_unavailable", config=UnavailableConfig, create=lambda: _detect,
     help="A GPU that does not answer (lost, needing a reset) serves nothing.",
     kinds=(FindingKind(
-        "gpu_unavailable", scenario="gpu-lost", raw_alerts=("GpuUnavailable",),
+        "gpu_unavailable", scenario="gpu-lost", raw_alerts=("GpuUnavailable",), clear_hold=False,
         help="a GPU does not answer (lost, needing a reset): critical while it stays down"),))

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import requests
 
-from ..model import GpuSample, Snapshot, VllmSample
+from ..model import GpuSample, ProcessSample, Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
@@ -91,6 +91,17 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
     )
 
 
+def _serving(host_processes: tuple[ProcessSample, ...], samples: tuple[VllmSample, ...]
+             ) -> tuple[ProcessSample, ...]:
+    """The host's largest processes (unified memory, the CPU backend), a server's own marked as
+    vLLM's with its endpoint: the API server is no "other" process beside the model."""
+    if not host_processes:
+        return host_processes
+    owner = {pid: s.endpoint for s in samples for pid in (*s.pids, *(p.pid for p in s.processes))}
+    return tuple(replace(p, role="vllm", endpoint=owner[p.pid]) if p.pid in owner and p.role != "vllm" else p
+                 for p in host_processes)
+
+
 def prepare(endpoint: VllmEndpoint, session: requests.Session) -> requests.PreparedRequest:
     """The endpoint's GET, built once: preparing it anew was a third of a scrape's HTTP cost."""
     headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
@@ -126,7 +137,9 @@ class VllmSource:
     """The `vllm` source. Scrapes all endpoints concurrently, each bounded by its own timeout."""
 
     name = "vllm"
-    needs = (GPUS, PROCESS_IDENTITY)  # the GPU processes, to find each server's
+    # The GPU processes, to find each server's; and the host source's largest host processes,
+    # marked as a server's own where they are.
+    needs = (GPUS, PROCESS_IDENTITY)
     gives = (VLLM,)
     # Slack past the endpoint's timeout before we stop waiting for a worker thread.
     WAIT_MARGIN_SECONDS = 0.25
@@ -166,7 +179,9 @@ class VllmSource:
         self._log_changes(samples)
         down = [s for s in samples if not s.up]
         cut = sum(s.truncated for s in samples)  # pages past their budget: counted, the rest unread
-        return Reading(replace(snapshot, vllm=samples, gpus=gpus), up=not down, error=down[0].error if down else "",
+        return Reading(replace(snapshot, vllm=samples, gpus=gpus, host_processes=_serving(snapshot.host_processes,
+                                                                                          samples)),
+                       up=not down, error=down[0].error if down else "",
                        dropped=(("vllm_pages", cut),) if cut else ())
 
     def sample(self, candidates: Sequence[int] = ()) -> tuple[VllmSample, ...]:
