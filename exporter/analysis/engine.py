@@ -5,7 +5,8 @@ verdicts, run every registered detector (analysis.registry) over the same Tick, 
 episodes: the active findings are keyed by `Finding.key`, so a finding keeps its
 first_detected_at while it stays active and is logged once when raised (WARNING), once at each
 change of severity (escalated: WARNING, de-escalated: INFO) and once when cleared (INFO) on the
-"exporter.findings" logger. The Analysis it returns carries everything
+"exporter.findings" logger; cleared once its detector has stopped reporting it for a while
+(CLEAR_AFTER_SECONDS), so a condition at a threshold is one finding. The Analysis it returns carries everything
 downstream needs (findings, trends, GPU verdicts, budgets, the tick's transitions), so nothing
 after it recomputes any of it.
 
