@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from html.parser import HTMLParser
 
@@ -26,7 +24,7 @@ from exporter.model import (
 from exporter.postmortem import reportplots
 from exporter.postmortem.runs import RunIdentity
 from exporter.postmortem.trace import TraceError, load_traces, write_csv
-from helpers.daemon import Daemon
+from helpers.daemon import Daemon, analyze
 from helpers.tools import HANG
 
 GiB = 1 << 30
@@ -34,14 +32,6 @@ T0 = 1_732_280_400.0  # 2024-11-22 13:00:00 UTC
 ENDPOINT = "http://127.0.0.1:8000"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HOST_A = RunIdentity("gpu-host-a", "3f1c0b7e-1111-4d5e-9a61-0c2a6f0e1a01", "a1b2c3d4e5f60718")
-
-
-def analyze(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "exporter", "analyze", *map(str, args)],
-                          capture_output=True, text=True, timeout=HANG)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 def serving(t, pid, used, restarted_at=None):

@@ -129,9 +129,7 @@ def test_reloads_and_sigterm_leave_no_scrape_behind(dripping, tmp_path):
         code, out = daemon.stop()
         assert code == 0, out
     finally:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        daemon.kill()
 
 
 @pytest.mark.integration
@@ -148,9 +146,7 @@ def test_sigterm_does_not_wait_for_a_scrape_stuck_on_dripped_headers(dripping, t
         code, out = daemon.stop()  # fails if the daemon is still there after HANG
         assert code == 0, out
     finally:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        daemon.kill()
 
 
 def test_analyze_prometheus_ends_at_its_deadline_against_a_dripping_server():

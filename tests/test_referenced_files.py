@@ -113,6 +113,4 @@ def test_a_reload_naming_a_fifo_certificate_fails_and_the_daemon_carries_on(tmp_
         code, out = daemon.stop()
         assert code == 0, out
     finally:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        daemon.kill()

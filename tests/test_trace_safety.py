@@ -9,8 +9,6 @@ import json
 import os
 import re
 import stat
-import subprocess
-import sys
 import threading
 import tracemalloc
 from html import unescape
@@ -34,19 +32,12 @@ from exporter.postmortem import trace as trace_module
 from exporter.postmortem.report import ALLOWED_URLS, render_report, write_report
 from exporter.postmortem.trace import TraceError, load_traces, read_trace, write_csv
 from exporter.reactions.recorder import FlightRecorder
+from helpers.daemon import analyze
 from helpers.tools import HANG
 
 GiB = 1 << 30
 T0 = 1_732_280_400.0
 HOSTILE = "=cmd|'/C calc'!A0"
-
-
-def analyze(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "exporter", "analyze", *map(str, args)],
-                          capture_output=True, text=True, timeout=HANG)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 def snaps_with(process: ProcessSample, n: int = 5, **snapshot) -> list[Snapshot]:

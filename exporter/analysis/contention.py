@@ -318,35 +318,29 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
     if kills > 0:
         reasons.append(f"the kernel OOM killer ran {kills} time(s) in {config.window_seconds / 60:.0f} min")
     why = ", ".join(reasons)
-    kills_advice = "Kernel OOM kills: see `journalctl -k | grep -i oom` for the victims."
     if gpu is None:
-        return Finding(
-            kind="contention", severity="critical" if critical else "warning",
-            first_detected_at=snapshot.timestamp,
-            summary=(f"The host serving vLLM on its CPU backend is short of memory ({why}); "
-                     f"outside vLLM the most is held by: {names}"),
-            evidence=(*evidence, ("cpu_backend", 1)),
-            advice=(
-                "On vLLM's CPU backend the model and its KV cache live in host memory: every host "
-                "process counts against them. Stop or move the named processes, or cap them with a "
-                "cgroup memory limit (systemd MemoryMax=, container --memory).",
-                "Size the KV cache (--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE) from what the "
-                "host can spare beside the model, the OS and the page cache.",
-                kills_advice,
-            ))
+        who = "The host serving vLLM on its CPU backend is short of memory"
+        shared = ("On vLLM's CPU backend the model and its KV cache live in host memory: every host process "
+                  "counts against them.")
+        size = ("Size the KV cache (--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE) from what the host can "
+                "spare beside the model, the OS and the page cache.")
+        evidence.append(("cpu_backend", 1))
+    else:
+        who = f"GPU {gpu.index} (unified memory) is short of host memory"
+        shared = ("On unified memory the GPU and the host share RAM: every host process counts against the "
+                  "model's memory.")
+        size = ("Size vLLM's --gpu-memory-utilization from what the host can spare (it is a share of the whole "
+                "shared memory), leaving room for the OS and page cache.")
     return Finding(
         kind="contention", severity="critical" if critical else "warning",
-        first_detected_at=snapshot.timestamp, gpu=gpu.index, uuid=gpu.uuid,
-        summary=(f"GPU {gpu.index} (unified memory) is short of host memory ({why}); "
-                 f"outside vLLM the most is held by: {names}"),
+        first_detected_at=snapshot.timestamp, gpu=gpu.index if gpu else None, uuid=gpu.uuid if gpu else "",
+        summary=f"{who} ({why}); outside vLLM the most is held by: {names}",
         evidence=tuple(evidence),
         advice=(
-            "On unified memory the GPU and the host share RAM: every host process counts "
-            "against the model's memory. Stop or move the named processes, or cap them with "
-            "a cgroup memory limit (systemd MemoryMax=, container --memory).",
-            "Size vLLM's --gpu-memory-utilization from what the host can spare (it is a "
-            "share of the whole shared memory), leaving room for the OS and page cache.",
-            kills_advice,
+            shared + " Stop or move the named processes, or cap them with a cgroup memory limit "
+            "(systemd MemoryMax=, container --memory).",
+            size,
+            "Kernel OOM kills: see `journalctl -k | grep -i oom` for the victims.",
         ))
 
 

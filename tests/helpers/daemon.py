@@ -1,5 +1,6 @@
 """`gpu-memory-exporter run` as a child process on a free loopback port, its log read line by
-line, so a test waits on what the daemon says (healthy, reloaded) rather than for a fixed time."""
+line, so a test waits on what the daemon says (healthy, reloaded) rather than for a fixed time;
+and `analyze` through the same real entry point."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,15 @@ from typing import Any
 import requests
 
 from .tools import HANG
+
+
+def analyze(*args: object, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`gpu-memory-exporter analyze ARGS`; `check`: it must succeed."""
+    proc = subprocess.run([sys.executable, "-m", "exporter", "analyze", *map(str, args)],
+                          capture_output=True, text=True, timeout=HANG)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 class Daemon:
@@ -73,6 +83,12 @@ class Daemon:
         before = len(outcomes(self.lines))
         self.proc.send_signal(signal.SIGHUP)
         return str(self.wait_for(lambda lines: len(outcomes(lines)) > before and outcomes(lines)[before]))
+
+    def kill(self) -> None:
+        """For a test's `finally`: the daemon gone, whatever the test did to it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGTERM)
