@@ -189,7 +189,7 @@ def test_climbing_retries_raise_a_fragmentation_finding_before_any_oom():
     assert ev["allocator_ooms_total"] == 0
     assert "retried 3 time(s) in 5 min" in first.summary
     assert dict(f.evidence)["alloc_retries_in_window"] == 5  # the latest: one a minute
-    assert "expandable_segments:True" in f.advice[0] and "0.2 GiB" in f.advice[0]
+    assert "expandable_segments:True" in f.advice[0] and "256.00 MiB" in f.advice[0]
     assert "max_split_size_mb" in f.advice[0]  # and when to use that instead
     assert any("synchronises the GPU" in a for a in f.advice)
     # Still climbing at the end: the finding is active.
@@ -247,8 +247,8 @@ def test_sustained_inactive_splits_are_fragmentation_with_what_it_would_recover(
     assert ev["inactive_split_bytes"] == ev["recoverable_bytes"] == 6 * GiB
     assert ev["inactive_split_share"] == pytest.approx(0.3)
     assert ev["reserved_unallocated_bytes"] == 7 * GiB
-    assert "6.0 GiB of its 20.0 GiB reserved" in f.summary
-    assert "give back up to 6.0 GiB" in f.advice[0]
+    assert "6.00 GiB of its 20.00 GiB reserved" in f.summary
+    assert "give back up to 6.00 GiB" in f.advice[0]
     assert any(x.kind == "fragmentation" for x in results[-1].findings)
 
 

@@ -105,7 +105,7 @@ def test_pressure_names_the_processes_that_fill_the_gpu():
     g = gpu([vllm_proc(10, 67 * GiB), proc(555, 9 * GiB, name="python3"), proc(20, 200 * MiB, name="dcgm")])
     analysis = GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, False, None, 0, 9 * GiB)
     [f] = detect_pressure((g,), [analysis], T0, cfg)
-    assert "held by pid 10 (VLLM::EngineCor, vLLM http://127.0.0.1:8000) 67.0 GiB, pid 555 (python3) 9.0 GiB" \
+    assert "held by pid 10 (VLLM::EngineCor, vLLM http://127.0.0.1:8000) 67.00 GiB, pid 555 (python3) 9.00 GiB" \
         in f.summary
     ev = dict(f.evidence)
     assert (ev["process_1_pid"], ev["process_2_pid"], ev["process_2_bytes"]) == (10, 555, 9 * GiB)
@@ -115,7 +115,7 @@ def test_pressure_names_the_processes_that_fill_the_gpu():
     chrome = proc(7300, None, name="chrome", host_rss_bytes=50 * GiB)
     [f] = detect_pressure((u,), [GpuAnalysis("0", "u", 0.94, False, None, None, 61 * GiB)], T0, cfg,
                           host_processes=(chrome,))
-    assert "pid 7300 (chrome) 50.0 GiB" in f.summary
+    assert "pid 7300 (chrome) 50.00 GiB" in f.summary
 
 
 def test_a_raised_pressure_finding_holds_until_use_is_clearly_lower():
@@ -245,7 +245,7 @@ def test_stale_memory_says_how_long_it_has_lasted_beyond_the_raw_window():
         return snap(T0 + e, [gpu([vllm_proc(10, 40 * GiB)], extra=BASE + (20 * GiB if e >= 600 else 0))])
     per_tick = run_detector(stale.DETECTOR, timeline(4.5 * 3600, 60, make), cfg)
     last = per_tick[-1][0]
-    assert last.summary.endswith("20.4 GiB in use by no live process for 4.3 h"), last.summary  # + BASE
+    assert last.summary.endswith("20.39 GiB in use by no live process for 4.3 h"), last.summary  # + BASE
     assert dict(last.evidence)["for_seconds"] == pytest.approx(4.5 * 3600 - 600, abs=120)
     # From the exporter's start on: as far back as it knows, and it says so.
     always = run_detector(stale.DETECTOR, timeline(2 * 3600, 60, lambda e: make(e + 600)), cfg)
@@ -312,7 +312,7 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     assert all(len(f) == 1 for f in held)  # raised at once and never cleared while it holds
     first, last = held[0][0], held[-1][0]
     assert first.severity == last.severity == "critical"  # 72 + 9 + 0.4 GiB > 80 GiB
-    assert "pid 555 (python3) 9.0 GiB" in last.summary and "cannot be had" in last.summary
+    assert "pid 555 (python3) 9.00 GiB" in last.summary and "cannot be had" in last.summary
     assert dict(first.evidence)["process_1_grew_bytes"] == 9 * GiB
     assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
 
@@ -325,12 +325,12 @@ def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():
     notebook = lambda e: [proc(555, (0.6 if e < 25 * 60 else 8.6) * GiB, name="python3")] if e >= 600 else []  # noqa: E731
     per_tick = run_detector(contention.DETECTOR, timeline(134 * 60, 30, lambda e: budgeted(e, notebook)), cfg)
     last = per_tick[-1][0]
-    assert "pid 555 (python3) 8.6 GiB, held for 1.8 h" in last.summary, last.summary  # 109 min
+    assert "pid 555 (python3) 8.60 GiB, held for 1.8 h" in last.summary, last.summary  # 109 min
     assert "steady" not in last.summary
     assert dict(last.evidence)["process_1_held_seconds"] == pytest.approx(109 * 60, abs=60)
     # Held since before the history starts: a lower bound, said so.
     always = run_detector(contention.DETECTOR, timeline(2 * 3600, 30, lambda e: budgeted(e + 3600, notebook)), cfg)
-    assert "8.6 GiB, held for at least 2.0 h" in always[-1][0].summary, always[-1][0].summary
+    assert "8.60 GiB, held for at least 2.0 h" in always[-1][0].summary, always[-1][0].summary
 
 
 def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():

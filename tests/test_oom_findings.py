@@ -34,7 +34,7 @@ def test_a_kernel_oom_kill_on_unified_memory_is_a_critical_finding_on_the_gpu_na
     (f,) = per_tick[KILL_AT // 10 + 5]
     assert (f.kind, f.severity, f.gpu) == ("oom", "critical", "0")
     assert "the kernel OOM killer ran 1 time(s)" in f.summary
-    assert "pid 7300 (chrome, 48.0 GiB resident)" in f.summary
+    assert "pid 7300 (chrome, 48.00 GiB resident)" in f.summary
     ev = dict(f.evidence)
     assert ev["kernel_oom_kills"] == 1 and ev["process_1_pid"] == 7300 and ev["last_kill_at"] == T0 + KILL_AT
     assert any("journalctl -k" in a for a in f.advice)

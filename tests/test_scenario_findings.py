@@ -105,7 +105,7 @@ def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
     episodes = [(f, cleared) for f, cleared in analyzer.episodes() if f.kind == "contention"]
     assert [cleared for _, cleared in episodes] == [None]
     finding = episodes[0][0]
-    assert "pid 5230 (python3) 8.6 GiB" in finding.summary and finding.severity == "critical"
+    assert "pid 5230 (python3) 8.59 GiB" in finding.summary and finding.severity == "critical"
     assert 30 * 60 < finding.first_detected_at - start < 40 * 60
     [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
     assert "pid 5230 (python3)" in pressure.summary
@@ -118,7 +118,7 @@ def test_unified_memory_names_the_browser_that_eats_the_gpu_memory():
     analyzer, _ = play("unified-memory")
     pressure = {f.summary for findings in played("unified-memory").active for f in findings if f.kind == "pressure"}
     [contention] = [f for f in analyzer.all_findings if f.kind == "contention"]
-    assert re.search(r"pid 7300 \(chrome\) \d+\.\d GiB resident, \+1\.[45] GiB in 5 min", contention.summary)
+    assert re.search(r"pid 7300 \(chrome\) \d+\.\d\d GiB resident, \+1\.[345]\d GiB in 5 min", contention.summary)
     assert any("pid 7300 (chrome)" in summary for summary in pressure)
     # The vLLM API server (pid 6100, no GPU process) is the server's own, not "other".
     named = [dict(f.evidence) for findings in played("unified-memory").active for f in findings if f.kind == "pressure"]

@@ -264,7 +264,7 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     # each vLLM server's budget, KV cache use and queue, in one table (#19: there were two)
     assert page.count("<h2>vLLM servers</h2>") == 1
     assert ("<td>llama</td><td>meta-llama/Llama-3.1-8B</td><td><span class=\"ok\">up</span> loading</td>"
-            "<td>GPU 0: 1.0 GiB of 72.0 GiB</td><td>42%</td><td>3</td><td>1</td><td>5</td>") in page
+            "<td>GPU 0: 1.00 GiB of 72.00 GiB</td><td>42%</td><td>3</td><td>1</td><td>5</td>") in page
     for link in ("metrics", "healthz", "admission", "api/findings"):
         assert f'<a href="{link}">' in page
     assert "<script" not in page  # no script needed
@@ -298,12 +298,12 @@ def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fin
     assert "<h2>vLLM servers</h2>" in page
     row = page[page.index("<h2>vLLM servers</h2>"):page.index("<h2>Findings</h2>")]
     assert "Qwen/Qwen2.5-32B-Instruct" in row
-    assert re.search(r"GPU 0: 6\d\.\d GiB of 71\.7 GiB; GPU 1: 6\d\.\d GiB of 71\.7 GiB \(0\.9 of the GPU\)", row)
-    assert re.search(r"<td>\d+% \([\d,]+ of 299,008 tokens\), 36\.5 GiB per GPU</td><td>\d+</td><td>\d+</td>"
+    assert re.search(r"GPU 0: 6\d\.\d\d GiB of 71\.68 GiB; GPU 1: 6\d\.\d\d GiB of 71\.68 GiB \(0\.9 of the GPU\)", row)
+    assert re.search(r"<td>\d+% \([\d,]+ of 299,008 tokens\), 36\.50 GiB per GPU</td><td>\d+</td><td>\d+</td>"
                      r"<td>0</td>", row)
     assert "<th>running</th><th>waiting</th><th>preempted (total)</th>" in row
     gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
-    assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.7 GiB" in gpus
+    assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.68 GiB" in gpus
 
 
 def test_status_page_says_a_vllm_server_is_still_loading():
@@ -312,7 +312,7 @@ def test_status_page_says_a_vllm_server_is_still_loading():
     from exporter.serve import status
     page = status.render(played("steady", 30, step=10), "simulated: scenario steady", 1.0, 15.0)
     gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
-    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.7 GiB budget so far" in gpus
+    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.68 GiB budget so far" in gpus
     assert '<span class="ok">up</span> loading' in page
     page = status.render(played("steady", 300), "simulated: scenario steady", 1.0, 15.0)
     assert "loading" not in page

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
+from ..units import GiB, format_bytes
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
@@ -39,7 +40,6 @@ from .pressure import unified_host_short
 if TYPE_CHECKING:
     from .history import History, Identity, SeriesView
 
-GIB = 1 << 30
 MIB = 1 << 20
 
 Evidence = list[tuple[str, float | int | str]]
@@ -165,10 +165,6 @@ def describe(p: ProcessSample) -> str:
     return " ".join(parts)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 HELD_SHARE = 0.9  # "held since": the earliest minute from which it held at least this share of it
 
 
@@ -194,12 +190,12 @@ def _duration(seconds: float) -> str:
 def _growth(grew: int | None, lasted: tuple[float, bool] | None, window: float) -> str:
     """Growth over the window, or, where it did not grow, how long it has held the memory (a
     duration the window does not cap)."""
-    if grew is None or abs(grew) < GIB / 20:
+    if grew is None or abs(grew) < GiB / 20:
         if lasted is not None:
             return f", held for {'at least ' if lasted[1] else ''}{_duration(lasted[0])}"
         return "" if grew is None else f", no growth in the last {window / 60:.0f} min"
     sign = "+" if grew >= 0 else "-"
-    return f", {sign}{abs(grew) / GIB:.1f} GiB in {window / 60:.0f} min"
+    return f", {sign}{format_bytes(abs(grew))} in {window / 60:.0f} min"
 
 
 Held = tuple[int, "int | None", ProcessSample, "tuple[float, bool] | None"]  # bytes, growth, process, held for
@@ -209,11 +205,11 @@ def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tup
     """The summary's list of processes (bytes, growth or how long held) and their evidence,
     largest first."""
     shown = held[:config.top_processes]
-    text = "; ".join(f"{describe(p)} {_gib(b)}{' resident' if rss else ''}{_growth(g, h, config.window_seconds)}"
-                     for b, g, p, h in shown)
+    text = "; ".join(f"{describe(p)} {format_bytes(b)}{' resident' if rss else ''}"
+                     f"{_growth(g, h, config.window_seconds)}" for b, g, p, h in shown)
     rest = held[config.top_processes:]
     if rest:
-        text += f"; and {len(rest)} more ({_gib(sum(b for b, _, _, _ in rest))})"
+        text += f"; and {len(rest)} more ({format_bytes(sum(b for b, _, _, _ in rest))})"
     evidence: Evidence = []
     for i, (b, g, p, h) in enumerate(shown, 1):
         evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
@@ -253,10 +249,10 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
         budget = "budgets" if len(budgets) > 1 else "budget"
         if spare < 0:
-            why = (f"{_gib(-spare)} of the vLLM {budget} ({_gib(planned)}) cannot be had while they "
+            why = (f"{format_bytes(-spare)} of the vLLM {budget} ({format_bytes(planned)}) cannot be had while they "
                    "hold it")
         else:
-            why = (f"beside the vLLM {budget} ({_gib(planned)}) only {_gib(spare)} "
+            why = (f"beside the vLLM {budget} ({format_bytes(planned)}) only {format_bytes(spare)} "
                    f"({spare / gpu.total_bytes:.0%}) is left")
     else:
         critical = ratio >= config.critical_ratio
@@ -265,7 +261,7 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
     return Finding(
         kind="contention", severity="critical" if critical else "warning",
         first_detected_at=now, gpu=gpu.index, uuid=gpu.uuid,
-        summary=f"GPU {gpu.index}: other processes hold {_gib(held_all)}; {why}: {names}",
+        summary=f"GPU {gpu.index}: other processes hold {format_bytes(held_all)}; {why}: {names}",
         evidence=tuple(evidence),
         advice=(
             "Move the named processes to another GPU (CUDA_VISIBLE_DEVICES) or stop them; "
@@ -312,7 +308,7 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
     evidence += named_evidence
     # Critical exactly where GpuUnifiedMemoryHostPressure pages, or once the OOM killer ran.
     critical = kills > 0 or (gpu is not None and bool(unified_host_short(host)))
-    reasons = [f"MemAvailable {_gib(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})"]
+    reasons = [f"MemAvailable {format_bytes(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})"]
     if stalled:  # a host without PSI (older kernels, containers) has psi_some_avg10 None
         reasons.append(f"memory PSI {host.psi_some_avg10:.0f} %")
     if kills > 0:

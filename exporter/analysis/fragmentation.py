@@ -26,11 +26,11 @@ from ..model import (
     Snapshot,
     VllmEngineStats,
 )
+from ..units import GiB, format_bytes
 from .budget import tensor_parallel_endpoints
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
 
-GIB = 1 << 30
 GPU_OOM_KINDS = frozenset({"torch_cuda_oom", "cuda_runtime_oom", "nccl_oom"})
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 
@@ -40,7 +40,7 @@ class FragmentationConfig:
     reserved_unallocated_share: float = 0.20  # of PyTorch's reserved memory at the OOM
     free_ratio: float = 0.20  # GPU free share that makes an OOM or preemption suspicious
     window_seconds: float = 300.0  # how long OOM events and preemptions count
-    budget_excess_bytes: int = GIB  # "far above budget": by this much ...
+    budget_excess_bytes: int = GiB  # "far above budget": by this much ...
     budget_excess_ratio: float = 0.05  # ... and this share of the GPU's total
     budget_sustain_seconds: float = 60.0  # ... for this long
     # Allocator probe. Retries: at least this many within window_seconds, the counter having
@@ -51,7 +51,7 @@ class FragmentationConfig:
     # bytes, throughout the last inactive_split_sustain_seconds (splits come and go within a
     # step; what stays for minutes is fragmentation).
     inactive_split_share: float = 0.20
-    inactive_split_min_bytes: int = GIB
+    inactive_split_min_bytes: int = GiB
     inactive_split_sustain_seconds: float = 300.0
 
     def __post_init__(self) -> None:
@@ -140,12 +140,12 @@ def _oom_reason(event: OomEvent, gpu: GpuSample | None, config: FragmentationCon
                                event.requested_bytes)
     if ru is not None and ((reserved and ru >= config.reserved_unallocated_share * reserved)
                            or (requested is not None and ru >= requested)):
-        return f"with {ru / GIB:.1f} GiB reserved by PyTorch but unallocated"
+        return f"with {format_bytes(ru)} reserved by PyTorch but unallocated"
     free, total = event.free_bytes, event.total_bytes
     if free is None and gpu is not None:  # the message did not say: what NVML saw then
         free, total = gpu.free_bytes, gpu.total_bytes
     if free is not None and requested is not None and free >= requested:
-        return f"although {free / GIB:.1f} GiB was free for a {requested / GIB:.2f} GiB request"
+        return f"although {format_bytes(free)} was free for a {format_bytes(requested)} request"
     if free is not None and total and free >= config.free_ratio * total:
         return f"although {free / total:.0%} of the GPU was free"
     if event.klass == "fragmentation":
@@ -245,8 +245,8 @@ def _from_budgets(history: History, snapshot: Snapshot, config: FragmentationCon
         findings.append(Finding(
             kind="fragmentation", severity="warning", first_detected_at=now, gpu=gpu_index,
             uuid=b.uuid, endpoint=endpoint,
-            summary=f"{endpoint} uses {used / GIB:.1f} GiB on GPU {gpu_index}, "
-                    f"{excess / GIB:.1f} GiB above its budget of {budget / GIB:.1f} GiB",
+            summary=f"{endpoint} uses {format_bytes(used)} on GPU {gpu_index}, "
+                    f"{format_bytes(excess)} above its budget of {format_bytes(budget)}",
             evidence=(("used_bytes", used), ("budget_bytes", budget),
                       ("excess_bytes", excess),
                       ("sustained_seconds", round(now - since, 1))),
@@ -358,7 +358,7 @@ def _allocator_finding(gpu: GpuSample, p: ProcessSample, a: AllocatorStats, now:
         why.append(f"PyTorch's allocator retried {rise:.0f} time(s) in "
                    f"{config.window_seconds / 60:.0f} min (cache flushed, cudaMalloc retried)")
     if split_floor is not None and reserved:
-        why.append(f"{split_floor / GIB:.1f} GiB of its {reserved / GIB:.1f} GiB reserved has "
+        why.append(f"{format_bytes(split_floor)} of its {format_bytes(reserved)} reserved has "
                    f"stayed in inactive splits for {config.inactive_split_sustain_seconds / 60:.0f} min")
     return Finding(
         kind="fragmentation", severity="warning", first_detected_at=now, gpu=gpu.index,
@@ -374,7 +374,7 @@ def _alloc_conf(a: AllocatorStats) -> str:
 def allocator_advice(a: AllocatorStats, retrying: bool, tensor_parallel: bool) -> tuple[str, ...]:
     """Which allocator knob, for this process's allocator and settings."""
     split = a.inactive_split_bytes
-    recover = (f" It would give back up to {split / GIB:.1f} GiB now held in inactive splits."
+    recover = (f" It would give back up to {format_bytes(split)} now held in inactive splits."
                if split else "")
     conf = _alloc_conf(a).replace(" ", "")
     advice = []

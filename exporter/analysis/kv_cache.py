@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..model import Finding, KvCache, Snapshot, VllmEngineStats, VllmSample
-from ..units import format_bytes
+from ..units import GiB, format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History
-
-GIB = 1 << 30
 
 
 def kv_caches(snapshot: Snapshot) -> tuple[KvCache, ...]:
@@ -280,7 +278,7 @@ def _advice(server: VllmSample, kv: KvCache | None, running: float | None) -> tu
     c = server.cache_config
     per_gib = None
     if kv is not None and kv.capacity_bytes and tokens:
-        per_gib = tokens * GIB / kv.capacity_bytes
+        per_gib = tokens * GiB / kv.capacity_bytes
     more = f" (each GiB of KV cache holds about {per_gib:,.0f} tokens)" if per_gib else ""
     if c is not None and c.kv_cache_memory_bytes:
         advice.append(f"Give the KV cache more memory: raise --kv-cache-memory-bytes (now "

@@ -16,10 +16,10 @@ import itertools
 from dataclasses import dataclass
 
 from ..model import Finding, OomEvent, ProcessSample, Snapshot
+from ..units import format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
 
-GIB = 1 << 30
 MAX_VICTIMS = 3  # processes named per kill, the largest first
 
 Evidence = list[tuple[str, float | int | str]]
@@ -79,7 +79,7 @@ def kernel_kills(history: History, snapshot: Snapshot, window: float) -> list[Ke
 
 def _victim(p: ProcessSample) -> str:
     held = p.host_rss_bytes or p.used_bytes
-    return f"pid {p.pid} ({p.name or '?'}{f', {held / GIB:.1f} GiB resident' if held else ''})"
+    return f"pid {p.pid} ({p.name or '?'}{f', {format_bytes(held)} resident' if held else ''})"
 
 
 def _kill_text(kills: list[KernelKill], events: list[OomEvent], hold: float) -> tuple[str, Evidence]:

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory, ProcessSample
+from ..units import format_bytes
 from .detector import DetectorSpec, FindingKind, Tick
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ def unified_host_short(host: HostMemory | None) -> str:
     why = []
     available = host.available_bytes / host.total_bytes
     if available < thresholds.UNIFIED_HOST_AVAILABLE.value:
-        why.append(f"MemAvailable {host.available_bytes / GIB:.1f} GiB ({available:.0%}, under "
+        why.append(f"MemAvailable {format_bytes(host.available_bytes)} ({available:.0%}, under "
                    f"{thresholds.UNIFIED_HOST_AVAILABLE.value:.0%})")
     if host.psi_some_avg10 is not None and host.psi_some_avg10 / 100.0 > thresholds.UNIFIED_HOST_PRESSURE.value:
         why.append(f"memory PSI {host.psi_some_avg10:.0f} % (over {thresholds.UNIFIED_HOST_PRESSURE.value:.0%})")
@@ -170,7 +169,7 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         if a.time_to_full_seconds is not None:
             summary += f", full in about {_duration(a.time_to_full_seconds)} at the current rate"
         if holding:
-            summary += "; held by " + ", ".join(f"{_who(p)} {b / GIB:.1f} GiB" for b, p in holding)
+            summary += "; held by " + ", ".join(f"{_who(p)} {format_bytes(b)}" for b, p in holding)
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,

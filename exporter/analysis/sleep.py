@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import Finding, GpuSample, Snapshot, VllmSample
+from ..units import format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, Identity
 
 Evidence = list[tuple[str, float | int | str]]
 
-GIB = 1 << 30
 MIB = 1 << 20
 SLEEPING_STATES = ("weights_offloaded", "discard_all")  # the levels that release memory
 
@@ -221,10 +221,10 @@ def _cycle(series: list[tuple[float, str, int | None]], gpu: GpuSample, server: 
         expected = _expected_freed(server)
         if expected is not None:
             short = freed < config.min_freed_share * expected
-            want = f"{expected / GIB:.1f} GiB expected: its KV cache and weights"
+            want = f"{format_bytes(expected)} expected: its KV cache and weights"
         else:
             short = freed < config.min_freed_share * before
-            want = f"under {config.min_freed_share:.0%} of the {before / GIB:.1f} GiB it held"
+            want = f"under {config.min_freed_share:.0%} of the {format_bytes(before)} it held"
         if not short or before - held < 0:
             return []
         ev: Evidence = [("signal", "freed_too_little"), ("sleep_state", state),
@@ -298,23 +298,23 @@ def _finding(gpu: GpuSample | None, server: VllmSample, evidence: Evidence, now:
     signal = e["signal"]
     if signal == "freed_too_little":
         summary = (f"{server.endpoint}: asleep ({e['sleep_state']}) on {where} it freed only "
-                   f"{int(e['freed_bytes']) / GIB:.1f} GiB and still holds {int(e['asleep_bytes']) / GIB:.1f} GiB"
+                   f"{format_bytes(int(e['freed_bytes']))} and still holds {format_bytes(int(e['asleep_bytes']))}"
                    f" ({e['summary_detail']})")
     elif signal == "not_given_back" and int(e.get("cycles", 1)) > 1:
         summary = (f"{server.endpoint}: {e['cycles']} sleep/wake cycles did not give memory back on {where}: "
-                   f"{int(e['first_before_sleep_bytes']) / GIB:.1f} GiB before the first sleep, "
-                   f"{int(e['after_wake_bytes']) / GIB:.1f} GiB after the last wake: "
-                   f"{int(e['kept_bytes']) / GIB:.2f} GiB kept in all "
-                   f"(+{int(e['last_cycle_kept_bytes']) / GIB:.2f} GiB the last cycle)")
+                   f"{format_bytes(int(e['first_before_sleep_bytes']))} before the first sleep, "
+                   f"{format_bytes(int(e['after_wake_bytes']))} after the last wake: "
+                   f"{format_bytes(int(e['kept_bytes']))} kept in all "
+                   f"(+{format_bytes(int(e['last_cycle_kept_bytes']))} the last cycle)")
     elif signal == "not_given_back":
         summary = (f"{server.endpoint}: a sleep/wake cycle did not give memory back on {where}: "
-                   f"{int(e['before_sleep_bytes']) / GIB:.1f} GiB before sleep, "
-                   f"{int(e['after_wake_bytes']) / GIB:.1f} GiB after wake "
-                   f"(+{int(e['kept_bytes']) / GIB:.2f} GiB)")
+                   f"{format_bytes(int(e['before_sleep_bytes']))} before sleep, "
+                   f"{format_bytes(int(e['after_wake_bytes']))} after wake "
+                   f"(+{format_bytes(int(e['kept_bytes']))})")
     else:
         summary = (f"{server.endpoint}: memory still in use after sleep rose from "
-                   f"{int(e['still_in_use_previous_sleep_bytes']) / GIB:.2f} to "
-                   f"{int(e['still_in_use_last_sleep_bytes']) / GIB:.2f} GiB between two sleeps (its log)")
+                   f"{format_bytes(int(e['still_in_use_previous_sleep_bytes']))} to "
+                   f"{format_bytes(int(e['still_in_use_last_sleep_bytes']))} between two sleeps (its log)")
     evidence = [(k, v) for k, v in evidence if k != "summary_detail"]
     return Finding(
         kind="sleep_leak", severity="warning", first_detected_at=now,

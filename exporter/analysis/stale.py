@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import NEUTRAL_TOOLS, Finding, GpuSample, GpuTools, ProcessSample, Snapshot
+from ..units import GiB, format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import unattributed_bytes
 from .sleep import quiet_endpoints
@@ -22,12 +23,11 @@ if TYPE_CHECKING:
 
 __all__ = ["StaleConfig", "detect_stale", "exited_servers", "unattributed_bytes"]
 
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class StaleConfig:
-    min_bytes: int = GIB  # unattributed memory must be at least this ...
+    min_bytes: int = GiB  # unattributed memory must be at least this ...
     min_ratio: float = 0.05  # ... and this share of the GPU's total
     seconds: float = 120.0  # ... for this long
     exit_grace_seconds: float = 60.0  # time a serving process's memory gets to come back
@@ -138,7 +138,7 @@ def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
     return Finding(
         kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
         uuid=gpu.uuid,
-        summary=f"GPU {gpu.index}: {unowned / GIB:.1f} GiB in use by no live process for {lasted}",
+        summary=f"GPU {gpu.index}: {format_bytes(unowned)} in use by no live process for {lasted}",
         evidence=(("unattributed_bytes", unowned), ("threshold_bytes", threshold),
                   ("for_seconds", round(now - since, 1)), ("used_bytes", gpu.used_bytes or 0),
                   ("process_used_bytes", gpu.process_used_bytes),
@@ -195,8 +195,8 @@ def _exited_server(gpu: GpuSample, unowned: int, exited: Sequence[tuple[float, P
         kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
         uuid=gpu.uuid, endpoint="",
         summary=(f"GPU {gpu.index}: vLLM process {proc.pid} ({name}){where} exited "
-                 f"{(now - gone_at) / 60:.0f} min ago and {unowned / GIB:.1f} GiB of the "
-                 f"{(proc.used_bytes or 0) / GIB:.1f} GiB it held is still in use by no process"),
+                 f"{(now - gone_at) / 60:.0f} min ago and {format_bytes(unowned)} of the "
+                 f"{format_bytes(proc.used_bytes or 0)} it held is still in use by no process"),
         evidence=(("unattributed_bytes", unowned), ("exited_pid", proc.pid),
                   ("exited_process", name), ("exited_endpoint", proc.endpoint),
                   ("exited_at", gone_at), ("held_bytes", proc.used_bytes or 0),

@@ -45,10 +45,6 @@ def _advice(advice: tuple[str, ...]) -> str:
     return "<br>".join(escape(a) for a in advice)
 
 
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
-
-
 LOADING_SHARE = 0.5  # a server holding less of its budget than this, awake, is still loading
 
 
@@ -120,13 +116,13 @@ def _verdict(g: GpuSample, a: GpuAnalysis | None, budgets: list[Budget], related
     loading = _loading(planned, snap)
     if loading:
         return escape(f"no finding: {used}; loading: " + ", ".join(
-            f"vLLM {b.endpoint} holds {_gib(b.used_bytes)} of its {_gib(b.budget_bytes)} budget so far"
+            f"vLLM {b.endpoint} holds {format_bytes(b.used_bytes)} of its {format_bytes(b.budget_bytes)} budget so far"
             for b in loading) + last_oom)
     within = sum(min(b.used_bytes or 0, b.budget_bytes or 0) for b in planned)
     budget = sum(b.budget_bytes or 0 for b in planned)
     beyond = a.beyond_budget_bytes
-    return escape(f"no finding: {used}; {_gib(within)} of it is vLLM inside its budget of {_gib(budget)} "
-                  f"(taken up front, as planned), {_gib(beyond)} beyond it{last_oom}")
+    return escape(f"no finding: {used}; {format_bytes(within)} of it is vLLM inside its budget of "
+                  f"{format_bytes(budget)} (taken up front, as planned), {format_bytes(beyond)} beyond it{last_oom}")
 
 
 def _servers(state: State) -> list[tuple[object, ...]]:
@@ -144,12 +140,13 @@ def _servers(state: State) -> list[tuple[object, ...]]:
                    if config is not None and config.gpu_memory_utilization is not None
                    and budgets[0].basis == "gpu_memory_utilization" else
                    " (--kv-cache-memory + the rest)" if budgets[0].basis == "kv_cache_memory" else "")
-            budget = "; ".join(f"GPU {b.gpu}: {_gib(b.used_bytes)} of {_gib(b.budget_bytes)}" for b in budgets) + how
+            budget = "; ".join(f"GPU {b.gpu}: {format_bytes(b.used_bytes)} of {format_bytes(b.budget_bytes)}"
+                               for b in budgets) + how
         elif budgets:
             budget = "not known (no cache_config_info yet)"
         elif v.processes and snap is not None and not snap.gpus:
             held = sum(p.host_rss_bytes or 0 for p in v.processes)
-            budget = f"host memory (vLLM's CPU backend): its processes hold {_gib(held)}"
+            budget = f"host memory (vLLM's CPU backend): its processes hold {format_bytes(held)}"
         else:
             budget = "no GPU process found"
         by_engine = {(k.model, k.engine): k for k in caches}
@@ -172,7 +169,7 @@ def _kv(ratio: float | None, k: KvCache | None, where: str = "per GPU") -> str:
         text += (f" ({k.used_tokens:,} of {k.capacity_tokens:,} tokens)" if k.used_tokens is not None
                  else f" of {k.capacity_tokens:,} tokens")
     if k is not None and k.capacity_bytes:
-        text += f", {_gib(k.capacity_bytes)} {where}"
+        text += f", {format_bytes(k.capacity_bytes)} {where}"
     return text
 
 
