@@ -207,3 +207,32 @@ def test_the_gpu_chart_keeps_its_legend_off_the_plot(leak_run):
     legend = ax.get_legend().get_window_extent()
     plot = ax.get_window_extent()
     assert legend.y1 <= plot.y0  # wholly under the plotting area
+
+
+def test_the_charts_draw_no_line_across_a_gap_in_the_trace(leak_run):
+    """The daemon was down for an hour: neither chart may draw memory over that hour."""
+    import math
+
+    from exporter.postmortem import reportplots as plots
+
+    mpl = plots.load()
+    if mpl is None:
+        pytest.skip("matplotlib (the report extra) is not installed")
+    snapshots, _, _ = leak_run
+    t = [s.timestamp for s in snapshots]
+    t = t[:len(t) // 2] + [x + 3600 for x in t[len(t) // 2:]]
+    vs = [int(GiB + i * (1 << 20)) for i in range(len(t))]
+    stacked = plots.gpu(mpl, "0", t, [vs] * 4, (), ())
+    (ax,) = stacked.axes
+    # stackplot fills between NaN-free runs only: two runs of polygons per layer, not one.
+    assert len(ax.collections) == 4
+    assert all(len(c.get_paths()) == 2 for c in ax.collections)
+    f = Finding(kind="leak", severity="warning", first_detected_at=t[-1], gpu="0", pid=7,
+                process="python3", summary="grows")
+    line = plots.process(mpl, f, t, vs, t[-1]).axes[0].lines[0]
+    ys = list(line.get_ydata())
+    gaps = [i for i, y in enumerate(ys) if math.isnan(y)]
+    assert len(gaps) == 1 and not math.isnan(ys[gaps[0] - 1]) and not math.isnan(ys[gaps[0] + 1])
+    # Without the gap, one unbroken run.
+    assert not any(math.isnan(y) for y in plots.process(mpl, f, t[:len(t) // 2], vs[:len(t) // 2],
+                                                         t[-1]).axes[0].lines[0].get_ydata())

@@ -11,6 +11,7 @@ import base64
 import io
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
+from itertools import pairwise
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ Triggers = Sequence[tuple[float, str]]
 _DateAxes = Any
 
 MAX_PLOT_POINTS = 2000  # per series: more does not show on a 1000-pixel plot
+GAP_STEPS = 5  # a step this many times the usual one is a gap in the trace, drawn as one
 SEVERITY_COLOUR = {"critical": "#c62828", "warning": "#ef8f00", "info": "#1565c0"}
 TRIGGER_COLOUR = "#6a1b9a"
 TRIGGER_GID = "trigger"  # the trigger lines' id in a Figure, for whoever checks one
@@ -92,10 +94,23 @@ def _mark_triggers(ax: _DateAxes, triggers: Triggers) -> None:
 
 
 def _thin(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
-    if len(xs) <= MAX_PLOT_POINTS:
+    """At most MAX_PLOT_POINTS points, with a NaN wherever the trace has a gap: the daemon was
+    down (or the recorder kept nothing) there, and a line drawn across it would show memory
+    nobody measured."""
+    if len(xs) > MAX_PLOT_POINTS:
+        stride = -(-len(xs) // MAX_PLOT_POINTS)
+        xs, ys = xs[::stride], ys[::stride]
+    if len(xs) < 3:
         return list(xs), list(ys)
-    stride = -(-len(xs) // MAX_PLOT_POINTS)
-    return list(xs[::stride]), list(ys[::stride])
+    gap = GAP_STEPS * median(b - a for a, b in pairwise(xs))
+    out_x, out_y = [xs[0]], [ys[0]]
+    for (a, b), y in zip(pairwise(xs), ys[1:], strict=True):
+        if b - a > gap:
+            out_x.append((a + b) / 2)
+            out_y.append(float("nan"))
+        out_x.append(b)
+        out_y.append(y)
+    return out_x, out_y
 
 
 def _where(f: Finding) -> str:
