@@ -1,6 +1,7 @@
 """Each built-in scenario, played through the whole live pipeline (simulated NVML, host and vLLM
 server → sampler → detectors), raises the finding it is named after and no false one, at the
 moments pinned in tests/golden/scenario-findings.json."""
+import itertools
 import json
 import os
 import re
@@ -37,6 +38,26 @@ def play(name):
 def test_scenario_raises_exactly_its_findings(name):
     analyzer, _ = play(name)
     assert {f.kind for f in analyzer.all_findings} == EXPECTED[name]
+
+
+SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.slow
+def test_no_finding_flaps_between_severities(name):
+    """A severity is an alert's label and decides who is paged: while a finding lasts it may
+    escalate, but never goes back and forth (the browser on unified memory hovered at the page's
+    PSI level and flipped contention warning <-> critical at every sample)."""
+    seen: dict[tuple[object, ...], list[str]] = {}
+    for findings in played(name).active:
+        for f in findings:
+            ladder = seen.setdefault((f.kind, f.gpu, f.pid, f.endpoint), [])
+            if not ladder or ladder[-1] != f.severity:
+                ladder.append(f.severity)
+    flapping = {key: ladder for key, ladder in seen.items()
+                if any(SEVERITY[b] < SEVERITY[a] for a, b in itertools.pairwise(ladder))}
+    assert not flapping
 
 
 def test_leak_scenario_names_the_process_and_its_rate():

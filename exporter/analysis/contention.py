@@ -18,7 +18,8 @@
   critical once the OOM killer ran (no page reads the host pool of a host without GPUs).
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
-GPU hovering at a threshold keeps one finding. A GPU with no serving process has no budget to
+GPU hovering at a threshold keeps one finding; critical at any sample within it counts as
+critical now, so its severity (the alert's label) does not flap either. A GPU with no serving process has no budget to
 take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is). A process that did not
@@ -107,14 +108,19 @@ def detect_contention(history: History, snapshot: Snapshot,
         if not gpu.up:
             continue
         old = next((g for g in base.gpus if g.uuid == gpu.uuid), None) if base is not None else None
+        # Short, or critical, at any sample within hold_seconds counts as now: neither the finding
+        # nor its severity (an alert label) flaps with a GPU or host hovering at a threshold.
         if gpu.unified:
             short = any(s.host is not None and _host_short(s.host, config) for s, _ in recent)
-            finding = _unified(gpu, snapshot, base, short, config, history)
+            paging = any(bool(unified_host_short(s.host)) for s, _ in recent)
+            finding = _unified(gpu, snapshot, base, short, config, history, paging)
         else:
-            short = any(_room_short(g, tuple(b for b in bs if b.uuid == gpu.uuid), config)
-                        for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up)
-            finding = _discrete(gpu, old, base is not None,
-                                tuple(b for b in budgets if b.uuid == gpu.uuid), short, now, config, history)
+            frames = [(g, tuple(b for b in bs if b.uuid == gpu.uuid))
+                      for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up]
+            short = any(_room_short(g, bs, config) for g, bs in frames)
+            critical = any(_room_critical(g, bs, config) for g, bs in frames)
+            finding = _discrete(gpu, old, base is not None, tuple(b for b in budgets if b.uuid == gpu.uuid),
+                                short, critical, now, config, history)
         if finding is not None:
             findings.append(finding)
     if not snapshot.gpus and any(server.up and server.processes for server in snapshot.vllm):
@@ -133,6 +139,15 @@ def _room_short(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionC
         return spare < config.min_spare_ratio * (gpu.total_bytes or 0)
     return (gpu.used_bytes is not None and bool(gpu.total_bytes)
             and gpu.used_bytes / (gpu.total_bytes or 1) >= config.min_utilization_ratio)
+
+
+def _room_critical(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionConfig) -> bool:
+    """Discrete, critical: the vLLM budget cannot be had beside the others, or the GPU is at the
+    critical utilisation."""
+    spare = _spare(gpu, budgets)
+    return ((spare is not None and spare < 0)
+            or (gpu.used_bytes is not None and bool(gpu.total_bytes)
+                and gpu.used_bytes / (gpu.total_bytes or 1) >= config.critical_ratio))
 
 
 def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
@@ -223,7 +238,8 @@ def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tup
 
 
 def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budgets: tuple[Budget, ...],
-              short: bool, now: float, config: ContentionConfig, history: History) -> Finding | None:
+              short: bool, critical: bool, now: float, config: ContentionConfig,
+              history: History) -> Finding | None:
     if gpu.used_bytes is None or not gpu.total_bytes or not any(p.role == "vllm" for p in gpu.processes):
         return None  # no serving process here: nothing of its budget to take
     others = [p for p in gpu.processes if p.role != "vllm"]
@@ -245,7 +261,6 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
     names, named_evidence = _named(held, config)
     if spare is not None:
         planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
-        critical = spare < 0 or ratio >= config.critical_ratio
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
         budget = "budgets" if len(budgets) > 1 else "budget"
         if spare < 0:
@@ -255,7 +270,6 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
             why = (f"beside the vLLM {budget} ({format_bytes(planned)}) only {format_bytes(spare)} "
                    f"({spare / gpu.total_bytes:.0%}) is left")
     else:
-        critical = ratio >= config.critical_ratio
         why = f"the GPU is {ratio:.0%} used and the vLLM budget is not known"
     evidence += [("window_seconds", config.window_seconds), *named_evidence]
     return Finding(
@@ -282,7 +296,7 @@ def _serving_pids(snapshot: Snapshot) -> set[int]:
 
 
 def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, short: bool,
-             config: ContentionConfig, history: History) -> Finding | None:
+             config: ContentionConfig, history: History, paging: bool = False) -> Finding | None:
     """The host short of memory where that memory is the model's: a unified GPU's, or (`gpu`
     None) that of vLLM's CPU backend."""
     host = snapshot.host
@@ -307,7 +321,7 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
         evidence.append(("psi_some_avg10", host.psi_some_avg10))
     evidence += named_evidence
     # Critical exactly where GpuUnifiedMemoryHostPressure pages, or once the OOM killer ran.
-    critical = kills > 0 or (gpu is not None and bool(unified_host_short(host)))
+    critical = kills > 0 or (gpu is not None and paging)
     reasons = [f"MemAvailable {format_bytes(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})"]
     if stalled:  # a host without PSI (older kernels, containers) has psi_some_avg10 None
         reasons.append(f"memory PSI {host.psi_some_avg10:.0f} %")
@@ -423,6 +437,6 @@ DETECTOR = DetectorSpec(
                                      "of its total ..."),
         "psi_some_threshold": "... or memory PSI `some` avg10 (percent) at least this, counts as short.",
         "top_processes": "How many of the processes that hold the most a finding names.",
-        "hold_seconds": ("Short of room at any sample this recent counts as short now, so a GPU hovering "
-                         "at a threshold keeps one finding."),
+        "hold_seconds": ("Short of room (or critical) at any sample this recent counts as now, so a GPU "
+                         "hovering at a threshold keeps one finding and one severity."),
     })
