@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers.tools import HANG, REPO, free_port
 
@@ -95,3 +96,17 @@ def test_the_post_mortem_recipe_runs_as_written_and_its_report_has_plots(tmp_pat
     report = (tmp_path / "incident.html").read_text()
     assert "data:image/png;base64," in report and "Plots are left out" not in report
     assert os.path.getsize(tmp_path / "incident.html") > 10_000
+
+
+def test_the_vllm_cpu_recipe_config_is_accepted_as_written(tmp_path):
+    """docs/vllm-cpu.md has a newcomer write vllm-cpu.yml from a heredoc: `check-config` accepts
+    it, and it listens on this machine only."""
+    doc = (REPO / "docs" / "vllm-cpu.md").read_text()
+    heredoc = re.search(r"cat > vllm-cpu\.yml <<'EOF'\n(.*?)\nEOF\n", doc, re.DOTALL)
+    assert heredoc, "docs/vllm-cpu.md: no vllm-cpu.yml heredoc"
+    config = tmp_path / "vllm-cpu.yml"
+    config.write_text(heredoc.group(1) + "\n")
+    checked = subprocess.run([sys.executable, "-m", "exporter", "check-config", str(config)],
+                             capture_output=True, text=True, timeout=HANG, cwd=REPO)
+    assert checked.returncode == 0, checked.stderr
+    assert yaml.safe_load(heredoc.group(1))["listen"].startswith("127.0.0.1:")
