@@ -237,9 +237,11 @@ def scenarios() -> None:
     from .sim.scenario import builtin
 
     items = builtin()
-    width = max(len(name) for name, _ in items)
-    for name, description in items:
-        click.echo(f"{name.ljust(width)}  {description}")
+    width = max(len(listed.name) for listed in items)
+    for name, description, duration in items:
+        click.echo(f"{name.ljust(width)}  {duration:>5}  {description}")
+    click.echo("\nPlay one faster than real time with --speed (make run SCENARIO=leak SPEED=60: "
+               "an hour a minute).")
 
 
 @main.command("check-config")

@@ -117,3 +117,8 @@ def format_bytes(n: float | None) -> str:
         if n >= factor:
             return f"{n / factor:.2f} {unit}"
     return f"{n:.0f} bytes"
+
+
+def counted(n: float, noun: str, plural: str = "") -> str:
+    """A count with its noun as people write it: '1 time', '3 times', '0 events'."""
+    return f"{n:.0f} {noun if round(n) == 1 else plural or noun + 's'}"

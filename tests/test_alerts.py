@@ -305,7 +305,7 @@ def test_every_finding_kind_has_an_alert_a_runbook_and_a_scenario():
     from exporter.analysis.registry import finding_kinds
     from exporter.sim.scenario import builtin
 
-    scenarios = {name for name, _ in builtin()}
+    scenarios = {listed.name for listed in builtin()}
     for kind in finding_kinds():
         assert kind.alerts and set(kind.alerts) <= set(ALERT_NAMES), kind.name
         assert kind.scenario in scenarios, f"{kind.name}: no scenario {kind.scenario}"

@@ -187,7 +187,7 @@ def test_climbing_retries_raise_a_fragmentation_finding_before_any_oom():
     assert ev["inactive_split_bytes"] == 256 * MiB == ev["recoverable_bytes"]
     assert ev["inactive_split_share"] == pytest.approx(256 / (60 * 1024), abs=1e-4)
     assert ev["allocator_ooms_total"] == 0
-    assert "retried 3 time(s) in 5 min" in first.summary
+    assert "retried 3 times in 5 min" in first.summary
     assert dict(f.evidence)["alloc_retries_in_window"] == 5  # the latest: one a minute
     assert "expandable_segments:True" in f.advice[0] and "256.00 MiB" in f.advice[0]
     assert "max_split_size_mb" in f.advice[0]  # and when to use that instead

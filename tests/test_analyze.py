@@ -105,7 +105,7 @@ def test_analyze_json_pid_is_null_for_gpu_findings(tmp_path):
 
 def test_analyze_text_is_a_readable_list():
     text = analyze([LEAK_CSV])
-    assert text.startswith("Replayed 181 samples of 1 GPU(s)")
+    assert text.startswith("Replayed 181 samples of 1 GPU ")
     assert "[warning] leak - GPU 0, pid 4711 (VLLM::EngineCor)" in text
     assert "first detected 2024-11-22" in text and "  - " in text
 

@@ -1,6 +1,7 @@
 """The command line, end to end: real subprocesses, real HTTP on loopback, real signals."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,7 +38,8 @@ def metrics(d):
 def test_scenarios_lists_the_builtin_ones():
     out = cli("scenarios").stdout
     for name in ("steady", "leak", "contention", "unified-memory", "stale-memory", "pressure", "gpu-lost"):
-        assert any(line.split()[0] == name and len(line.split()) > 2 for line in out.splitlines()), name
+        assert any(line.split()[0] == name and len(line.split()) > 3 for line in out.splitlines()), name
+    assert re.search(r"^unified-memory +3h +GB10", out, re.MULTILINE)  # its length, to pick a --speed by
 
 
 @pytest.mark.integration

@@ -66,12 +66,12 @@ def test_text_form_lists_location_class_numbers_and_advice():
     assert "requested 3.91 GiB" in text and "total 79.19 GiB" in text and "free 1.02 GiB" in text
     assert "shortfall 2.89 GiB" in text and "\n  why: Shortfall 2.89 GiB" in text
     assert "\n  - " in text  # advice bullets
-    assert text.rstrip().endswith("1 out-of-memory event in 1 file(s).")
+    assert text.rstrip().endswith("1 out-of-memory event in 1 file.")
 
 
 def test_text_form_with_no_events():
     text = explain([str(FIXTURES / "lookalikes.log")])
-    assert text == "No out-of-memory events in 1 file(s).\n"
+    assert text == "No out-of-memory events in 1 file.\n"
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

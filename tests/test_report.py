@@ -157,7 +157,7 @@ def test_an_event_outside_the_trace_is_shown_apart_not_counted_nor_advised(leak_
     write_report(snapshots, episodes, [old], str(path))
     text = path.read_text(encoding="utf-8")
     header = text[:text.index("<h2>Host</h2>")]
-    assert "finding(s), 0 out-of-memory event(s)" in header
+    assert "findings, 0 out-of-memory events" in header
     assert "(1 more in the logs outside the trace's time, listed apart)" in header
     oom = text[text.index("<h2>Out-of-memory events</h2>"):text.index("<h2>Advice</h2>")]
     mine, apart = oom.split("Outside the trace's time</h3>")

@@ -157,7 +157,7 @@ def test_unified_memory_the_kernel_oom_kill_of_the_browser_is_a_finding():
     [(oom, cleared)] = [(f, c) for f, c in analyzer.episodes() if f.kind == "oom"]
     assert (oom.gpu, oom.severity, oom.first_detected_at - start) == ("0", "critical", 10200)
     assert cleared is None or cleared - start >= 10200 + 300
-    assert "kernel OOM killer ran 1 time(s)" in oom.summary and "pid 7300 (chrome" in oom.summary
+    assert "kernel OOM killer ran 1 time " in oom.summary and "pid 7300 (chrome" in oom.summary
     # With chrome gone, the host has its memory back: pressure and contention end with it,
     # within their clear hold, and none outlasts the cause.
     for kind in ("pressure", "contention"):

@@ -10,7 +10,7 @@ import yaml
 
 from exporter.clock import FixedClock
 from exporter.sim import scenario as sc
-from exporter.sim.scenario import ScenarioError, load, parse_curve
+from exporter.sim.scenario import ScenarioError, load, parse_curve, validate
 
 GiB, MiB = 2**30, 2**20
 
@@ -362,14 +362,15 @@ REQUIRED = {"steady", "leak", "contention", "unified-memory", "stale-memory", "p
             "gpu-lost", "fragmentation", "fleet-8x64"}
 
 
-def test_builtin_list_has_every_required_scenario_with_a_description():
-    found = dict(sc.builtin())
+def test_builtin_list_has_every_required_scenario_with_a_description_and_its_duration():
+    found = {listed.name: listed for listed in sc.builtin()}
     assert set(found) >= REQUIRED
-    for name, desc in found.items():
-        assert desc and "\n" not in desc, name
+    for name, listed in found.items():
+        assert listed.description and "\n" not in listed.description, name
+        assert sc.load(name).duration == validate.parse_duration(listed.duration), name
 
 
-@pytest.mark.parametrize("name", [n for n, _ in sc.builtin()])
+@pytest.mark.parametrize("name", [listed.name for listed in sc.builtin()])
 def test_every_builtin_loads_and_evaluates(name):
     s = sc.load(name)
     assert s.name == name

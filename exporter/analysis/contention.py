@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
-from ..units import GiB, format_bytes
+from ..units import GiB, counted, format_bytes
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
@@ -326,7 +326,7 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
     if stalled:  # a host without PSI (older kernels, containers) has psi_some_avg10 None
         reasons.append(f"memory PSI {host.psi_some_avg10:.0f} %")
     if kills > 0:
-        reasons.append(f"the kernel OOM killer ran {kills} time(s) in {config.window_seconds / 60:.0f} min")
+        reasons.append(f"the kernel OOM killer ran {counted(kills, 'time')} in {config.window_seconds / 60:.0f} min")
     why = ", ".join(reasons)
     if gpu is None:
         who = "The host serving vLLM on its CPU backend is short of memory"

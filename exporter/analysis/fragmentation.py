@@ -26,7 +26,7 @@ from ..model import (
     Snapshot,
     VllmEngineStats,
 )
-from ..units import GiB, format_bytes
+from ..units import GiB, counted, format_bytes
 from .budget import tensor_parallel_endpoints
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
@@ -128,7 +128,7 @@ def _from_ooms(history: History, snapshot: Snapshot, config: FragmentationConfig
             kind="fragmentation", severity="critical", first_detected_at=snapshot.timestamp,
             gpu=gpu_index, uuid=gpu.uuid if gpu else "",
             summary=f"GPU {gpu_index if gpu_index is not None else '?'}: out of memory "
-                    f"{reason} ({len(events)} event(s) in {config.window_seconds / 60:.0f} min)",
+                    f"{reason} ({counted(len(events), 'event')} in {config.window_seconds / 60:.0f} min)",
             evidence=tuple(evidence),
             advice=_advice(bool(tensor_parallel))))
     return findings
@@ -198,7 +198,7 @@ def _from_preemptions(history: History, snapshot: Snapshot, config: Fragmentatio
             kind="fragmentation", severity="warning", first_detected_at=now,
             gpu=gpus[0].index if len(gpus) == 1 and gpus[0] else None,
             uuid=gpus[0].uuid if len(gpus) == 1 and gpus[0] else "", endpoint=server.endpoint,
-            summary=f"{server.endpoint}: {preempted:.0f} request(s) preempted in "
+            summary=f"{server.endpoint}: {counted(preempted, 'request')} preempted in "
                     f"{config.window_seconds / 60:.0f} min with {why}",
             evidence=tuple(evidence), advice=advice))
     return findings
@@ -355,7 +355,7 @@ def _allocator_finding(gpu: GpuSample, p: ProcessSample, a: AllocatorStats, now:
     who = f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) on GPU {gpu.index}"
     why = []
     if retrying:
-        why.append(f"PyTorch's allocator retried {rise:.0f} time(s) in "
+        why.append(f"PyTorch's allocator retried {counted(rise, 'time')} in "
                    f"{config.window_seconds / 60:.0f} min (cache flushed, cudaMalloc retried)")
     if split_floor is not None and reserved:
         why.append(f"{format_bytes(split_floor)} of its {format_bytes(reserved)} reserved has "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..model import Finding, KvCache, Snapshot, VllmEngineStats, VllmSample
-from ..units import GiB, format_bytes
+from ..units import GiB, counted, format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History
 
@@ -242,7 +242,7 @@ def _finding(server: VllmSample, e: VllmEngineStats, kv: KvCache | None, now: fl
                             ("max_concurrency", round(kv.max_concurrency, 2) if kv.max_concurrency else None)):
             if value is not None:
                 evidence.append((name, value))
-    preempted = (f", {window.preempted:.0f} preemption(s) counted" if window.preempted
+    preempted = (f", {counted(window.preempted, 'preemption')} counted" if window.preempted
                  else "; no preemption counted yet (vLLM counts one only when the preempted request next "
                       "produces output)")
     running = f" and {e.requests_running:.0f} running" if e.requests_running is not None else ""

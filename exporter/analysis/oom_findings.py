@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..model import Finding, OomEvent, ProcessSample, Snapshot
-from ..units import format_bytes
+from ..units import counted, format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, recent_events
 
@@ -93,7 +93,7 @@ def _kill_text(kills: list[KernelKill], events: list[OomEvent], hold: float) -> 
         victims = "; gone from the process table then: " + ", ".join(_victim(p) for p in last.gone)
     else:
         victims = "; no process seen here went away with it"
-    text = f"the kernel OOM killer ran {count} time(s) in the last {hold / 60:.0f} min{victims}"
+    text = f"the kernel OOM killer ran {counted(count, 'time')} in the last {hold / 60:.0f} min{victims}"
     evidence: Evidence = [("kernel_oom_kills", count), ("last_kill_at", last.at)]
     for i, p in enumerate(last.gone, 1):
         evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
@@ -124,7 +124,7 @@ def detect_ooms(history: History, snapshot: Snapshot, hold_seconds: float) -> li
             advice = [*_KILL_ADVICE, *advice]
         if events:
             last = events[-1]
-            parts.append(f"{len(events)} out-of-memory event(s) in the logs, last "
+            parts.append(f"{counted(len(events), 'out-of-memory event')} in the logs, last "
                          f"{last.kind} ({last.klass}) at {last.source}:{last.line}")
             evidence += [("events", len(events)), ("oom_kind", last.kind), ("class", last.klass),
                          ("log", f"{last.source}:{last.line}")]

@@ -165,7 +165,7 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             summary += f" and its host (unified memory) is short of memory: {host_short}"
             evidence.append(("host_short", host_short))
         if beyond is not None and beyond < ratio:
-            summary += f", {beyond:.0%} of it beyond the vLLM budget"
+            summary += f", {beyond:.0%} of the GPU beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
             summary += f", full in about {_duration(a.time_to_full_seconds)} at the current rate"
         if holding:

@@ -20,7 +20,7 @@ from typing import Any
 from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
 from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
-from ..units import format_bytes
+from ..units import counted, format_bytes
 from .report import dropped_text, outside_text, span_text, split_events
 from .trace import Trace, load_traces
 from .vllm_servers import servers_in, settings_text
@@ -177,7 +177,7 @@ def _event_lines(events: Sequence[OomEvent], start: float | None, end: float | N
     if not inside:
         lines = ["", sanitize(f"No out-of-memory events in {source} within the trace's time.")]
     else:
-        lines = ["", sanitize(f"{len(inside)} out-of-memory event(s) in {source} within the trace's time:")]
+        lines = ["", sanitize(f"{counted(len(inside), 'out-of-memory event')} in {source} within the trace's time:")]
     lines += _event_list(inside, start, end)
     if outside:
         lines += ["", sanitize(f"{len(outside)} more outside the trace's time, not part of this incident:")]
@@ -229,7 +229,7 @@ def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
         return "\n".join(["The trace holds no samples.", *_event_lines(events, None, None, logs)]) + "\n"
     start, end = snapshots[0].timestamp, snapshots[-1].timestamp
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
-    lines = [f"Replayed {len(snapshots)} samples of {len(gpus)} GPU(s) from {_when(start)} to "
+    lines = [f"Replayed {len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {_when(start)} to "
              f"{_when(end)} ({_span(end - start)})."]
     lines += _context_lines(trace)
     for t, name in trace.triggers:
@@ -240,7 +240,7 @@ def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
     if not episodes:
         lines.append("No findings.")
         return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
-    lines.append(f"{len(episodes)} finding(s):")
+    lines.append(f"{counted(len(episodes), 'finding')}:")
     for f, cleared_at in episodes:
         where = ", ".join(x for x in (
             f"GPU {f.gpu}" if f.gpu is not None else "",

@@ -18,7 +18,7 @@ from ..boundedio import open_regular
 from ..model import OomEvent, OomMessage
 from ..sources.logs import DEFAULT_MAX_LINE_BYTES, iter_file_lines
 from ..sources.oom_messages import OomParser, parse_lines
-from ..units import format_bytes
+from ..units import counted, format_bytes
 
 MAX_FILE_BYTES = 256 * 1024 * 1024
 FORMATS = ("text", "json")
@@ -136,5 +136,5 @@ def render_text(events: list[OomEvent], files: list[dict[str, Any]], max_bytes: 
             out.append(f"note: {info['file']}: only the first {format_bytes(max_bytes)} were read")
     count = len(events)
     noun = "event" if count == 1 else "events"
-    out.append(f"{count or 'No'} out-of-memory {noun} in {len(files)} file(s).")
+    out.append(f"{count or 'No'} out-of-memory {noun} in {counted(len(files), 'file')}.")
     return "\n".join(out) + "\n"

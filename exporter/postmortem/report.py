@@ -30,7 +30,7 @@ from urllib.parse import quote, urlsplit
 from gpumem_probe.schema import DUMP_NAME
 
 from ..model import Finding, OomEvent, Snapshot
-from ..units import format_bytes
+from ..units import counted, format_bytes
 from . import reportplots as plots
 from .atomic import atomic_file
 from .runs import RunIdentity
@@ -341,7 +341,7 @@ def _oom_section(events: Sequence[OomEvent], outside: Sequence[OomEvent], logs: 
                  start: float | None, end: float | None) -> str:
     given = (f"From the log(s) given ({_e(', '.join(logs))}) and the trace" if logs
              else "No log was given (<code>analyze --log FILE</code>); from the trace")
-    out = [f"<p>{given}: {len(events)} event(s) within the trace's time.</p>" if events else
+    out = [f"<p>{given}: {counted(len(events), 'event')} within the trace's time.</p>" if events else
            f"<p>{given}: no out-of-memory event within the trace's time.</p>"]
     out += _oom_events(events, start, end)
     if outside:
@@ -437,9 +437,9 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
 
     body = [f"<h1>{_e(title)}</h1>"]
     if snapshots:
-        body.append(f"<p>{len(snapshots)} samples of {len(gpus)} GPU(s) from {_e(_when(start))} to "
-                    f"{_e(_when(end))} ({_e(_span(end - start))}). {len(episodes)} finding(s), "
-                    f"{len(events)} out-of-memory event(s)"
+        body.append(f"<p>{len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {_e(_when(start))} to "
+                    f"{_e(_when(end))} ({_e(_span(end - start))}). {counted(len(episodes), 'finding')}, "
+                    f"{counted(len(events), 'out-of-memory event')}"
                     + (f' <span class="outside">({len(outside)} more in the logs outside the trace\'s '
                        "time, listed apart)</span>" if outside else "") + ".</p>")
     else:

@@ -13,7 +13,7 @@ from html import escape
 from .. import __version__
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, KvCache, Snapshot, State, VllmEngineStats
 from ..sources import gpu as gpu_backends
-from ..units import format_bytes
+from ..units import counted, format_bytes
 
 _STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}"
           "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}.bad{color:#b00}.ok{color:#070}")
@@ -204,7 +204,7 @@ def _no_gpu(snap: Snapshot | None, samples: int) -> str:
     if down:
         s = down[0]
         b = names[s.source]
-        return (f"No GPU could be read in {samples} sample(s): the GPU library ({b.title}, "
+        return (f"No GPU could be read in {counted(samples, 'sample')}: the GPU library ({b.title}, "
                 f"gpu.backend {b.name}) is unavailable ({s.error or 'unknown error'}). Is the driver "
                 "installed and, in a container, exposed to it? It is retried with back-off: see Sources "
                 "and the log.")

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from ..boundedio import open_regular
 from ..model import OomMessage, Snapshot, SourceError
+from ..units import counted
 from .oom_messages import OomParser
 from .source import LOG_EVENTS, Reading
 
@@ -326,7 +327,7 @@ class LogSource:
                 errors.append(SourceError(SOURCE, tailer.error_kind, tailer.error))
             if parser.faults:
                 errors.append(SourceError(SOURCE, "parse_error",
-                                          f"{path}: {parser.faults} line(s) could not be parsed"))
+                                          f"{path}: {counted(parser.faults, 'line')} could not be parsed"))
                 parser.faults = 0
         self._dropped = {"log_events": found - len(events), "log_lines": cut}
         if now is not None:

@@ -99,7 +99,7 @@ def episodes(analyzer: Analyzer, start: float) -> list[dict[str, object]]:
 
 
 def scenario_names() -> list[str]:
-    return sorted(name for name, _ in builtin())
+    return sorted(listed.name for listed in builtin())
 
 
 def render_golden() -> str:

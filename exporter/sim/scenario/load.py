@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...config.yamlfile import YamlError, parse_yaml
 from .evaluate import Scenario
@@ -50,7 +50,7 @@ def load(name_or_path: str | Path) -> Scenario:
         with open(path, "rb") as f:
             raw = f.read(MAX_SCENARIO_BYTES + 1)
     except OSError as e:
-        names = ", ".join(n for n, _ in builtin())
+        names = ", ".join(listed.name for listed in builtin())
         raise ScenarioError(f"{name_or_path}: no such scenario file or built-in name "
                             f"({e.strerror}); built-in: {names}") from None
     if len(raw) > MAX_SCENARIO_BYTES:
@@ -62,14 +62,21 @@ def load(name_or_path: str | Path) -> Scenario:
     return loads(text, str(path))
 
 
-def builtin() -> list[tuple[str, str]]:
-    """(name, one-line description) of every built-in scenario, by name."""
+class Listed(NamedTuple):
+    name: str
+    description: str
+    duration: str  # as the file says it ("3h"), to pick a speed by
+
+
+def builtin() -> list[Listed]:
+    """Every built-in scenario, by name."""
     out = []
     for path in sorted(SCENARIO_DIR.glob("*.yaml")):
         try:
             data = _parse_yaml(path.read_text(encoding="utf-8"), str(path))
-            desc = data.get("description", "") if isinstance(data, dict) else ""
+            data = data if isinstance(data, dict) else {}
+            desc, duration = data.get("description", ""), data.get("duration", "")
         except (OSError, UnicodeDecodeError, ScenarioError):
-            desc = "(unreadable)"
-        out.append((path.stem, str(desc)))
+            desc, duration = "(unreadable)", ""
+        out.append(Listed(path.stem, str(desc), str(duration)))
     return out
