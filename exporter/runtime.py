@@ -116,7 +116,7 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sources.host import LocalHost
 
         try:
-            library = importlib.import_module(gpu.library)
+            library = importlib.import_module(gpu.library) if gpu.library else None
         except (ImportError, OSError) as exc:
             raise ConfigError(f"gpu.backend: {gpu.name} needs the Python module {gpu.library!r}, which cannot "
                               f"be imported here: {exc}") from None
@@ -145,9 +145,10 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     start = float(int(time.time()) // 60 * 60)
     clock = FixedClock(start, at) if at is not None else VirtualClock(start, speed=speed)
     # Each backend's simulated library is sim/fake_<name>.py, driven by the same scenario.
-    fake = importlib.import_module(f"{__package__}.sim.fake_{gpu.name}")
-    fake.configure(scenario, clock)
-    stack.callback(fake.configure, None, None)
+    fake = importlib.import_module(f"{__package__}.sim.fake_{gpu.name}") if gpu.library else None
+    if fake is not None:
+        fake.configure(scenario, clock)
+        stack.callback(fake.configure, None, None)
     view = SimulatedHost(scenario, clock)
     logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
     endpoints = []

@@ -59,7 +59,7 @@ def test_overrides_beat_the_file(tmp_path):
     ({"stale_after_seconds": -5}, "stale_after_seconds: must not be negative"),
     ({"gpu": {"retry_max_seconds": 0}}, "gpu.retry_max_seconds: must be positive"),
     ({"nvml": {"retry_max_seconds": 0}}, "nvml.retry_max_seconds: must be positive"),  # the old name, as written
-    ({"gpu": {"backend": "voodoo"}}, "gpu.backend: expected one of nvml, got 'voodoo'"),
+    ({"gpu": {"backend": "voodoo"}}, "gpu.backend: expected one of nvml, none, got 'voodoo'"),
     ({"nvml": {}, "gpu": {}}, "nvml: the old name of gpu; give gpu only"),
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "max_response_bytes": "9" * 400}]}},
      "vllm.endpoints[0].max_response_bytes: '" + "9" * 64 + "' is too large"),

@@ -71,3 +71,24 @@ def test_a_backend_whose_library_is_missing_on_a_real_host_is_a_clear_error(seco
         build_runtime(build({"gpu": {"backend": "othersmi"}}))
     assert ("gpu.backend: othersmi needs the Python module 'exporter_no_such_vendor_library', which cannot "
             "be imported") in str(err.value)
+
+
+@pytest.mark.parametrize("simulate", [None, "steady"])
+def test_backend_none_reads_no_gpu_and_is_never_down(simulate, caplog):
+    """A host with no GPU to read (vLLM's CPU backend): `gpu.backend: none` gives no GPU and no
+    error, where `nvml` would report its library missing and retry for ever; simulated, the
+    scenario's GPUs are not read either."""
+    from exporter.serve import status
+
+    runtime = build_runtime(build({"gpu": {"backend": "none"}}), simulate=simulate, at=600 if simulate else None)
+    try:
+        states = [Daemon(runtime.sampler, runtime.clock, 5.0).tick() for _ in range(2)]
+    finally:
+        runtime.close()
+    state = states[-1]
+    assert state.snapshot.source_up("none") is True and state.snapshot.gpus == ()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING") and "GPU" in r.getMessage()]
+    text = generate_latest(build_registry(lambda: state, runtime.clock.now)).decode()
+    assert 'gpumem_exporter_source_up{source="none"} 1.0' in text and "gpumem_gpu_memory_used_bytes{" not in text
+    page = status.render(state, "host", 1.0, 15.0)
+    assert "No GPU is read on this host (gpu.backend none)" in page and "Is the driver installed" not in page

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..model import NEUTRAL_TOOLS, GpuTools, HostMemory
+from ..model import NEUTRAL_TOOLS, GpuTools, HostMemory, Snapshot
 from . import nvml
-from .source import Source
+from .source import GPUS, Reading, Source
 
 
 class GpuSourceFactory(Protocol):
@@ -32,7 +32,7 @@ class GpuSourceFactory(Protocol):
 @dataclass(frozen=True)
 class GpuBackend:
     name: str  # gpu.backend in the configuration, and the source's `source` label
-    library: str  # the vendor's Python module, imported on a real host
+    library: str  # the vendor's Python module, imported on a real host ("": none to import)
     title: str  # how log lines name the library
     source: GpuSourceFactory
     # The vendor's own tools (reset, inspect, list holders), which the findings' advice names
@@ -40,8 +40,27 @@ class GpuBackend:
     tools: GpuTools = NEUTRAL_TOOLS
 
 
+class NoGpuSource:
+    """`gpu.backend: none`, for a host that has no GPU to read (vLLM's CPU backend): it gives no
+    GPU and is never down, so such a host is not reported as a GPU host whose driver is missing."""
+
+    name = "none"
+    needs: tuple[str, ...] = ()
+    gives = (GPUS,)
+
+    def __init__(self, library: Any, host_memory: Callable[[], HostMemory | None], /, **_: Any):
+        pass
+
+    def collect(self, snapshot: Snapshot) -> Reading:
+        return Reading(snapshot)
+
+    def close(self) -> None:
+        pass
+
+
 BACKENDS = (
     GpuBackend("nvml", library="pynvml", title="NVML", source=nvml.NvmlSource, tools=nvml.TOOLS),
+    GpuBackend("none", library="", title="no GPU", source=NoGpuSource),
 )
 DEFAULT = BACKENDS[0].name
 
