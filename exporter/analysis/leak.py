@@ -130,6 +130,10 @@ class LeakConfig:
     # fraction of itself.
     earlier_level_seconds: float = 1800
     earlier_level_margin: float = 0.25
+    # ... unless that level is further above than the growth, at the upper end of its rate's
+    # interval, climbs in this long: a cache refilling climbs back within minutes, a leak after a
+    # give-back or during a sleep would take hours.
+    refill_seconds: float = 3600
     # The noise (its deviation and correlations) is measured again this often per series.
     noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
@@ -390,9 +394,13 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         # Steps down, left in for the test, would pass for wandering noise at the block sizes
         # that span them: the noise is measured with them taken out too.
+        # A step down followed by a climb back (a cache emptied and filling up again) is left out
+        # whole: its ramp's two kinks would pass for noise that wanders at every block size that
+        # spans them, for hours.
         quiet, start = prefix, settled
         if any(d < 0 for _, d, _ in steps):
-            t3, v3, c3 = _destep(raw_times, raw_values, steps, downs=True)
+            spans = _refills(raw_times, raw_values, steps, step_noise, config)
+            t3, v3, c3 = _destep(raw_times, raw_values, spans, downs=True)
             quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
         # The block estimates, and a model of noise that wanders (AR(1)) fitted on the same
         # points: the model reaches windows longer than the blocks measured, and a young series.
@@ -451,13 +459,16 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     # before the window (since the last large step; levels read as block means a quarter of the
     # window long), by a quarter of the window's growth: a cache filling up again after being
     # emptied climbs back to where it was, a sawtooth's next tooth to where the last one
-    # peaked; a leak goes on.
+    # peaked; a leak goes on. A level the growth would take over refill_seconds to climb back
+    # to is not one it is climbing back to.
     b = max(1, (w.end - w.start) // 4)
     margin = max(2.0 * sigma * math.sqrt(w.kappa / b), config.earlier_level_margin * w.slope * minutes)
+    reach = (w.slope + 2.0 * w.se) * config.refill_seconds / 60
     i = w.start
     since = prefix.u[w.start] - config.earlier_level_seconds / 60
     while i - b >= settled and prefix.u[i - b] >= since:
-        if prefix.mean(i - b, i) + margin > w.level_end:
+        gap = prefix.mean(i - b, i) - w.level_end
+        if -margin < gap < reach:
             return "not_above_earlier_level"
         i -= b
     shape = w.shape(prefix, sigma)
@@ -530,14 +541,44 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
     return out
 
 
+def _refills(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
+             step_noise: float, config: LeakConfig) -> list[tuple[int, float, int]]:
+    """`steps` with each step down widened to the climb back that follows it: up to the first
+    point back within a few noise deviations of the level before the drop, at most
+    earlier_level_seconds after it (a give-back or a sleep never climbs back), never past the
+    next step. The jump is then measured from before the drop to after the climb."""
+    out: list[tuple[int, float, int]] = []
+    n = len(values)
+    for k, (first, jump, width) in enumerate(steps):
+        if jump >= 0:
+            out.append((first, jump, width))
+            continue
+        i0 = first - width + 1  # the step's first point
+        before = median(values[max(0, i0 - 3):i0]) if i0 > 0 else values[first]
+        limit = steps[k + 1][0] - steps[k + 1][2] + 1 if k + 1 < len(steps) else n
+        until = times[first] + config.earlier_level_seconds
+        j = first
+        tolerance = 3.0 * step_noise
+        while j < limit and times[j] < until and values[j] < before - tolerance:
+            j += 1
+        if j >= n:  # still climbing (or down) at the newest point: nothing after it to keep
+            out.append((n, 0.0, n - i0 + 1))
+            break
+        if j >= limit:  # the next step came first: the drop alone
+            out.append((first, jump, width))
+            continue
+        out.append((j, median(values[j:min(n, j + 3)]) - before, j - i0 + 1))
+    return out
+
+
 def _destep(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
             downs: bool = False) -> tuple[list[float], list[float], list[int]]:
     """The series with its up-steps taken out, the point that straddles a step (holding part
     of it) left out, and where each step's segment now begins (the fits give each segment its
     own intercept: what is left grows only where the series grows between the steps, whatever
-    error the step's size was measured with). Down-steps stay: growth back to a level seen
-    before is then still seen as such."""
-    ups = [(i, d, width) for i, d, width in steps if d > 0]
+    error the step's size was measured with). Down-steps stay unless `downs` (for measuring
+    the noise): growth back to a level seen before is then still seen as such."""
+    ups = [(i, d, width) for i, d, width in steps if d > 0 or downs]
     if not ups:
         return list(times), list(values), []
     ts: list[float] = []
@@ -546,7 +587,7 @@ def _destep(times: Sequence[float], values: Sequence[float], steps: list[tuple[i
     offset = 0.0
     lo = 0
     for i, d, width in ups:  # keep [lo, i) at the current offset (less a straddling point)
-        hi = i - 1 if width == 2 else i
+        hi = i - (width - 1)  # the points before i that straddle the step (or a refill) left out
         ts.extend(times[lo:hi])
         vs.extend([v - offset for v in values[lo:hi]] if offset else values[lo:hi])
         offset += d
