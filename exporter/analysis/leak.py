@@ -103,6 +103,9 @@ class LeakConfig:
     # model must not beat the line by this many times log(points) noise variances.
     min_step_margin: float = 4.0
     two_step_penalty: float = 2.0
+    # Windows up to this long also try a joined line whose onset falls half way between two
+    # points (a fast leak begun inside a minute bucket); each such window counts as a third test.
+    half_kink_minutes: float = 6.0
     # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
     max_concavity_z: float = 2.5
     # A staircase: this many up-shifts in a row, gaps at most staircase_max_gap_seconds and
@@ -158,8 +161,10 @@ class LeakConfig:
 
     def threshold(self, signals: int = 1) -> float:
         """The z a window's slope must reach, for `signals` series tested per process."""
-        # Two models (free line, hinge) per window length, every minute.
-        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * 2 * len(self.windows_minutes) * signals)
+        # Two models (free line, hinge) per window length, every minute, and a third (the hinge
+        # with its onset between points) for the shortest windows.
+        tests = 2 * len(self.windows_minutes) + sum(1 for w in self.windows_minutes if w <= self.half_kink_minutes)
+        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * tests * signals)
 
 
 _THRESHOLDS: dict[tuple[float, float], float] = {}
@@ -399,7 +404,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # spans them, for hours.
         quiet, start = prefix, settled
         if any(d < 0 for _, d, _ in steps):
-            spans = _refills(raw_times, raw_values, steps, step_noise, config)
+            spans = _refills(raw_times, raw_values, steps, step_noise, 4 * shift_size, config)
             t3, v3, c3 = _destep(raw_times, raw_values, spans, downs=True)
             quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
         # The block estimates, and a model of noise that wanders (AR(1)) fitted on the same
@@ -416,7 +421,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     turn = int(end // 60) % 3
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
     windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
-                   wander=wander)
+                   wander=wander, half_kink_minutes=config.half_kink_minutes)
     if not young:
         # Growth that began while the series was young (a warm-up's steps, a first tooth) keeps
         # the young bar after the young period: the period's end is no evidence against them.
@@ -531,7 +536,9 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
             after = [d[k] for k in (i + 1, i + 2) if k < n]
         else:
             before = [d[i - 2] + d[i - 1]] if i >= 3 else []
-            after = [d[i + 2] + d[i + 3]] if i + 3 < n else []
+            # At the newest end, one jump after it stands for two (a fast climb's first
+            # minutes are not a step because the series ends before its pace shows twice).
+            after = [d[i + 2] + d[i + 3]] if i + 3 < n else [2 * d[i + 2]] if i + 2 < n else []
         if all(abs(jump - median(side)) >= size for side in (before, after) if side):
             first = i + width - 1  # the first point wholly at the new level
             lower = values[max(0, i - 3):i]
@@ -542,16 +549,26 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
 
 
 def _refills(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
-             step_noise: float, config: LeakConfig) -> list[tuple[int, float, int]]:
-    """`steps` with each step down widened to the climb back that follows it: up to the first
-    point back within a few noise deviations of the level before the drop, at most
+             step_noise: float, size: float, config: LeakConfig) -> list[tuple[int, float, int]]:
+    """`steps` with each isolated step down widened to the climb back that follows it: up to the
+    first point back within a few noise deviations of the level before the drop, at most
     earlier_level_seconds after it (a give-back or a sleep never climbs back), never past the
-    next step. The jump is then measured from before the drop to after the climb."""
+    next step. The jump is then measured from before the drop to after the climb. Drops that
+    recur within refill_seconds of each other are a cycle's (a sawtooth not recognised as one),
+    and drops under `size` may be the noise's own: both are left in, the noise they make is the
+    noise the test must allow for."""
     out: list[tuple[int, float, int]] = []
     n = len(values)
+    downs = [times[i] for i, d, _ in steps if d < 0]
     for k, (first, jump, width) in enumerate(steps):
         if jump >= 0:
             out.append((first, jump, width))
+            continue
+        if -jump < size:
+            continue
+        at = bisect.bisect_left(downs, times[first])
+        if (at > 0 and times[first] - downs[at - 1] < config.refill_seconds) or \
+                (at + 1 < len(downs) and downs[at + 1] - times[first] < config.refill_seconds):
             continue
         i0 = first - width + 1  # the step's first point
         before = median(values[max(0, i0 - 3):i0]) if i0 > 0 else values[first]
