@@ -11,9 +11,9 @@ them. Each names what the detector of f1862f7 did with the same trace.
     (two jumps split over a bucket, nothing after them yet to show the pace going on).
 """
 import pytest
-from helpers.leak_replay import episodes
+from leak_corpus import T0, GiB, make_trace
 
-from leak_corpus import GiB, T0, make_trace
+from helpers.leak_replay import episodes
 
 
 def onset_minute(trace):

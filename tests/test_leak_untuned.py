@@ -14,10 +14,9 @@ The shapes, and what was wrong:
     young (or a window too long) for the block estimates of its correlations.
 """
 import pytest
-from helpers.leak_replay import episodes
-
 from leak_corpus import PAGE, T0, MiB, make_trace
 
+from helpers.leak_replay import episodes
 
 # (family, seed, GPU UUID, the minute the detector of 01acb4f raised its false alert)
 FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78),

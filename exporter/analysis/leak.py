@@ -26,7 +26,10 @@ What is not a leak is modelled explicitly rather than waited out:
     under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
     blocks of a few minutes;
   * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
-    take the level clearly above every level of the half hour before it is no leak;
+    take the level clearly above every level of the half hour before it is no leak (unless that
+    level is too far above for the growth to climb back to within the hour); an isolated large
+    drop and the climb back after it are left out of the noise measurement (its kinks would pass
+    for noise that wanders);
   * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
     correlation) bound the slope's error.
 One view of each series is tested: the per-minute medians, or where cycles faster than a

@@ -9,7 +9,7 @@ from exporter.analysis.leak_detector import LeakDetector
 from exporter.model import GpuSample, ProcessSample, Snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from leak_corpus import T0, TOTAL  # noqa: E402
+from leak_corpus import T0, TOTAL
 
 
 def episodes(times, values, uuid="GPU-bench"):
