@@ -10,10 +10,15 @@ them. Each names what the detector of f1862f7 did with the same trace.
   * a fast leak's first minutes at the newest end of the series were taken for a level shift
     (two jumps split over a bucket, nothing after them yet to show the pace going on).
 """
+import sys
+from pathlib import Path
+
 import pytest
-from leak_corpus import T0, GiB, make_trace
 
 from helpers.leak_replay import episodes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from leak_corpus import T0, GiB, make_trace
 
 
 def onset_minute(trace):

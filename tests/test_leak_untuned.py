@@ -13,10 +13,15 @@ The shapes, and what was wrong:
   * correlated#109, correlated#114: noise wandering with a memory of 3-6 minutes, on a series too
     young (or a window too long) for the block estimates of its correlations.
 """
+import sys
+from pathlib import Path
+
 import pytest
-from leak_corpus import PAGE, T0, MiB, make_trace
 
 from helpers.leak_replay import episodes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from leak_corpus import PAGE, T0, MiB, make_trace
 
 # (family, seed, GPU UUID, the minute the detector of 01acb4f raised its false alert)
 FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78),
