@@ -18,32 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.analysis.history import History
-from exporter.analysis.leak import LeakConfig
-from exporter.analysis.leak_detector import LeakDetector
-from exporter.model import GpuSample, ProcessSample, Snapshot
+from helpers.leak_replay import episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from leak_corpus import PAGE, T0, TOTAL, MiB, make_trace
-
-
-def episodes(times, values, uuid="GPU-bench"):
-    """Minutes from the trace's start at which a leak finding was raised (each episode's start).
-    History's minute buckets begin at an offset drawn from the series' key: another GPU's UUID
-    reads the same trace through other buckets (the bench's is GPU-bench)."""
-    history, detector, config = History(), LeakDetector(), LeakConfig()
-    out, active = [], False
-    for t, v in zip(times, values, strict=True):
-        proc = ProcessSample(pid=4242, used_bytes=v, name="python3", start_time=T0 - 1.0, role="vllm")
-        snap = Snapshot(timestamp=float(t), gpus=(GpuSample(index="0", uuid=uuid, total_bytes=TOTAL,
-                                                            used_bytes=v, processes=(proc,)),))
-        history.update(snap)
-        leaks = [f for f in detector.detect(history, snap, (), config, 3600.0).findings if f.kind == "leak"]
-        if leaks and not active:
-            out.append((t - T0) / 60)
-        active = bool(leaks)
-    return out
-
+from leak_corpus import PAGE, T0, MiB, make_trace
 
 # (family, seed, GPU UUID, the minute the detector of 01acb4f raised its false alert)
 FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78),

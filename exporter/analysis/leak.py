@@ -26,7 +26,10 @@ What is not a leak is modelled explicitly rather than waited out:
     under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
     blocks of a few minutes;
   * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
-    take the level clearly above every level of the half hour before it is no leak;
+    take the level clearly above every level of the half hour before it is no leak (unless that
+    level is too far above for the growth to climb back to within the hour); an isolated large
+    drop and the climb back after it are left out of the noise measurement (its kinks would pass
+    for noise that wanders);
   * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
     correlation) bound the slope's error.
 One view of each series is tested: the per-minute medians, or where cycles faster than a
@@ -103,6 +106,9 @@ class LeakConfig:
     # model must not beat the line by this many times log(points) noise variances.
     min_step_margin: float = 4.0
     two_step_penalty: float = 2.0
+    # Windows up to this long also try a joined line whose onset falls half way between two
+    # points (a fast leak begun inside a minute bucket); each such window counts as a third test.
+    half_kink_minutes: float = 6.0
     # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
     max_concavity_z: float = 2.5
     # A staircase: this many up-shifts in a row, gaps at most staircase_max_gap_seconds and
@@ -130,6 +136,10 @@ class LeakConfig:
     # fraction of itself.
     earlier_level_seconds: float = 1800
     earlier_level_margin: float = 0.25
+    # ... unless that level is further above than the growth, at the upper end of its rate's
+    # interval, climbs in this long: a cache refilling climbs back within minutes, a leak after a
+    # give-back or during a sleep would take hours.
+    refill_seconds: float = 3600
     # The noise (its deviation and correlations) is measured again this often per series.
     noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
@@ -154,8 +164,10 @@ class LeakConfig:
 
     def threshold(self, signals: int = 1) -> float:
         """The z a window's slope must reach, for `signals` series tested per process."""
-        # Two models (free line, hinge) per window length, every minute.
-        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * 2 * len(self.windows_minutes) * signals)
+        # Two models (free line, hinge) per window length, every minute, and a third (the hinge
+        # with its onset between points) for the shortest windows.
+        tests = 2 * len(self.windows_minutes) + sum(1 for w in self.windows_minutes if w <= self.half_kink_minutes)
+        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * tests * signals)
 
 
 _THRESHOLDS: dict[tuple[float, float], float] = {}
@@ -390,9 +402,13 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         # Steps down, left in for the test, would pass for wandering noise at the block sizes
         # that span them: the noise is measured with them taken out too.
+        # A step down followed by a climb back (a cache emptied and filling up again) is left out
+        # whole: its ramp's two kinks would pass for noise that wanders at every block size that
+        # spans them, for hours.
         quiet, start = prefix, settled
         if any(d < 0 for _, d, _ in steps):
-            t3, v3, c3 = _destep(raw_times, raw_values, steps, downs=True)
+            spans = _refills(raw_times, raw_values, steps, step_noise, 4 * shift_size, config)
+            t3, v3, c3 = _destep(raw_times, raw_values, spans, downs=True)
             quiet, start = Prefix(t3, v3, c3), bisect.bisect_left(t3, settled_from)
         # The block estimates, and a model of noise that wanders (AR(1)) fitted on the same
         # points: the model reaches windows longer than the blocks measured, and a young series.
@@ -408,7 +424,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     turn = int(end // 60) % 3
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
     windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
-                   wander=wander)
+                   wander=wander, half_kink_minutes=config.half_kink_minutes)
     if not young:
         # Growth that began while the series was young (a warm-up's steps, a first tooth) keeps
         # the young bar after the young period: the period's end is no evidence against them.
@@ -451,13 +467,16 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     # before the window (since the last large step; levels read as block means a quarter of the
     # window long), by a quarter of the window's growth: a cache filling up again after being
     # emptied climbs back to where it was, a sawtooth's next tooth to where the last one
-    # peaked; a leak goes on.
+    # peaked; a leak goes on. A level the growth would take over refill_seconds to climb back
+    # to is not one it is climbing back to.
     b = max(1, (w.end - w.start) // 4)
     margin = max(2.0 * sigma * math.sqrt(w.kappa / b), config.earlier_level_margin * w.slope * minutes)
+    reach = (w.slope + 2.0 * w.se) * config.refill_seconds / 60
     i = w.start
     since = prefix.u[w.start] - config.earlier_level_seconds / 60
     while i - b >= settled and prefix.u[i - b] >= since:
-        if prefix.mean(i - b, i) + margin > w.level_end:
+        gap = prefix.mean(i - b, i) - w.level_end
+        if -margin < gap < reach:
             return "not_above_earlier_level"
         i -= b
     shape = w.shape(prefix, sigma)
@@ -520,7 +539,9 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
             after = [d[k] for k in (i + 1, i + 2) if k < n]
         else:
             before = [d[i - 2] + d[i - 1]] if i >= 3 else []
-            after = [d[i + 2] + d[i + 3]] if i + 3 < n else []
+            # At the newest end, one jump after it stands for two (a fast climb's first
+            # minutes are not a step because the series ends before its pace shows twice).
+            after = [d[i + 2] + d[i + 3]] if i + 3 < n else [2 * d[i + 2]] if i + 2 < n else []
         if all(abs(jump - median(side)) >= size for side in (before, after) if side):
             first = i + width - 1  # the first point wholly at the new level
             lower = values[max(0, i - 3):i]
@@ -530,14 +551,54 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
     return out
 
 
+def _refills(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
+             step_noise: float, size: float, config: LeakConfig) -> list[tuple[int, float, int]]:
+    """`steps` with each isolated step down widened to the climb back that follows it: up to the
+    first point back within a few noise deviations of the level before the drop, at most
+    earlier_level_seconds after it (a give-back or a sleep never climbs back), never past the
+    next step. The jump is then measured from before the drop to after the climb. Drops that
+    recur within refill_seconds of each other are a cycle's (a sawtooth not recognised as one),
+    and drops under `size` may be the noise's own: both are left in, the noise they make is the
+    noise the test must allow for."""
+    out: list[tuple[int, float, int]] = []
+    n = len(values)
+    downs = [times[i] for i, d, _ in steps if d < 0]
+    for k, (first, jump, width) in enumerate(steps):
+        if jump >= 0:
+            out.append((first, jump, width))
+            continue
+        if -jump < size:
+            continue
+        at = bisect.bisect_left(downs, times[first])
+        if (at > 0 and times[first] - downs[at - 1] < config.refill_seconds) or \
+                (at + 1 < len(downs) and downs[at + 1] - times[first] < config.refill_seconds):
+            continue
+        i0 = first - width + 1  # the step's first point
+        before = median(values[max(0, i0 - 3):i0]) if i0 > 0 else values[first]
+        limit = steps[k + 1][0] - steps[k + 1][2] + 1 if k + 1 < len(steps) else n
+        until = times[first] + config.earlier_level_seconds
+        j = first
+        tolerance = 3.0 * step_noise
+        while j < limit and times[j] < until and values[j] < before - tolerance:
+            j += 1
+        if j >= n:  # still climbing (or down) at the newest point: nothing after it to keep
+            out.append((n, 0.0, n - i0 + 1))
+            break
+        if j >= limit:  # the next step came first: the drop alone
+            out.append((first, jump, width))
+            continue
+        out.append((j, median(values[j:min(n, j + 3)]) - before, j - i0 + 1))
+    return out
+
+
 def _destep(times: Sequence[float], values: Sequence[float], steps: list[tuple[int, float, int]],
             downs: bool = False) -> tuple[list[float], list[float], list[int]]:
     """The series with its up-steps taken out, the point that straddles a step (holding part
     of it) left out, and where each step's segment now begins (the fits give each segment its
     own intercept: what is left grows only where the series grows between the steps, whatever
-    error the step's size was measured with). Down-steps stay: growth back to a level seen
-    before is then still seen as such."""
-    ups = [(i, d, width) for i, d, width in steps if d > 0]
+    error the step's size was measured with). Down-steps stay unless `downs` (for measuring
+    the noise): growth back to a level seen before is then still seen as such."""
+    ups = [(i, d, width) for i, d, width in steps if d > 0 or downs]
     if not ups:
         return list(times), list(values), []
     ts: list[float] = []
@@ -546,7 +607,7 @@ def _destep(times: Sequence[float], values: Sequence[float], steps: list[tuple[i
     offset = 0.0
     lo = 0
     for i, d, width in ups:  # keep [lo, i) at the current offset (less a straddling point)
-        hi = i - 1 if width == 2 else i
+        hi = i - (width - 1)  # the points before i that straddle the step (or a refill) left out
         ts.extend(times[lo:hi])
         vs.extend([v - offset for v in values[lo:hi]] if offset else values[lo:hi])
         offset += d

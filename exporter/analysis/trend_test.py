@@ -396,15 +396,16 @@ def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
 
 
 def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int], float],
-          min_points: int) -> WindowResult | None:
+          min_points: int, kink: float | None = None) -> WindowResult | None:
     """The joined line over [b, n): flat over [b, i), growing from point i on (an intercept per
-    segment where cuts fall inside); None where it cannot be fitted or does not grow."""
+    segment where cuts fall inside); None where it cannot be fitted or does not grow. `kink`
+    (in u, between points i - 1 and i) is where the growth begins: by default point i itself."""
     n = len(prefix.u)
     big_n = n - b
     if n - i < 3 or i - b < 2 or big_n < min_points:  # two growing points are a step as much
         return None
     u, su, suu, suy, sy, syy = prefix.u, prefix.su, prefix.suu, prefix.suy, prefix.sy, prefix.syy
-    ui = u[i]
+    ui = u[i] if kink is None else kink
     sxx = sxy = syy_c = 0.0
     sh = s_y = count = 0.0
     for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
@@ -431,7 +432,7 @@ def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int
     kappa = kappa_of(big_n)
     se = math.sqrt(max(sigma1 * sigma1 * kappa, rss / (big_n - 2) if big_n > 2 else 0.0) / sxx)
     level_end = s_y / count + slope * ((u[-1] - ui) - sh / count)  # in the last segment
-    return WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss)
+    return WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss, kink)
 
 
 def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
@@ -462,6 +463,7 @@ class WindowResult:
     kappa: float
     level_end: float  # the fitted line at the last point (bytes, from the series' first point)
     rss: float  # residual sum of squares of the model
+    kink: float | None = None  # a hinge's onset in u where it falls between points (else u[onset])
 
     def shape(self, prefix: Prefix, sigma1: float) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
@@ -488,7 +490,8 @@ class WindowResult:
         res: list[float] = []
         sxx = 0.0
         for a, c in (prefix.pieces(b, n) if prefix.cuts else ((b, n),)):
-            hs = [0.0 if k < i else u[k] - u[i] for k in range(a, c)] if self.hinge else u[a:c]
+            ui = u[i] if self.kink is None else self.kink
+            hs = [0.0 if k < i else u[k] - ui for k in range(a, c)] if self.hinge else u[a:c]
             mh = sum(hs) / (c - a)
             my = sum(y[a:c]) / (c - a)
             sxx += sum((h - mh) ** 2 for h in hs)
@@ -513,14 +516,18 @@ class Shape:
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
          windows_minutes: Sequence[float], min_points: int, threshold: float,
          baseline: float = 2.0, kappa_at: dict[int, float] | None = None,
-         wander: Wander | None = None) -> list[WindowResult]:
+         wander: Wander | None = None, half_kink_minutes: float = 0.0) -> list[WindowResult]:
     """Every growth ending at the newest point, begun a window length ago (the given lengths),
     at or after `start`, whose slope reaches `threshold`, in two models:
       free line   y = a + r t over the window;
       hinge       y = a + r (t - onset)+ over the window and `baseline` times as many points
                   before it: the level before the onset is read from the baseline, which
                   halves the slope's error, so a leak growing from a steady level is found
-                  sooner (the generalised likelihood ratio for a change of slope).
+                  sooner (the generalised likelihood ratio for a change of slope);
+                  for windows up to `half_kink_minutes` also with the onset half way to the
+                  point before (a leak begun inside a bucket: that bucket holds part of its
+                  growth, which a kink at either point misfits by a few noise deviations,
+                  costing a fast leak a whole bucket).
     Sorted by z, highest first; their shape (steps, curvature) is dearer, measured on demand."""
     n = len(prefix.u)
     u = prefix.u
@@ -562,6 +569,10 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
             rise = (sy[n] - sy[i]) / m - (sy[i] - sy[b]) / (i - b)
             if rise > 0.4 * threshold * sigma1 * math.sqrt(kappa_of(n - b) * (1 / m + 1 / (i - b))):
                 h = hinge(prefix, b, i, sigma1, kappa_of, min_points)
+                if w <= half_kink_minutes and i - 1 - b >= 2:
+                    half = hinge(prefix, b, i, sigma1, kappa_of, min_points, (u[i - 1] + u[i]) / 2)
+                    if half is not None and (h is None or half.z > h.z):
+                        h = half
                 if h is not None and h.z >= threshold:
                     out.append(h)
     out.sort(key=lambda w: -w.z)

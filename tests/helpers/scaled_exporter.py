@@ -21,12 +21,14 @@ from exporter.cli import main as cli_main
 from exporter.config import Config
 
 DURATIONS = ("settle_seconds", "max_tooth_seconds", "slope_window_seconds", "stale_seconds", "young_seconds",
-             "first_tooth_seconds", "earlier_level_seconds", "noise_refresh_seconds", "staircase_max_gap_seconds")
+             "first_tooth_seconds", "earlier_level_seconds", "noise_refresh_seconds", "staircase_max_gap_seconds",
+             "refill_seconds")
 
 
 def scaled_leak(scale: float, base: LeakConfig | None = None) -> LeakConfig:
     base = base or LeakConfig()
     return replace(base, windows_minutes=tuple(w * scale for w in base.windows_minutes),
+                   half_kink_minutes=base.half_kink_minutes * scale,
                    min_slope_bytes_per_second=base.min_slope_bytes_per_second / scale,
                    **{name: getattr(base, name) * scale for name in DURATIONS})
 

@@ -1,0 +1,81 @@
+"""Leaks near level shifts and fast leaks (#22, third round), on bench/leak_corpus.py traces
+replayed through History and LeakDetector.detect tick by tick, as the daemon and the bench run
+them. Each names what the detector of f1862f7 did with the same trace.
+
+  * a cache emptied and filling up again (a drop, then a climb back over minutes) passed for
+    noise that wanders at every block size spanning its two kinks, for hours after it: a slow
+    leak begun after the refill waited about an hour (leak_after_shift#0, #7);
+  * a level far above, left behind by a give-back or a sleep, kept a leak "below an earlier
+    level" for half an hour however slowly it grew (leak_after_shift#4, #5);
+  * a fast leak's first minutes at the newest end of the series were taken for a level shift
+    (two jumps split over a bucket, nothing after them yet to show the pace going on).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.leak_replay import episodes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from leak_corpus import T0, GiB, make_trace
+
+
+def onset_minute(trace):
+    return (trace.leak_start - T0) / 60
+
+
+def found_after(trace):
+    """Minutes from the leak's onset to the first finding after it (None: not found); no
+    finding may come before the onset."""
+    found = episodes(trace.times, trace.values)
+    onset = onset_minute(trace)
+    assert all(m >= onset for m in found), f"{trace.name}: a finding before the leak began: {found}"
+    return found[0] - onset if found else None
+
+
+@pytest.mark.parametrize("seed,within,before", [(0, 20, 59), (7, 15, 40)])
+def test_a_leak_after_a_cache_refill_is_found_in_minutes(seed, within, before):
+    trace = make_trace("leak_after_shift", seed)
+    delay = found_after(trace)
+    assert delay is not None and delay <= within, (trace.name, delay, f"f1862f7: {before} min")
+
+
+def test_a_leak_below_a_level_given_back_is_found_before_half_an_hour():
+    trace = make_trace("leak_after_shift", 4)  # 0.45 GiB given back 6 minutes into a 2 MiB/min leak
+    delay = found_after(trace)
+    assert delay is not None and delay <= 25, (delay, "f1862f7: 60 min")
+
+
+def test_a_leak_during_a_sleep_is_found_before_the_wake():
+    trace = make_trace("leak_after_shift", 5)  # 8 MiB/min from 15 minutes into a sleep
+    onset = trace.leak_start
+    wake = next((t - T0) / 60 for t, a, b in zip(trace.times[1:], trace.values, trace.values[1:], strict=False)
+                if t > onset and b - a > 10 * GiB)
+    delay = found_after(trace)
+    assert delay is not None and onset_minute(trace) + delay < wake, (delay, wake, "f1862f7: after the wake")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_level_shifts_refills_and_give_backs_raise_nothing(seed):
+    trace = make_trace("level_shifts", seed)
+    assert trace.leak_rate is None
+    assert episodes(trace.times, trace.values) == []
+
+
+def test_a_fast_leak_is_found_three_buckets_after_its_onset():
+    # 16 MiB/min begun inside a minute bucket: found when the third bucket after it closes,
+    # not a fourth (f1862f7: 4.0 min).
+    trace = make_trace("fast_leak", 0)
+    delay = found_after(trace)
+    assert delay is not None and delay <= 3.5, delay
+
+
+def test_faster_leaks_after_a_shift_are_found_sooner():
+    # The same family's 8 MiB/min leaks against its 2 MiB/min ones, seeds 0-7: the median delay.
+    delays = {2.0: [], 8.0: []}
+    for seed in range(8):
+        trace = make_trace("leak_after_shift", seed)
+        delays[trace.leak_rate].append(found_after(trace))
+    assert all(d is not None for ds in delays.values() for d in ds), delays
+    assert sorted(delays[8.0])[1] < sorted(delays[2.0])[1], delays
