@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,9 @@ def test_analyze_text_is_a_readable_list():
     assert text.startswith("Replayed 181 samples of 1 GPU ")
     assert "[warning] leak - GPU 0, pid 4711 (VLLM::EngineCor)" in text
     assert "first detected 2024-11-22" in text and "  - " in text
+    # A narrow interval is printed with the decimals that show it (it read "8.0-8.0").
+    low, high = re.search(r"grows [\d.]+ MiB/min \(95 % interval ([\d.]+)-([\d.]+)", text).groups()
+    assert low != high and float(low) < 8.0 < float(high)
 
 
 def test_analyze_reads_prometheus_json():

@@ -174,7 +174,7 @@ def _gpu_leak(gpu: GpuSample, p: ProcessSample, a: LeakAssessment, now: float, t
         gpu=gpu.index, uuid=gpu.uuid, pid=p.pid, process=p.name, role=p.role,
         endpoint=p.endpoint,
         summary=(f"{p.name or 'pid ' + str(p.pid)} (pid {p.pid}) GPU {gpu.index} memory grows "
-                 f"{slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + (f" {where}" if where else "")
+                 + _rate(slope, a) + (f" {where}" if where else "")
                  + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=False, component=why.component))
 
@@ -208,19 +208,22 @@ def _rss_leak(p: ProcessSample, a: LeakAssessment, snapshot: Snapshot, tp: bool,
         kind="leak", severity=_severity(left, critical_seconds),
         first_detected_at=snapshot.timestamp, gpu=None, uuid="", pid=p.pid, process=p.name,
         role=p.role, endpoint=p.endpoint,
-        summary=(f"{who} host memory grows {slope * 60 / (1 << 20):.1f} MiB/min" + _sure(a) + where
+        summary=(f"{who} host memory grows " + _rate(slope, a) + where
                  + _full_in(left)),
         evidence=tuple(evidence), advice=_advice(p, left, tp, host=True, cpu=cpu))
 
 
-def _sure(a: LeakAssessment) -> str:
-    """How sure the test is: the rate's 95 % interval and the false-alarm budget in force."""
+def _rate(slope: float, a: LeakAssessment) -> str:
+    """The rate in MiB/min and how sure the test is: its 95 % interval and the false-alarm budget
+    in force, with as many decimals (up to 3) as it takes for the interval to show its width."""
+    rate = slope * 60 / (1 << 20)
     if a.interval is None:
-        return ""
-    ev = dict(a.evidence)
+        return f"{rate:.1f} MiB/min"
     low, high = (x * 60 / (1 << 20) for x in a.interval)
-    budget = ev.get("false_alarms_per_day")
-    return (f" (95 % interval {max(low, 0.0):.1f}-{high:.1f}"
+    low = max(low, 0.0)
+    digits = next((d for d in (1, 2) if round(low, d) != round(high, d)), 3)
+    budget = dict(a.evidence).get("false_alarms_per_day")
+    return (f"{rate:.{digits}f} MiB/min (95 % interval {low:.{digits}f}-{high:.{digits}f}"
             + (f"; budget {budget:g} false alarms/day" if budget is not None else "") + ")")
 
 
