@@ -15,6 +15,7 @@ from exporter.model import Finding, GpuSample, OomEvent, ProcessSample, Snapshot
 from exporter.postmortem.analyze import replay_episodes
 from exporter.postmortem.explain import events_in_lines as parse_lines
 from exporter.postmortem.report import write_report
+from exporter.postmortem.trace import read_trace
 from exporter.runtime import build as build_runtime
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -236,3 +237,25 @@ def test_the_charts_draw_no_line_across_a_gap_in_the_trace(leak_run):
     # Without the gap, one unbroken run.
     assert not any(math.isnan(y) for y in plots.process(mpl, f, t[:len(t) // 2], vs[:len(t) // 2],
                                                          t[-1]).axes[0].lines[0].get_ydata())
+
+
+def test_the_leak_chart_zooms_on_the_growth_not_the_start_up():
+    """vllm_leak.csv: the model loads (0 -> 50 GiB) a minute after the trace starts, and the
+    detector's window reaches back before it. The chart drew the line from the load and its y
+    axis from 0 GiB, a 0.5 GiB growth then a flat line: both start after the load now."""
+    from exporter.postmortem import reportplots as plots
+
+    mpl = plots.load()
+    if mpl is None:
+        pytest.skip("matplotlib (the report extra) is not installed")
+    snapshots = read_trace(str(Path(__file__).parent / "fixtures" / "traces" / "vllm_leak.csv"))
+    episodes, _ = replay_episodes(snapshots)
+    f = gpu_leak(episodes)
+    ts = [s.timestamp for s in snapshots]
+    vs = [next(p.used_bytes for p in s.gpus[0].processes if p.pid == f.pid) if any(
+        p.pid == f.pid for p in s.gpus[0].processes) else 0 for s in snapshots]
+    line = plots.fitted_line(ts, vs, f, ts[-1])
+    loaded = next(t for t, v in zip(ts, vs, strict=True) if v > 40 * GiB)
+    assert line is not None and line[1][0] >= loaded
+    (ax,) = plots.process(mpl, f, ts, vs, ts[-1]).axes
+    assert ax.get_ylim()[0] > 40  # GiB: zoomed on the growth

@@ -172,21 +172,35 @@ def gpu(mpl: Mpl, index: str, t: list[float], parts: Sequence[Sequence[int]],
     return fig
 
 
-def fitted_line(ts: list[float], vs: list[int], f: Finding,
-                end: float) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
-    """The detector's growth line: its slope, through the samples of its window before
-    detection (intercept = median residual), drawn from the window's start to the end.
-    (slope, (t_start, t_end), (v_start, v_end)), or None without a slope in the evidence."""
+def growth_start(ts: Sequence[float], vs: Sequence[int], f: Finding) -> float:
+    """Where the finding's growth is drawn from: its window's start, or later, after the last
+    jump between two samples bigger than all the growth it found (a start-up, a model loaded:
+    the window may reach back before them, which the detector's models set apart)."""
     ev = dict(f.evidence)
-    slope = ev.get("slope_bytes_per_second")
-    if not isinstance(slope, (int, float)) or not ts:
-        return None
     window = ev.get("window_seconds")
     window = float(window) if isinstance(window, (int, float)) and window > 0 else 3600.0
+    start = f.first_detected_at - window
+    growth = ev.get("growth_bytes")
+    if isinstance(growth, (int, float)) and growth > 0:
+        for (t, v), (t2, v2) in pairwise(zip(ts, vs, strict=True)):
+            if start <= t and t2 <= f.first_detected_at and abs(v2 - v) > growth:
+                start = t2
+    return start
+
+
+def fitted_line(ts: list[float], vs: list[int], f: Finding,
+                end: float) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
+    """The detector's growth line: its slope, through the samples of its growth before
+    detection (intercept = median residual), drawn from the growth's start to the end.
+    (slope, (t_start, t_end), (v_start, v_end)), or None without a slope in the evidence."""
+    slope = dict(f.evidence).get("slope_bytes_per_second")
+    if not isinstance(slope, (int, float)) or not ts:
+        return None
     t0 = f.first_detected_at
-    inside = [(t, v) for t, v in zip(ts, vs, strict=True) if t0 - window <= t <= t0] or list(zip(ts, vs, strict=True))
+    since = growth_start(ts, vs, f)
+    inside = [(t, v) for t, v in zip(ts, vs, strict=True) if since <= t <= t0] or list(zip(ts, vs, strict=True))
     level = median(v - slope * (t - t0) for t, v in inside)
-    a = max(ts[0], t0 - window)
+    a = max(ts[0], since)
     return slope, (a, end), (level + slope * (a - t0), level + slope * (end - t0))
 
 
@@ -211,8 +225,7 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
             linestyle="none", label=f"{f.kind} first detected {detected} UTC")
     _mark_triggers(ax, triggers)
     # Zoom on the growth: a start-up ramp of tens of GiB would flatten a leak of MiB/min.
-    window = dict(f.evidence).get("window_seconds")
-    since = f.first_detected_at - (float(window) if isinstance(window, (int, float)) else 3600.0)
+    since = growth_start(ts, vs, f)
     recent = [v / GiB for t, v in zip(ts, vs, strict=True) if t >= since] or [v / GiB for v in vs]
     low, high = min(recent), max(recent)
     if line is not None:
