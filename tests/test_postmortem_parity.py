@@ -295,7 +295,7 @@ def test_analyze_lists_the_logs_oom_events_with_class_and_time(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     # The only event is before the trace: listed apart, not counted as the incident's (#19).
-    assert "No out-of-memory events in the log(s) given" in out.stdout and "within the trace's time." in out.stdout
+    assert "Within the trace's time, no out-of-memory event in the trace and the log given" in out.stdout
     assert "1 more outside the trace's time, not part of this incident:" in out.stdout
     line = next(ln for ln in out.stdout.splitlines() if "vllm_v1_worker_oom.log:" in ln)
     assert f"torch_cuda_oom, class {event.klass}, 2024-11-22 10:05:14 UTC" in line  # the trace's year

@@ -171,13 +171,13 @@ def _event_lines(events: Sequence[OomEvent], start: float | None, end: float | N
                  logs: Sequence[str]) -> list[str]:
     """The incident's events (within the trace's time), then apart those outside it: another
     incident's, not counted as this one's."""
-    source = f"the log(s) given ({', '.join(logs)}) and the trace" if logs else \
-        "the trace (no log given: add --log FILE for a server's own)"
+    source = f"in the trace and the {'logs' if len(logs) > 1 else 'log'} given ({', '.join(logs)})" if logs \
+        else "in the trace (no log given: add --log FILE for a server's own)"
     inside, outside = split_events(events, start, end)
     if not inside:
-        lines = ["", sanitize(f"No out-of-memory events in {source} within the trace's time.")]
+        lines = ["", sanitize(f"Within the trace's time, no out-of-memory event {source}.")]
     else:
-        lines = ["", sanitize(f"{counted(len(inside), 'out-of-memory event')} in {source} within the trace's time:")]
+        lines = ["", sanitize(f"Within the trace's time, {counted(len(inside), 'out-of-memory event')} {source}:")]
     lines += _event_list(inside, start, end)
     if outside:
         lines += ["", sanitize(f"{len(outside)} more outside the trace's time, not part of this incident:")]

@@ -339,14 +339,14 @@ def split_events(events: Iterable[OomEvent], start: float | None,
 
 def _oom_section(events: Sequence[OomEvent], outside: Sequence[OomEvent], logs: Sequence[str],
                  start: float | None, end: float | None) -> str:
-    given = (f"From the log(s) given ({_e(', '.join(logs))}) and the trace" if logs
+    given = (f"From the trace and the {'logs' if len(logs) > 1 else 'log'} given ({_e(', '.join(logs))})" if logs
              else "No log was given (<code>analyze --log FILE</code>); from the trace")
     out = [f"<p>{given}: {counted(len(events), 'event')} within the trace's time.</p>" if events else
            f"<p>{given}: no out-of-memory event within the trace's time.</p>"]
     out += _oom_events(events, start, end)
     if outside:
         out += ['<h3 class="outside">Outside the trace\'s time</h3>',
-                f'<p class="outside">{len(outside)} event(s) from the logs fall outside the trace\'s time: '
+                f'<p class="outside">{counted(len(outside), "event")} from the logs fall outside the trace\'s time: '
                 "not part of this incident, not counted above, and their advice is not under Advice.</p>",
                 *_oom_events(outside, start, end)]
     return "\n".join(out)
