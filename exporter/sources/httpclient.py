@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
@@ -314,8 +314,10 @@ def _send(session: requests.Session, request: requests.PreparedRequest, seconds:
             or session.trust_env else {}
         # verify None (unset) would turn TLS verification off in the adapter: requests' default is True.
         verify = True if session.verify is None else session.verify
-        pool = adapter.get_connection_with_tls_context(request, verify, proxies=proxies, cert=session.cert)
-        adapter.cert_verify(pool, url, verify, session.cert)
+        # requests types it ConnectionPool; an HTTPAdapter's is an HTTP(S)ConnectionPool.
+        pool = cast(HTTPConnectionPool, adapter.get_connection_with_tls_context(request, verify, proxies=proxies,
+                                                                                cert=session.cert))
+        adapter.cert_verify(pool, url, verify, session.cert)  # type: ignore[no-untyped-call]
         return pool.urlopen(method=request.method or "GET", url=adapter.request_url(request, proxies),
                             body=request.body, headers=request.headers, redirect=False, assert_same_host=False,
                             preload_content=False, decode_content=False, retries=adapter.max_retries,

@@ -189,7 +189,7 @@ def _sample(name: str, rest: str) -> tuple[dict[str, str], str]:
     if brace and head.startswith("{") and len(head) <= MAX_CACHED_LABELS_CHARS:
         labels = _cached_labels(head)
         m = _VALUE.fullmatch(tail) if labels is not None else None
-        if m is not None:
+        if labels is not None and m is not None:
             return labels, m.group(1)
     return _parse_sample(name, rest)  # not the common shape: parsed afresh, its error said
 
