@@ -118,11 +118,12 @@ class _FrameMemo:
     """One history frame's sleep states and the servers' memory on its GPUs, each read once
     (frames are immutable)."""
 
-    __slots__ = ("_used", "frame", "states")
+    __slots__ = ("_used", "asleep", "frame", "states")
 
     def __init__(self, frame: Snapshot):
         self.frame = frame
         self.states = _states(frame)
+        self.asleep = frozenset(e for e, state in self.states.items() if state not in ("", "awake"))
         self._used: dict[tuple[str, str, frozenset[Identity]], int | None] = {}
 
     def used(self, uuid: str, endpoint: str, processes: frozenset[Identity]) -> int | None:
@@ -155,11 +156,16 @@ class SleepLeakDetector:
         frames = [s for s in tick.history.recent(now - config.lookback_seconds) if s.timestamp < now]
         frames.append(snapshot)
         memos = self._memos(frames)
+        asleep = {endpoint for m in memos if m.asleep for endpoint in m.asleep}  # at some time in the lookback
         findings = []
         seen: set[tuple[str, str]] = set()
         for server in snapshot.vllm:
             endpoint = server.endpoint
-            states = [(m.frame.timestamp, m.states.get(endpoint, "")) for m in memos]
+            # No sleep within the lookback (most servers, most of the time): no cycle to judge, and
+            # the states are read only to clear what an earlier cycle kept.
+            slept = server.up and endpoint in asleep
+            states = [(m.frame.timestamp, m.states.get(endpoint, "")) for m in memos] \
+                if slept or any(k[0] == endpoint for k in self._kept) else []
             for gpu in snapshot.gpus:
                 key = (endpoint, gpu.uuid)
                 used = _used(gpu, endpoint)
@@ -170,9 +176,11 @@ class SleepLeakDetector:
                     continue
                 seen.add(key)
                 processes = _processes(gpu, endpoint)
-                series = [(t, state, m.used(gpu.uuid, endpoint, processes))
-                          for (t, state), m in zip(states, memos, strict=True)]
-                evidence = _cycle(series, gpu, server, now, config) if server.up else []
+                evidence: Evidence = []
+                if slept:
+                    series = [(t, state, m.used(gpu.uuid, endpoint, processes))
+                              for (t, state), m in zip(states, memos, strict=True)]
+                    evidence = _cycle(series, gpu, server, now, config)
                 kept = self._judge(key, gpu, server, evidence, used, states, now, config)
                 if kept:
                     findings.append(_finding(gpu, server, kept, now))
