@@ -3,6 +3,7 @@
     python3 -m venv /tmp/nvitop-venv && /tmp/nvitop-venv/bin/pip install nvitop-exporter
     python bench/overhead.py [--nvitop-site /tmp/nvitop-venv/lib/python3.11/site-packages]
                              [--gpus 1 8 16] [--procs 16 64 256] [--ticks 12] [--scrapes 200]
+                             [--warm-ticks 3] [--rounds 1] [--vllm-page FILE]
 
 Hosts: 1, 8 and 16 simulated GPUs with 16, 64 or 256 processes on each and 4 vLLM endpoints,
 sampled every 5 s. Both exporters read the simulator's drop-in pynvml module (nvitop-exporter
@@ -14,12 +15,18 @@ Each (exporter, host) runs in its own worker process, so its CPU time and reside
 its own; the fake vLLM servers run in this parent process. Measured per worker:
 - CPU seconds per hour: CPU time (user + system) of a sampling tick, ticks run back to back
   with the clock advanced 5 s each, times 720 ticks an hour; scrapes excluded (they depend on
-  Prometheus's interval, not ours: see scrape latency);
+  Prometheus's interval, not ours: see scrape latency). The first `--warm-ticks` (3) are not
+  timed: caches fill. `--warm-ticks 720` times the steady state instead, an hour of raw history
+  behind every tick, as after the daemon's first hour (detectors that read the history pay
+  for its length);
 - resident memory (RSS) after the ticks;
 - scrape latency: wall time of GET /metrics over loopback from this process, median and p99.
 Our exporter runs sources + analysis (history and every detector) + its collector, the way the
 daemon does; nvitop-exporter runs its own `update_host()` + `update_device()` loop body. Both
 serve /metrics with prometheus_client's HTTP server, so the listener is the same.
+
+With `--rounds N` the three workers run in turn N times and each one's ticks are pooled before
+the median, so a change in the machine's load falls on all three alike.
 
 Ours runs twice: with the 4 vLLM endpoints ("ours"), and without them ("ours, no vLLM"), which
 is the same work nvitop-exporter does. The simulated vLLM servers answer with a page the size
@@ -91,7 +98,7 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
+def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int) -> dict:
     from exporter.cli import make_analyzer
     from exporter.clock import FixedClock
     from exporter.config import build as build_config
@@ -118,19 +125,19 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int) -> dict:
     state = State()
     registry = build_registry(lambda: state, clock.now)
     cpu = []
-    for i in range(ticks + 3):
+    for i in range(ticks + warm):
         clock.advance(INTERVAL)
         c0 = time.process_time()
         snap = sampler.sample()
         analysis = analyzer.update(snap)
         state = State(snapshot=snap, analysis=analysis, last_sample_at=snap.timestamp, samples_total=i + 1)
-        if i >= 3:  # warm-up: caches and history fill in the first ticks
+        if i >= warm:  # warm-up: caches and history fill in the first ticks
             cpu.append(time.process_time() - c0)
     procs = sum(len(g.processes) for g in state.snapshot.gpus)
     return {"cpu_per_tick": cpu, "rss": _rss(), "port": _serve(registry), "gpu_processes": procs}
 
 
-def worker_nvitop(spec: dict, site: str, ticks: int) -> dict:
+def worker_nvitop(spec: dict, site: str, ticks: int, warm: int) -> dict:
     from exporter.clock import FixedClock
     from exporter.sim import fake_nvml
     from exporter.sim.scenario import from_dict
@@ -147,21 +154,21 @@ def worker_nvitop(spec: dict, site: str, ticks: int) -> dict:
     registry = CollectorRegistry()
     exporter = PrometheusExporter(devices, hostname="bench", registry=registry, interval=INTERVAL)
     cpu = []
-    for i in range(ticks + 3):
+    for i in range(ticks + warm):
         clock.advance(INTERVAL)
         c0 = time.process_time()
         exporter.update_host()
         for d in devices:
             exporter.update_device(d)
-        if i >= 3:
+        if i >= warm:
             cpu.append(time.process_time() - c0)
     procs = sum(len(v) for v in exporter.alive_pids.values())
     return {"cpu_per_tick": cpu, "rss": _rss(), "port": _serve(registry), "gpu_processes": procs}
 
 
-def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, ticks: int) -> None:
+def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, ticks: int, warm: int) -> None:
     spec = json.loads(Path(spec_file).read_text())
-    result = worker_ours(spec, endpoints, ticks) if kind == "ours" else worker_nvitop(spec, site, ticks)
+    result = worker_ours(spec, endpoints, ticks, warm) if kind == "ours" else worker_nvitop(spec, site, ticks, warm)
     print(json.dumps(result), flush=True)
     sys.stdin.read()  # serve /metrics until the parent closes stdin
 
@@ -210,14 +217,22 @@ def scrape_latencies(port: int, n: int) -> tuple[list[float], int]:
     return times, size
 
 
+def merged(before: dict | None, result: dict) -> dict:
+    """A worker's result with the ticks and scrapes of its earlier rounds; RSS, the largest."""
+    if before is None:
+        return result
+    return {**result, "cpu_per_tick": before["cpu_per_tick"] + result["cpu_per_tick"],
+            "scrape": before["scrape"] + result["scrape"], "rss": max(before["rss"], result["rss"])}
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_worker(kind, spec_file, endpoints, site, ticks, scrapes) -> dict:
+def run_worker(kind, spec_file, endpoints, site, ticks, warm, scrapes) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--spec", spec_file, "--site", site,
-           "--ticks", str(ticks), *(arg for e in endpoints for arg in ("--endpoint", e))]
+           "--ticks", str(ticks), "--warm-ticks", str(warm), *(arg for e in endpoints for arg in ("--endpoint", e))]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -237,6 +252,8 @@ def main() -> int:
     ap.add_argument("--procs", type=int, nargs="+", default=[16, 64, 256], help="processes per GPU")
     ap.add_argument("--ticks", type=int, default=12)
     ap.add_argument("--scrapes", type=int, default=200)
+    ap.add_argument("--warm-ticks", type=int, default=3, help="untimed ticks first (720: an hour of history)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the workers in turn this many times, ticks pooled")
     ap.add_argument("--vllm-page", help="serve this page (a real one) from the 4 vLLM endpoints, not the simulator's")
     default_site = next(iter(sorted(glob.glob("/tmp/nvitop-venv/lib/python3*/site-packages"))), "")
     ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
@@ -246,7 +263,7 @@ def main() -> int:
     ap.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker_main(args.worker, args.spec, args.endpoint, args.site, args.ticks)
+        worker_main(args.worker, args.spec, args.endpoint, args.site, args.ticks, args.warm_ticks)
         return 0
 
     import tempfile
@@ -276,12 +293,15 @@ def main() -> int:
                         else:
                             urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
                                     for i in range(VLLM_ENDPOINTS)]
-                        row = {"gpus": gpus, "procs": per_gpu,
-                               "ours": run_worker("ours", spec_file, urls, "", args.ticks, args.scrapes),
-                               "ours, no vLLM": run_worker("ours", spec_file, [], "", args.ticks, args.scrapes)}
+                        workers = {"ours": ("ours", urls, ""), "ours, no vLLM": ("ours", [], "")}
                         if have_nvitop:
-                            row["nvitop"] = run_worker("nvitop", spec_file, [], args.nvitop_site, args.ticks,
-                                                       args.scrapes)
+                            workers["nvitop"] = ("nvitop", [], args.nvitop_site)
+                        row = {"gpus": gpus, "procs": per_gpu}
+                        for _ in range(args.rounds):  # in turn: a change in the machine's load hits all alike
+                            for name, (kind, endpoints, site) in workers.items():
+                                result = run_worker(kind, spec_file, endpoints, site, args.ticks, args.warm_ticks,
+                                                    args.scrapes)
+                                row[name] = merged(row.get(name), result)
                 finally:
                     for p in sleepers:
                         p.kill()

@@ -61,9 +61,10 @@ class CountingSession(requests.Session):
         session = self
 
         class Counting(requests.adapters.HTTPAdapter):
-            def send(self, *args, **kwargs):
+            # httpclient sends through the adapter's pool, which it asks for once a request
+            def get_connection_with_tls_context(self, *args, **kwargs):
                 session.calls += 1
-                return super().send(*args, **kwargs)
+                return super().get_connection_with_tls_context(*args, **kwargs)
         self.mount("http://", Counting())
 
 

@@ -4,6 +4,7 @@ cleared and raised it every 10-20 s, and after the second cycle named only its +
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from exporter.analysis.engine import Analyzer
 from exporter.model import Snapshot, VllmEngineStats, VllmSample
@@ -74,3 +75,26 @@ def test_a_restarted_server_starts_afresh():
         [(1200, AWAKE, 69 * GiB)], start=T0 + 4200)]
     found, _ = episodes(kept + restarted)
     assert found == [(2460, 4230)]  # cleared 30 s after the restart (the engine's clear hold)
+
+
+def test_each_frame_is_read_once_however_long_the_lookback(monkeypatch):
+    """An hour of frames behind every tick: each frame's states and memory are read when it
+    arrives, not again at every tick for every server (#18: that was most of the exporter's CPU
+    with 4 vLLM endpoints after its first hour). The findings are the same as before."""
+    from exporter.analysis import sleep
+
+    read = []
+
+    class Counted(sleep._FrameMemo):
+        __slots__ = ()
+
+        def __init__(self, frame):
+            read.append(frame.timestamp)
+            super().__init__(frame)
+    monkeypatch.setattr(sleep, "_FrameMemo", Counted)
+    snapshots = timeline(TWO_CYCLES)
+    found, _ = episodes(snapshots)
+    assert found == [(2460, None)]
+    # once as the tick's snapshot, once as the copy the history keeps of it
+    assert set(read) == {s.timestamp for s in snapshots}
+    assert max(Counter(read).values()) <= 2

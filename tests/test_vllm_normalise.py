@@ -281,3 +281,51 @@ def test_a_page_switching_between_v0_and_v1_names_keeps_its_engine_label():
     # Both on one page (a release exposing both names): one engine, the current name's value.
     (both,) = normalise(v1 + v0).engines
     assert (both.engine, both.kv_cache_usage_ratio) == ("0", 0.5)
+
+
+# -- a series' labels parsed once and remembered (#18): the same numbers, the same strictness ----
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.prom")))
+def test_remembered_labels_give_what_a_fresh_parse_gives(name, monkeypatch):
+    """Every fixture page, the real vLLM 0.32 page among them: normalised with the label sets
+    remembered (twice: the second reads them from memory) and with every line parsed afresh,
+    the same engines, cache config, admission rejections and rejected names."""
+    from exporter.sources import vllm_normalise
+
+    page = load(name)
+    remembered = [normalise(page), normalise(page)]
+    monkeypatch.setattr(vllm_normalise, "_sample", vllm_normalise._parse_sample)
+    fresh = normalise(page)
+    assert remembered[0] == remembered[1] == fresh
+    assert fresh.engines or fresh.cache_config is not None
+
+
+@pytest.mark.parametrize("line, labels", [
+    ('vllm:num_requests_running{model_name="a}b",engine="0"} 3\n', ("a}b", "0")),
+    ('vllm:num_requests_running{model_name="a\\"}",engine="1"} 3\n', ('a"}', "1")),
+    ('vllm:num_requests_running{model_name="m",engine="0",} 3 1700000000\n', ("m", "0")),
+])
+def test_a_brace_or_quote_in_a_label_value_reads_right(line, labels):
+    for _ in range(2):  # parsed, then remembered
+        (engine,) = normalise(line).engines
+        assert (engine.model, engine.engine, engine.requests_running) == (*labels, 3.0)
+
+
+@pytest.mark.parametrize("tail", [" 3}", " three", "", ' 3 x"}'])
+def test_a_remembered_label_set_does_not_excuse_a_bad_value(tail):
+    good = 'vllm:num_requests_running{model_name="m",engine="0"} 3\n'
+    normalise(good)  # its label set is now remembered
+    with pytest.raises(ParseError, match="not Prometheus text format"):
+        normalise(good + f'vllm:num_requests_waiting{{model_name="m",engine="0"}}{tail}\n')
+
+
+def test_label_sets_remembered_are_bounded():
+    from exporter.sources import vllm_normalise
+
+    for i in range(vllm_normalise.MAX_CACHED_LABEL_SETS + 50):
+        normalise(f'vllm:num_requests_running{{model_name="m{i}",engine="0"}} 1\n')
+    info = vllm_normalise._cached_labels.cache_info()
+    assert info.currsize <= vllm_normalise.MAX_CACHED_LABEL_SETS
+    long_labels = "x" * (vllm_normalise.MAX_CACHED_LABELS_CHARS + 1)
+    (engine,) = normalise(f'vllm:num_requests_running{{model_name="{long_labels}",engine="0"}} 1\n').engines
+    assert engine.requests_running == 1.0  # parsed, not remembered
+    assert vllm_normalise._cached_labels.cache_info().currsize <= vllm_normalise.MAX_CACHED_LABEL_SETS

@@ -436,30 +436,42 @@ def test_source_ignores_a_proxy_from_the_environment(server, monkeypatch):
 # -- redirects: bounded like the answer itself, never read, never to another host -------------
 class ReadCountingAdapter(requests.adapters.HTTPAdapter):
     """Counts the body bytes the client takes out of each response, per path (after
-    decompression: what ends up in memory), and the timeouts requests are sent with."""
+    decompression: what ends up in memory), and the (connect, read) timeouts each request is
+    sent with, at the urllib3 pool the client sends through."""
 
     def __init__(self):
         super().__init__()
         self.read: dict[str, int] = {}
         self.timeouts: list = []
 
-    def send(self, request, **kwargs):
-        self.timeouts.append(kwargs.get("timeout"))
-        return super().send(request, **kwargs)
+    def get_connection_with_tls_context(self, request, verify, proxies=None, cert=None):
+        return _CountingPool(super().get_connection_with_tls_context(request, verify, proxies, cert), self)
 
-    def build_response(self, req, resp):
-        path = requests.utils.urlparse(req.url).path
-        self.read.setdefault(path, 0)
+
+class _CountingPool:
+    def __init__(self, pool, adapter):
+        self._pool, self._adapter = pool, adapter
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def urlopen(self, method, url, **kwargs):
+        timeout = kwargs.get("timeout")
+        self._adapter.timeouts.append((timeout.connect_timeout, timeout.read_timeout))
+        resp = self._pool.urlopen(method, url, **kwargs)
+        path = requests.utils.urlparse(url).path
+        counts = self._adapter.read
+        counts.setdefault(path, 0)
 
         def add(data):
-            self.read[path] += len(data)
+            counts[path] += len(data)
             return data
         for name in ("read", "read1"):
             original = getattr(resp, name)
             setattr(resp, name, lambda *a, _original=original, **k: add(_original(*a, **k)))
         chunked = resp.read_chunked  # a chunked body bypasses read()
         resp.read_chunked = lambda *a, **k: (add(piece) for piece in chunked(*a, **k))
-        return super().build_response(req, resp)
+        return resp
 
 
 def counting_scrape(endpoint, **kwargs):

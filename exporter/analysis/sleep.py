@@ -111,6 +111,30 @@ def _processes(gpu: GpuSample, endpoint: str) -> frozenset[Identity]:
 
 
 MAX_TRACKED = 4096  # (server, GPU) pairs remembered at most; servers and GPUs are few
+MAX_MEMO_ENTRIES = 256  # per frame: (GPU, server, processes) memory sums remembered
+
+
+class _FrameMemo:
+    """One history frame's sleep states and the servers' memory on its GPUs, each read once
+    (frames are immutable)."""
+
+    __slots__ = ("_used", "asleep", "frame", "states")
+
+    def __init__(self, frame: Snapshot):
+        self.frame = frame
+        self.states = _states(frame)
+        self.asleep = frozenset(e for e, state in self.states.items() if state not in ("", "awake"))
+        self._used: dict[tuple[str, str, frozenset[Identity]], int | None] = {}
+
+    def used(self, uuid: str, endpoint: str, processes: frozenset[Identity]) -> int | None:
+        """_used of the frame's GPU `uuid` (None when the frame has no such GPU)."""
+        key = (uuid, endpoint, processes)
+        if key in self._used:
+            return self._used[key]
+        value = _used(next((g for g in self.frame.gpus if g.uuid == uuid), None), endpoint, processes)
+        if len(self._used) < MAX_MEMO_ENTRIES:
+            self._used[key] = value
+        return value
 
 
 class SleepLeakDetector:
@@ -122,16 +146,26 @@ class SleepLeakDetector:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[str, str], _Kept] = {}
+        # What each frame says, read once: the lookback holds an hour of frames (720), and reading
+        # every frame for every server and GPU each tick was most of the exporter's CPU with 4
+        # endpoints (#18). Keyed by id; the memo holds its frame, so the id stays its own.
+        self._frame_memos: dict[int, _FrameMemo] = {}
 
     def __call__(self, tick: Tick, config: SleepConfig) -> list[Finding]:
         snapshot, now = tick.snapshot, tick.now
         frames = [s for s in tick.history.recent(now - config.lookback_seconds) if s.timestamp < now]
         frames.append(snapshot)
+        memos = self._memos(frames)
+        asleep = {endpoint for m in memos if m.asleep for endpoint in m.asleep}  # at some time in the lookback
         findings = []
         seen: set[tuple[str, str]] = set()
         for server in snapshot.vllm:
             endpoint = server.endpoint
-            states = [(s.timestamp, _states(s).get(endpoint, "")) for s in frames]
+            # No sleep within the lookback (most servers, most of the time): no cycle to judge, and
+            # the states are read only to clear what an earlier cycle kept.
+            slept = server.up and endpoint in asleep
+            states = [(m.frame.timestamp, m.states.get(endpoint, "")) for m in memos] \
+                if slept or any(k[0] == endpoint for k in self._kept) else []
             for gpu in snapshot.gpus:
                 key = (endpoint, gpu.uuid)
                 used = _used(gpu, endpoint)
@@ -142,10 +176,11 @@ class SleepLeakDetector:
                     continue
                 seen.add(key)
                 processes = _processes(gpu, endpoint)
-                series = [(t, state, _used(next((g for g in s.gpus if g.uuid == gpu.uuid), None), endpoint,
-                                           processes))
-                          for (t, state), s in zip(states, frames, strict=True)]
-                evidence = _cycle(series, gpu, server, now, config) if server.up else []
+                evidence: Evidence = []
+                if slept:
+                    series = [(t, state, m.used(gpu.uuid, endpoint, processes))
+                              for (t, state), m in zip(states, memos, strict=True)]
+                    evidence = _cycle(series, gpu, server, now, config)
                 kept = self._judge(key, gpu, server, evidence, used, states, now, config)
                 if kept:
                     findings.append(_finding(gpu, server, kept, now))
@@ -157,6 +192,17 @@ class SleepLeakDetector:
         for key in [k for k in self._kept if k not in seen]:
             del self._kept[key]  # the server or the GPU went away: what it kept went with it
         return findings
+
+    def _memos(self, frames: list[Snapshot]) -> list[_FrameMemo]:
+        """Each frame's memo, kept for the frames still in the lookback only."""
+        known, kept = self._frame_memos, {}
+        for frame in frames:
+            memo = known.get(id(frame))
+            if memo is None or memo.frame is not frame:
+                memo = _FrameMemo(frame)
+            kept[id(frame)] = memo
+        self._frame_memos = kept
+        return [kept[id(frame)] for frame in frames]
 
     def _judge(self, key: tuple[str, str], gpu: GpuSample, server: VllmSample, evidence: Evidence,
                used: int, states: list[tuple[float, str]], now: float, config: SleepConfig) -> Evidence:

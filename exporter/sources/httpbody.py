@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import requests
 import urllib3
+from urllib3.response import BaseHTTPResponse
 
-CHUNK_BYTES = 16 << 10  # also caps what one gzip read may inflate to
+# One read takes a whole vLLM page (about 50 KiB) where the socket has it; also caps what one
+# gzip read may inflate to.
+CHUNK_BYTES = 64 << 10
 
 
 class BodyError(Exception):
@@ -20,9 +22,10 @@ class BodyError(Exception):
         self.kind, self.detail, self.cause = kind, detail, cause
 
 
-def read_body(response: requests.Response, max_bytes: int, deadline: float, timeout_seconds: float,
+def read_body(response: BaseHTTPResponse, max_bytes: int, deadline: float, timeout_seconds: float,
               clock: Callable[[], float] = time.monotonic) -> bytes:
-    """The body of a streamed `response` (stream=True), read by `deadline` (on `clock`)."""
+    """The body of `response` (urllib3's, its content not preloaded), read by `deadline` (on
+    `clock`)."""
     late = f"body not complete within {timeout_seconds:g}s"
     chunks: list[bytes] = []
     total = 0
@@ -32,7 +35,7 @@ def read_body(response: requests.Response, max_bytes: int, deadline: float, time
             if remaining <= 0:
                 raise BodyError("timeout", late)
             _limit_next_read(response, remaining)
-            data = response.raw.read1(CHUNK_BYTES, decode_content=True)
+            data = response.read1(CHUNK_BYTES, decode_content=True)
             if not data:
                 return b"".join(chunks)
             total += len(data)
@@ -45,16 +48,16 @@ def read_body(response: requests.Response, max_bytes: int, deadline: float, time
         raise BodyError("timeout", late) from None
     except urllib3.exceptions.DecodeError:
         raise BodyError("parse", "body could not be decoded") from None
-    except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException) as exc:
+    except urllib3.exceptions.HTTPError as exc:
         raise BodyError("truncated", f"body ended early after {total} bytes ({type(exc).__name__})") from None
     except OSError as exc:
         raise BodyError("connection", str(exc), cause=exc) from None
 
 
-def _limit_next_read(response: requests.Response, seconds: float) -> None:
+def _limit_next_read(response: BaseHTTPResponse, seconds: float) -> None:
     """Shrink the socket timeout to what is left of the deadline, so a silent server cannot
     hold one read for the full per-read timeout. Best effort: urllib3 internals may differ."""
-    sock = getattr(getattr(response.raw, "connection", None), "sock", None)
+    sock = getattr(getattr(response, "connection", None), "sock", None)
     if sock is not None:
         try:
             sock.settimeout(max(seconds, 0.001))

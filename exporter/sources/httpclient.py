@@ -13,18 +13,26 @@ The deadline is hard. Socket timeouts bound each read, not the exchange: a serve
 headers a byte at a time holds a read for ever (#21 M7: every reload left a thread and a socket
 behind, and SIGTERM waited for them, L2). Sessions from new_session() send through
 BoundedAdapter, which knows the connection each thread is using: at the deadline, or when the
-session is closed, that connection's socket is shut down and the blocked read returns.
+session is closed, that connection's socket is shut down and the blocked read returns. One
+watchdog thread keeps every exchange's deadline (a thread per request was a quarter of a vLLM
+scrape's CPU).
+
+The session is the configuration (TLS, client certificate, proxies, mounted adapter); the
+exchange itself goes to the adapter's urllib3 pool, with keep-alive: requests' Response
+wrapping (cookies, header copies) was another sixth of a scrape, for nothing we use (#18).
 """
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
@@ -33,6 +41,7 @@ from requests.adapters import HTTPAdapter
 from requests.utils import requote_uri, resolve_proxies
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import PoolManager
+from urllib3.response import BaseHTTPResponse
 
 from .httpbody import BodyError, read_body
 
@@ -44,6 +53,7 @@ REDACTED = "<redacted>"
 # Past the deadline, the cooperative checks get this long to say "timeout" before the socket is
 # shut down under the exchange.
 CUT_OFF_GRACE_SECONDS = 0.5
+COMPACT_ABOVE = 1024  # alarms kept by the watchdog before cancelled ones are swept out
 
 
 class HttpFailure(Exception):
@@ -82,11 +92,12 @@ def _get(session: requests.Session, request: requests.PreparedRequest, deadline:
             raise HttpFailure("timeout", late)
         response = _send(session, request, min(timeout, remaining), late)
         try:
-            if response.is_redirect:
-                request = _next_hop(session, request, response, hop < max_redirects, max_redirects)
+            location = _redirect_target(response)
+            if location is not None:
+                request = _next_hop(request, location, response.status, hop < max_redirects, max_redirects)
                 continue
-            if response.status_code != 200 and not read_error_body:
-                return Answer(response.status_code, response.reason or "", b"")
+            if response.status != 200 and not read_error_body:
+                return Answer(response.status, response.reason or "", b"")
             declared = _content_length(response)
             if declared is not None and declared > max_bytes:
                 raise HttpFailure("too_large", f"response of {declared} bytes exceeds the {max_bytes}-byte limit")
@@ -94,9 +105,12 @@ def _get(session: requests.Session, request: requests.PreparedRequest, deadline:
                 body = read_body(response, max_bytes, deadline, timeout, clock)
             except BodyError as exc:
                 raise HttpFailure(exc.kind, describe(exc.cause) if exc.cause is not None else exc.detail) from None
-            return Answer(response.status_code, response.reason or "", body)
+            return Answer(response.status, response.reason or "", body)
         finally:
-            response.close()  # drops an unread body's connection instead of reading it
+            # A body read to its end has already given its connection back for the next
+            # exchange (keep-alive); an unread one's connection is dropped, never read.
+            response.close()
+            response.release_conn()
     raise AssertionError("unreachable: the last hop returns or raises")
 
 
@@ -112,9 +126,7 @@ def _cut_off_after(session: requests.Session, url: str, seconds: float, late: st
     def cut_off() -> None:
         fired.set()
         adapter.abort(thread)
-    timer = threading.Timer(seconds, cut_off)
-    timer.daemon = True
-    timer.start()
+    alarm = WATCHDOG.arm(seconds, cut_off)
     try:
         yield
     except HttpFailure:
@@ -122,7 +134,71 @@ def _cut_off_after(session: requests.Session, url: str, seconds: float, late: st
             raise HttpFailure("timeout", late) from None
         raise
     finally:
-        timer.cancel()
+        alarm.cancel()
+
+
+class _Alarm:
+    __slots__ = ("action", "cancelled")
+
+    def __init__(self, action: Callable[[], None]):
+        self.action = action
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True  # the watchdog drops it when its time comes (no wake-up now)
+
+
+class Watchdog:
+    """One thread that runs each armed action once its time has come, unless it was cancelled
+    first. Arming wakes the thread only when the new alarm is due before the one it sleeps
+    towards, so exchanges that end in time cost a heap push and a flag, not a thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._due: list[tuple[float, int, _Alarm]] = []
+        self._order = itertools.count()  # ties: the earlier armed first, and alarms never compared
+        self._changed = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, action: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(action)
+        when = self._clock() + seconds
+        with self._changed:
+            if len(self._due) > COMPACT_ABOVE:  # long deadlines, cancelled early: bound the heap
+                self._due = [entry for entry in self._due if not entry[2].cancelled]
+                heapq.heapify(self._due)
+            wake = not self._due or when < self._due[0][0]
+            heapq.heappush(self._due, (when, next(self._order), alarm))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="http-deadline", daemon=True)
+                self._thread.start()
+            elif wake:
+                self._changed.notify()
+        return alarm
+
+    def pending(self) -> int:
+        """Alarms neither run nor dropped yet (cancelled ones included until their time)."""
+        with self._changed:
+            return len(self._due)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while True:
+                    now = self._clock()
+                    while self._due and self._due[0][2].cancelled:  # nothing to do for these
+                        heapq.heappop(self._due)
+                    if self._due and self._due[0][0] <= now:
+                        alarm = heapq.heappop(self._due)[2]
+                        break
+                    self._changed.wait(self._due[0][0] - now if self._due else None)
+            try:
+                alarm.action()
+            except Exception:  # an action must never end the watchdog: every deadline rests on it
+                pass
+
+
+WATCHDOG = Watchdog()
 
 
 class _InFlight:
@@ -225,32 +301,56 @@ def new_session(ssl_context: ssl.SSLContext | None = None) -> requests.Session:
 
 
 def _send(session: requests.Session, request: requests.PreparedRequest, seconds: float,
-          late: str) -> requests.Response:
-    """The session's adapter sends it, with the session's TLS and proxy settings: what
-    Session.send does, less the redirect handling that reads bodies without bound."""
+          late: str) -> BaseHTTPResponse:
+    """Send the request through the session's adapter's urllib3 pool, with the session's TLS
+    and proxy settings: what HTTPAdapter.send does, less the requests.Response it builds (and
+    Session.send's redirect handling, which reads bodies without bound)."""
+    url = request.url or ""
     try:
-        adapter = session.get_adapter(request.url or "")
-        proxies = resolve_proxies(request, dict(session.proxies), session.trust_env)
+        adapter = session.get_adapter(url)
+        if not isinstance(adapter, HTTPAdapter):
+            raise HttpFailure("connection", f"no HTTP transport for {public_url(url)}")
+        proxies = resolve_proxies(request, dict(session.proxies), session.trust_env) if session.proxies \
+            or session.trust_env else {}
         # verify None (unset) would turn TLS verification off in the adapter: requests' default is True.
         verify = True if session.verify is None else session.verify
-        return adapter.send(request, stream=True, timeout=(seconds, seconds), verify=verify,
-                            cert=session.cert, proxies=proxies)
-    except requests.exceptions.RequestException as exc:
+        # requests types it ConnectionPool; an HTTPAdapter's is an HTTP(S)ConnectionPool.
+        pool = cast(HTTPConnectionPool, adapter.get_connection_with_tls_context(request, verify, proxies=proxies,
+                                                                                cert=session.cert))
+        adapter.cert_verify(pool, url, verify, session.cert)  # type: ignore[no-untyped-call]
+        return pool.urlopen(method=request.method or "GET", url=adapter.request_url(request, proxies),
+                            body=request.body, headers=request.headers, redirect=False, assert_same_host=False,
+                            preload_content=False, decode_content=False, retries=adapter.max_retries,
+                            timeout=urllib3.Timeout(connect=seconds, read=seconds), chunked=False)
+    except HttpFailure:
+        raise
+    except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
         failure = failure_of(exc)
         if failure.kind == "timeout":
             raise HttpFailure("timeout", late) from None
         raise failure from None
 
 
-def _next_hop(session: requests.Session, request: requests.PreparedRequest, response: requests.Response,
-              allowed: bool, max_redirects: int) -> requests.PreparedRequest:
-    target = urljoin(request.url or "", session.get_redirect_target(response) or "")
-    status = f"HTTP {response.status_code} redirect to {public_url(target)}"
+def _redirect_target(response: BaseHTTPResponse) -> str | None:
+    """Where a 3xx with a Location points (as requests reads it: UTF-8 sent as Latin-1), else None."""
+    location = response.get_redirect_location()
+    if not location:
+        return None
+    try:
+        return location.encode("latin1").decode("utf8")
+    except UnicodeError:
+        return location
+
+
+def _next_hop(request: requests.PreparedRequest, location: str, status: int, allowed: bool,
+              max_redirects: int) -> requests.PreparedRequest:
+    target = urljoin(request.url or "", location)
+    said = f"HTTP {status} redirect to {public_url(target)}"
     if not allowed:
         why = "redirects are not followed" if max_redirects == 0 else f"more than {max_redirects} redirects"
-        raise HttpFailure("http_status", f"{status}: {why}")
+        raise HttpFailure("http_status", f"{said}: {why}")
     if _origin(target) != _origin(request.url or ""):
-        raise HttpFailure("http_status", f"{status}: not followed to another host, scheme or port")
+        raise HttpFailure("http_status", f"{said}: not followed to another host, scheme or port")
     following = request.copy()
     following.url = requote_uri(urlunsplit(urlsplit(target)._replace(fragment="")))
     return following
@@ -265,7 +365,7 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return (parts.scheme, (parts.hostname or "").lower(), port)
 
 
-def _content_length(response: requests.Response) -> int | None:
+def _content_length(response: BaseHTTPResponse) -> int | None:
     try:
         value = int(response.headers.get("Content-Length", ""))
     except ValueError:

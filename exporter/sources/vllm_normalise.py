@@ -79,6 +79,10 @@ _VALUE = re.compile(r"[ \t]+([^ \t\r]+)(?:[ \t]+-?\d+)?[ \t\r]*")
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE = re.compile(r"\\.")
 MAX_CACHED_LINE_CHARS = 4096
+# Label sets remembered across scrapes (a 64-engine page has about a thousand), each at most
+# this long: a page of ever-new labels costs a bounded cache, not memory without end.
+MAX_CACHED_LABEL_SETS = 1024
+MAX_CACHED_LABELS_CHARS = 512
 
 # A hostile or broken server must not blow up our own label cardinality or memory.
 MAX_ENGINES = 64
@@ -178,8 +182,38 @@ def normalise(text: str) -> NormalisedMetrics:
 
 
 def _sample(name: str, rest: str) -> tuple[dict[str, str], str]:
-    """The labels and the value text of one sample line (its name already read), strictly as the
-    text format writes them; ParseError otherwise."""
+    """The labels (not to be changed: shared between pages) and the value text of one sample
+    line (its name already read), strictly as the text format writes them; ParseError
+    otherwise. A series' labels are the same text on every scrape: parsed once, remembered."""
+    head, brace, tail = rest.rpartition("}")  # a value never holds "}"; a label value may
+    if brace and head.startswith("{") and len(head) <= MAX_CACHED_LABELS_CHARS:
+        labels = _cached_labels(head)
+        m = _VALUE.fullmatch(tail) if labels is not None else None
+        if labels is not None and m is not None:
+            return labels, m.group(1)
+    return _parse_sample(name, rest)  # not the common shape: parsed afresh, its error said
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_LABEL_SETS)
+def _cached_labels(head: str) -> dict[str, str] | None:
+    """The labels of `head` + "}" when that is exactly one well-formed label set, else None."""
+    try:
+        labels, at = _parse_labels("", head + "}")
+    except ParseError:
+        return None
+    return labels if at == len(head) + 1 else None
+
+
+def _parse_sample(name: str, rest: str) -> tuple[dict[str, str], str]:
+    labels, at = _parse_labels(name, rest)
+    m = _VALUE.fullmatch(rest, at)
+    if m is None:
+        raise ParseError(f"not Prometheus text format: no value in {name}{rest[:80]!r}")
+    return labels, m.group(1)
+
+
+def _parse_labels(name: str, rest: str) -> tuple[dict[str, str], int]:
+    """The labels at the start of `rest` (none unless it starts with "{") and where they end."""
     labels: dict[str, str] = {}
     at = 0
     if rest.startswith("{"):
@@ -197,10 +231,7 @@ def _sample(name: str, rest: str) -> tuple[dict[str, str], str]:
             at = m.end()
             if not m.group(3) and not rest.startswith("}", at):
                 raise ParseError(f"not Prometheus text format: bad labels in {name}{rest[:80]!r}")
-    m = _VALUE.fullmatch(rest, at)
-    if m is None:
-        raise ParseError(f"not Prometheus text format: no value in {name}{rest[:80]!r}")
-    return labels, m.group(1)
+    return labels, at
 
 
 def _valid(field: str | None, text: str, base: str) -> float | None:
