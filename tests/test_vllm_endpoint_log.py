@@ -36,14 +36,16 @@ def test_an_endpoint_going_down_and_coming_back_is_logged_once_each(caplog):
     ups = []
     try:
         with caplog.at_level(logging.INFO, logger="exporter.sources.vllm"):
-            for status in (200, 503, 503, 503, 200, 200):
+            for status in (503, 200, 503, 503, 503, 200, 200):
                 _Page.status = status
                 ups.append(source.collect(Snapshot(0.0)).snapshot.vllm[0].up)
     finally:
         source.close()
         server.shutdown()
         server.server_close()
-    assert ups == [True, False, False, False, True, True]
+    assert ups == [False, True, False, False, False, True, True]
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if "vLLM endpoint busy" in r.getMessage()]
-    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO]
-    assert "is down (http_status)" in lines[0][1] and "answers again" in lines[1][1]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO] * 2
+    # Down at the first scrape (a server still starting): its first answer is no "again".
+    assert "answers for the first time" in lines[1][1] and "again" not in lines[1][1]
+    assert "is down (http_status)" in lines[2][1] and "answers again" in lines[3][1]

@@ -164,6 +164,7 @@ class VllmSource:
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # (endpoint, metric) already logged
         self._was_up: dict[str, bool] = {}  # endpoint -> up at its last scrape (bounded by the config)
+        self._answered: set[str] = set()  # the endpoints that have answered once
         logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
@@ -241,7 +242,10 @@ class VllmSource:
         for sample in samples:
             was = self._was_up.get(sample.endpoint)
             if sample.up and was is False:
-                log.info("vLLM endpoint %s answers again", sample.endpoint)
+                again = "again" if sample.endpoint in self._answered else "for the first time"
+                log.info("vLLM endpoint %s answers %s", sample.endpoint, again)
+            if sample.up and len(self._answered) < len(self.endpoints):
+                self._answered.add(sample.endpoint)
             elif not sample.up and was is not False:
                 log.warning("vLLM endpoint %s is down (%s): %s", sample.endpoint, sample.error_kind or "error",
                             sample.error)
