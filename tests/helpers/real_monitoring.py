@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from .daemon import Daemon
 from .e2e_stack import Prometheus, Stack, fast_rules
 from .real_vllm import Server, wait_until
@@ -26,7 +28,14 @@ class Watch:
         self.daemon, self.prometheus, self.target = daemon, prometheus, target
 
     def findings(self) -> list[dict[str, Any]]:
-        return list(self.daemon.get("/api/findings").json()["findings"])
+        # Once, under the KV ramp's load (160 client threads in this process, vLLM on both
+        # cores), the listener closed a new connection unanswered; the cause is not found yet
+        # (its slow-client guard, a 10 s head deadline, is the suspect). Asking again is what a
+        # client of a guarded server does; a second refusal fails the test.
+        try:
+            return list(self.daemon.get("/api/findings").json()["findings"])
+        except requests.ConnectionError:
+            return list(self.daemon.get("/api/findings").json()["findings"])
 
     def firing(self, alertname: str) -> list[dict[str, Any]]:
         return [a for a in self.prometheus.alerts()
