@@ -42,6 +42,17 @@ def leak_run():
     return snapshots, episodes, events
 
 
+@pytest.fixture
+def mpl():
+    """matplotlib as the report loads it (the `report` extra), or the test is skipped."""
+    from exporter.postmortem import reportplots as plots
+
+    loaded = plots.load()
+    if loaded is None:
+        pytest.skip("matplotlib (the report extra) is not installed")
+    return loaded
+
+
 def gpu_leak(episodes) -> Finding:
     return next(f for f, _ in episodes if f.kind == "leak" and f.gpu is not None)
 
@@ -191,13 +202,10 @@ def test_the_oom_table_wraps_its_long_columns_and_the_host_table_fills_its_memor
     assert rows == ["its own (discrete)"]
 
 
-def test_the_gpu_chart_keeps_its_legend_off_the_plot(leak_run):
+def test_the_gpu_chart_keeps_its_legend_off_the_plot(leak_run, mpl):
     """The legend sat over the bottom left, where the start-up ramp is: it goes under the axis."""
     from exporter.postmortem import reportplots as plots
 
-    mpl = plots.load()
-    if mpl is None:
-        pytest.skip("matplotlib (the report extra) is not installed")
     snapshots, _, _ = leak_run
     t = [s.timestamp for s in snapshots]
     parts = [[int(i * GiB / 10) for i in range(len(t))]] * 4
@@ -210,15 +218,12 @@ def test_the_gpu_chart_keeps_its_legend_off_the_plot(leak_run):
     assert legend.y1 <= plot.y0  # wholly under the plotting area
 
 
-def test_the_charts_draw_no_line_across_a_gap_in_the_trace(leak_run):
+def test_the_charts_draw_no_line_across_a_gap_in_the_trace(leak_run, mpl):
     """The daemon was down for an hour: neither chart may draw memory over that hour."""
     import math
 
     from exporter.postmortem import reportplots as plots
 
-    mpl = plots.load()
-    if mpl is None:
-        pytest.skip("matplotlib (the report extra) is not installed")
     snapshots, _, _ = leak_run
     t = [s.timestamp for s in snapshots]
     t = t[:len(t) // 2] + [x + 3600 for x in t[len(t) // 2:]]
@@ -239,15 +244,12 @@ def test_the_charts_draw_no_line_across_a_gap_in_the_trace(leak_run):
                                                          t[-1]).axes[0].lines[0].get_ydata())
 
 
-def test_the_leak_chart_zooms_on_the_growth_not_the_start_up():
+def test_the_leak_chart_zooms_on_the_growth_not_the_start_up(mpl):
     """vllm_leak.csv: the model loads (0 -> 50 GiB) a minute after the trace starts, and the
     detector's window reaches back before it. The chart drew the line from the load and its y
     axis from 0 GiB, a 0.5 GiB growth then a flat line: both start after the load now."""
     from exporter.postmortem import reportplots as plots
 
-    mpl = plots.load()
-    if mpl is None:
-        pytest.skip("matplotlib (the report extra) is not installed")
     snapshots = read_trace(str(Path(__file__).parent / "fixtures" / "traces" / "vllm_leak.csv"))
     episodes, _ = replay_episodes(snapshots)
     f = gpu_leak(episodes)
