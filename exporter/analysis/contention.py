@@ -19,8 +19,8 @@
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding; critical at any sample within it counts as
-critical now, so its severity (the alert's label) does not flap either. A GPU with no serving process has no budget to
-take from: what fills it is pressure's to say.
+critical now, so its severity (the alert's label) does not flap either. A GPU with no serving
+process has no budget to take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is). A process that did not
 grow is said to have held its memory for as long as its series' per-minute minima say (the
