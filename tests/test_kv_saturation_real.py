@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,9 @@ def test_the_finding_says_what_the_real_server_showed():
     assert finding.endpoint == EP and ev["full_share"] >= 0.3 and ev["window_seconds"] == WINDOW
     assert ev["kv_cache_capacity_tokens"] == 32_768 and ev["max_concurrency"] == 64.0
     assert "raise --kv-cache-memory-bytes (now 32.00 MiB)" in " ".join(finding.advice)
+    # The peak of the waiting queue and the requests running now, each named (it read "up to 97
+    # and 0 running", the peak beside the current count, after a load had ended).
+    assert re.search(r"\(up to \d+ waiting; \d+ running now\)", finding.summary), finding.summary
 
 
 @pytest.mark.parametrize("interval", [0.25, 1.0, 5.0, 15.0])

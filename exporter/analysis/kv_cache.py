@@ -245,10 +245,10 @@ def _finding(server: VllmSample, e: VllmEngineStats, kv: KvCache | None, now: fl
     preempted = (f", {counted(window.preempted, 'preemption')} counted" if window.preempted
                  else "; no preemption counted yet (vLLM counts one only when the preempted request next "
                       "produces output)")
-    running = f" and {e.requests_running:.0f} running" if e.requests_running is not None else ""
+    running = f"; {e.requests_running:.0f} running now" if e.requests_running is not None else ""
     summary = (f"{server.endpoint}: KV cache full (at least {config.usage_ratio:.0%}) in {window.full_share:.0%} of "
                f"the samples of the last {config.window_seconds:.0f} s, requests waiting in "
-               f"{window.queued_share:.0%} (up to {max(waiting) if waiting else 0:.0f}{running}){preempted}")
+               f"{window.queued_share:.0%} (up to {max(waiting) if waiting else 0:.0f} waiting{running}){preempted}")
     return Finding(kind="kv_saturation", severity="warning", first_detected_at=now,
                    endpoint=server.endpoint, summary=summary, evidence=tuple(evidence),
                    advice=_advice(server, kv, e.requests_running))
