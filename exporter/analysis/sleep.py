@@ -156,7 +156,7 @@ class SleepLeakDetector:
         frames = [s for s in tick.history.recent(now - config.lookback_seconds) if s.timestamp < now]
         frames.append(snapshot)
         memos = self._memos(frames)
-        asleep = {endpoint for m in memos if m.asleep for endpoint in m.asleep}  # at some time in the lookback
+        asleep = frozenset().union(*(m.asleep for m in memos))  # at some time in the lookback
         findings = []
         seen: set[tuple[str, str]] = set()
         for server in snapshot.vllm:

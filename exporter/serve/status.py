@@ -208,7 +208,7 @@ def _no_gpu(snap: Snapshot | None, samples: int) -> str:
                 f"gpu.backend {b.name}) is unavailable ({s.error or 'unknown error'}). Is the driver "
                 "installed and, in a container, exposed to it? It is retried with back-off: see Sources "
                 "and the log.")
-    if any(s.source == "none" for s in snap.sources):
+    if any(s.source == gpu_backends.NoGpuSource.name for s in snap.sources):
         return ("No GPU is read on this host (gpu.backend none): its memory is the host's, as on vLLM's "
                 "CPU backend; see vLLM servers and Findings.")
     return "The GPU library answered with no GPU on this host."

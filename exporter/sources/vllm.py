@@ -25,7 +25,7 @@ import requests
 from ..model import GpuSample, ProcessSample, Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, new_session, public_url
-from .source import GPUS, PROCESS_IDENTITY, VLLM, Reading
+from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
 from .vllm_normalise import ParseError, normalise
@@ -139,7 +139,7 @@ class VllmSource:
     name = "vllm"
     # The GPU processes, to find each server's; and the host source's largest host processes,
     # marked as a server's own where they are.
-    needs = (GPUS, PROCESS_IDENTITY)
+    needs = (GPUS, PROCESS_IDENTITY, HOST_MEMORY)
     gives = (VLLM,)
     # Slack past the endpoint's timeout before we stop waiting for a worker thread.
     WAIT_MARGIN_SECONDS = 0.25
@@ -164,7 +164,7 @@ class VllmSource:
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # (endpoint, metric) already logged
         self._was_up: dict[str, bool] = {}  # endpoint -> up at its last scrape (bounded by the config)
-        self._answered: set[str] = set()  # the endpoints that have answered once
+        self._answered: set[str] = set()  # the endpoints that have answered once (bounded likewise)
         logs = {ep.label: ep.log_file for ep in self.endpoints if ep.log_file}
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
@@ -244,11 +244,11 @@ class VllmSource:
             if sample.up and was is False:
                 again = "again" if sample.endpoint in self._answered else "for the first time"
                 log.info("vLLM endpoint %s answers %s", sample.endpoint, again)
-            if sample.up and len(self._answered) < len(self.endpoints):
-                self._answered.add(sample.endpoint)
             elif not sample.up and was is not False:
                 log.warning("vLLM endpoint %s is down (%s): %s", sample.endpoint, sample.error_kind or "error",
                             sample.error)
+            if sample.up:
+                self._answered.add(sample.endpoint)
             self._was_up[sample.endpoint] = sample.up
 
     def _warn_rejected(self, sample: VllmSample) -> None:
