@@ -434,3 +434,18 @@ def test_health_paths_alone_are_served_without_auth(clock):
             assert r.status_code == 404 and "gpumem" not in r.text and "leak" not in r.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("request_line", [b"GET /healthz HTTP/1.1", b"GET / HTTP/9.9"])
+def test_the_server_header_names_no_python_version(serve, request_line):
+    # Answers from the app and errors sent before it runs (a bad version) alike.
+    url, _ = serve(make_state())
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as sock:
+        sock.sendall(request_line + b"\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    headers = answer.split(b"\r\n\r\n", 1)[0].decode()
+    assert "\r\nServer: gpu-memory-exporter\r\n" in headers
+    assert "Python" not in headers

@@ -81,7 +81,14 @@ def _printable(value: object) -> object:
     return value.translate(_ESCAPE) if isinstance(value, str) else value
 
 
+# What the `Server` header says: the product, not the Python version the standard library names
+# by default (a version is what an attacker looks up).
+SERVER = "gpu-memory-exporter"
+
+
 class _Handler(ServerHandler):
+    server_software = SERVER
+
     def log_exception(self, exc_info: OptExcInfo) -> None:  # a bug in the app: logged, not printed raw
         log.error("request failed", exc_info=exc_info)
 
@@ -119,6 +126,9 @@ class _Exchange(WSGIRequestHandler):
     # Errors found before the version is read (a bad or unsupported version: "HTTP/9.9", an
     # HTTP/2 preface) are answered in this version, never bare as HTTP/0.9 would be.
     default_request_version = "HTTP/1.0"
+
+    def version_string(self) -> str:  # the `Server` header of the answers sent before the app runs
+        return SERVER
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
