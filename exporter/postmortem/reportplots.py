@@ -188,16 +188,17 @@ def growth_start(ts: Sequence[float], vs: Sequence[int], f: Finding) -> float:
     return start
 
 
-def fitted_line(ts: list[float], vs: list[int], f: Finding,
-                end: float) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
+def fitted_line(ts: list[float], vs: list[int], f: Finding, end: float,
+                since: float | None = None) -> tuple[float, tuple[float, float], tuple[float, float]] | None:
     """The detector's growth line: its slope, through the samples of its growth before
-    detection (intercept = median residual), drawn from the growth's start to the end.
-    (slope, (t_start, t_end), (v_start, v_end)), or None without a slope in the evidence."""
+    detection (intercept = median residual), drawn from the growth's start (`since`, computed
+    when not given) to the end. (slope, (t_start, t_end), (v_start, v_end)), or None without a
+    slope in the evidence."""
     slope = dict(f.evidence).get("slope_bytes_per_second")
     if not isinstance(slope, (int, float)) or not ts:
         return None
     t0 = f.first_detected_at
-    since = growth_start(ts, vs, f)
+    since = growth_start(ts, vs, f) if since is None else since
     inside = [(t, v) for t, v in zip(ts, vs, strict=True) if since <= t <= t0] or list(zip(ts, vs, strict=True))
     level = median(v - slope * (t - t0) for t, v in inside)
     a = max(ts[0], since)
@@ -213,7 +214,8 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
     what = "GPU memory" if f.gpu is not None else "host RSS"
     xs, ys = _thin(ts, [v / GiB for v in vs])
     ax.plot(_dt(xs), ys, color="#1976d2", linewidth=1, label=what)
-    line = fitted_line(ts, vs, f, end)
+    since = growth_start(ts, vs, f)
+    line = fitted_line(ts, vs, f, end, since)
     if line is not None:
         slope, (a, b), (va, vb) = line
         ax.plot(_dt([a, b]), [va / GiB, vb / GiB], color="#c62828", linewidth=2,
@@ -225,7 +227,6 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
             linestyle="none", label=f"{f.kind} first detected {detected} UTC")
     _mark_triggers(ax, triggers)
     # Zoom on the growth: a start-up ramp of tens of GiB would flatten a leak of MiB/min.
-    since = growth_start(ts, vs, f)
     recent = [v / GiB for t, v in zip(ts, vs, strict=True) if t >= since] or [v / GiB for v in vs]
     low, high = min(recent), max(recent)
     if line is not None:
