@@ -6,6 +6,7 @@ import base64
 import re
 import sys
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,30 @@ def test_the_leak_chart_zooms_on_the_growth_not_the_start_up(mpl):
     assert line is not None and line[1][0] >= loaded
     (ax,) = plots.process(mpl, f, ts, vs, ts[-1]).axes
     assert ax.get_ylim()[0] > 40  # GiB: zoomed on the growth
+
+
+def test_the_processes_table_says_when_a_restarted_servers_old_engine_was_last_seen(tmp_path):
+    # stale-memory: the engine exits at 10 min and the server restarts under a new pid.
+    runtime = build_runtime(build_config(), simulate="stale-memory", at=0.0)
+    snapshots = []
+    try:
+        while runtime.clock.elapsed() < 1200:
+            snapshots.append(runtime.sampler.sample())
+            runtime.clock.advance(10)
+    finally:
+        runtime.close()
+    path = tmp_path / "stale.html"
+    write_report(snapshots, replay_episodes(snapshots)[0], [], str(path))
+    table = path.read_text(encoding="utf-8").split("<h2>Processes</h2>", 1)[1].split("</table>", 1)[0]
+    assert "<th>last seen</th>" in table
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr>")[2:]]
+    last_seen = {int(row[1]): row[5] for row in rows}
+    assert len(last_seen) == 2, rows
+
+    def seen(pid):
+        return [s.timestamp for s in snapshots if any(p.pid == pid for g in s.gpus for p in g.processes)]
+
+    old, new = sorted(last_seen, key=lambda pid: seen(pid)[0])
+    assert max(seen(old)) < snapshots[-1].timestamp - 300  # it exited
+    assert last_seen[old] == datetime.fromtimestamp(max(seen(old)), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert last_seen[new] == "at the end"

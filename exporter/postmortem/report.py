@@ -208,7 +208,6 @@ def _process_summaries(snapshots: Sequence[Snapshot]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["peak"])
 
 
-
 # ---------------------------------------------------------------- HTML sections
 
 def _img(src: str, alt: str) -> str:
@@ -485,11 +484,14 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
     summaries = _process_summaries(snapshots)
     if summaries:
         # No average rate here: a start-up ramp would dwarf any leak; the findings give rates.
-        body.append(_table(("GPU", "pid", "process", "role", "first seen", "first", "last", "peak",
-                            "change"), (
-            (r["gpu"], r["pid"], r["process"], r["role"], _when(r["t0"]), _bytes(r["first"]),
+        # "last seen": a process that exited (a server restarted under a new pid) is told from
+        # one still running at the end, whose "last" is the end's.
+        body.append(_table(("GPU", "pid", "process", "role", "first seen", "last seen", "first", "last",
+                            "peak", "change"), (
+            (r["gpu"], r["pid"], r["process"], r["role"], _when(r["t0"]),
+             "at the end" if r["t1"] >= end else _when(r["t1"]), _bytes(r["first"]),
              _bytes(r["last"]), _bytes(r["peak"]), _bytes(r["last"] - r["first"]))
-            for r in summaries[:MAX_PROCESS_ROWS]), numeric={5, 6, 7, 8}))
+            for r in summaries[:MAX_PROCESS_ROWS]), numeric={6, 7, 8, 9}))
     else:
         body.append("<p>No process was recorded.</p>")
     body.append(_history_section(_history_dumps(snapshots), probe_dir))
