@@ -42,14 +42,39 @@ class Host:
     view: HostView
     clock: Clock
     pods: KubeletPods | None = None  # None outside Kubernetes
-    simulated: bool = False
+    scenario: Played | None = None  # when simulated: the scenario it plays
     sim_endpoints: tuple[VllmEndpoint, ...] = ()  # one per simulated vLLM server
     sim_probes: SimulatedProbes | None = None  # when a simulated process has the allocator probe
     sim_logs: SimulatedLogs | None = None  # when a simulated server writes lines to its log as it runs
     _cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
+    @property
+    def simulated(self) -> bool:
+        return self.scenario is not None
+
+    def sampled(self) -> str:
+        """How the host is sampled, for the status page: "real", or the scenario and where its
+        clock stands, so whoever watches a scenario play knows which part of its story is on."""
+        if self.scenario is None:
+            return "real"
+        played = max(0.0, self.clock.now() - self.scenario.start)
+        return (f"simulated: scenario {self.scenario.name}, at {_hours_minutes(played)} of "
+                f"{_hours_minutes(self.scenario.duration)}")
+
     def close(self) -> None:
         self._cleanup.close()
+
+
+@dataclass(frozen=True)
+class Played:
+    name: str
+    start: float  # the clock's time at the scenario's 0 s
+    duration: float
+
+
+def _hours_minutes(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 @dataclass
@@ -179,7 +204,8 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         from .sim.logs import SimulatedLogs
 
         sim_logs = SimulatedLogs(scenario, clock, logged)
-    return Host(gpu, fake, view, clock, simulated=True, sim_endpoints=tuple(endpoints), sim_probes=probes,
+    return Host(gpu, fake, view, clock, scenario=Played(scenario.name, start, scenario.duration),
+                sim_endpoints=tuple(endpoints), sim_probes=probes,
                 sim_logs=sim_logs, _cleanup=stack)
 
 

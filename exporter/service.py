@@ -130,7 +130,7 @@ class Service:
             daemon = Daemon(runtime.sampler, clock, config.interval_seconds, analyzer=analyzer, recorder=recorder,
                             alloc_history=make_alloc_history(config, clock, bool(simulate)))
             service = cls(config, runtime, analyzer, daemon, lambda: load(config_file, flags), config_file or "")
-            service._listen(web, f"simulated: scenario {simulate}" if simulate else "real")
+            service._listen(web, runtime.host.sampled)
         except BaseException:
             if recorder is not None:
                 recorder.close()
@@ -138,7 +138,7 @@ class Service:
             raise
         return service
 
-    def _listen(self, web: WebConfig | None, sampled: str) -> None:
+    def _listen(self, web: WebConfig | None, sampled: Callable[[], str]) -> None:
         """The listeners: `listen` (with TLS and basic auth when the web config says so), and
         `health_listen` (plain, /healthz and /admission only) when set. Stops those already
         started when one fails."""

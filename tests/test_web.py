@@ -246,7 +246,7 @@ def hostile_state():
 def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     state = make_state(t=clock.now() - 2)
     server = HttpServer(make_app(build_registry(lambda: state, clock.now), lambda: state, clock.now, 15.0,
-                                 host="simulated: scenario fleet-8x64"), "127.0.0.1", 0).start()
+                                 host=lambda: "simulated: scenario fleet-8x64"), "127.0.0.1", 0).start()
     try:
         r = requests.get(f"http://127.0.0.1:{server.port}/", timeout=HANG)
     finally:
@@ -268,6 +268,7 @@ def test_status_page_tells_what_a_newcomer_wants_to_know(clock):
     for link in ("metrics", "healthz", "admission", "api/findings"):
         assert f'<a href="{link}">' in page
     assert "<script" not in page  # no script needed
+    assert '<meta http-equiv="refresh" content="10">' in page and "reloads every 10 s" in page
 
 
 def played(scenario, until, step=30.0):
@@ -449,3 +450,15 @@ def test_the_server_header_names_no_python_version(serve, request_line):
     headers = answer.split(b"\r\n\r\n", 1)[0].decode()
     assert "\r\nServer: gpu-memory-exporter\r\n" in headers
     assert "Python" not in headers
+
+
+def test_a_simulated_host_says_where_its_scenario_clock_stands():
+    from exporter.config import build as build_config
+    from exporter.runtime import build as build_runtime
+    runtime = build_runtime(build_config(), simulate="contention", at=0.0)
+    try:
+        assert runtime.host.sampled() == "simulated: scenario contention, at 0h00m of 3h00m"
+        runtime.clock.advance(35 * 60 + 20)
+        assert runtime.host.sampled() == "simulated: scenario contention, at 0h35m of 3h00m"
+    finally:
+        runtime.close()

@@ -226,8 +226,11 @@ def _recent_ooms(state: State) -> list[tuple[object, ...]]:
             for f, cleared in analysis.recent_ooms]
 
 
+REFRESH_SECONDS = 10
+
+
 def render(state: State, host: str, sample_age: float | None, stale_after: float) -> str:
-    """`host`: how the host is sampled ("real", or "simulated: scenario NAME")."""
+    """`host`: how the host is sampled ("real", or the scenario and its clock)."""
     snap, analysis = state.snapshot, state.analysis
     if sample_age is None:
         freshness = '<span class="bad">no sample yet</span>'
@@ -260,9 +263,12 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
     sources += [(escape(f"vllm {v.endpoint}"), _updown(v.up, v.error_kind)) for v in (snap.vllm if snap else ())]
     links = "".join(f'<li><a href="{path}">/{path}</a> &mdash; {escape(what)}</li>' for path, what in _LINKS)
     ooms = _recent_ooms(state)
+    # It reloads itself: on-call leaves it open beside the pager, and reads it as it is now.
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>gpu-memory-exporter</title>'
+            f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'
             f"<style>{_STYLE}</style></head><body><h1>gpu-memory-exporter {escape(__version__)}</h1>"
-            f"<p>Host: {escape(host)}{driver}. Last sample: {freshness}.</p>"
+            f"<p>Host: {escape(host)}{driver}. Last sample: {freshness}. "
+            f"This page reloads every {REFRESH_SECONDS} s.</p>"
             "<h2>GPUs</h2>" + _table(("GPU", "name", "state", "used", "headroom (free)", "admission",
                                       "full in", "processes", "in trouble?"), gpus,
                                      _no_gpu(snap, state.samples_total))

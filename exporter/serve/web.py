@@ -62,9 +62,9 @@ class MetricsCache:
 
 def make_app(registry: CollectorRegistry, get_state: Callable[[], State], now: Callable[[], float],
              stale_after: float | Callable[[], float], auth: BasicAuth | None = None, *,
-             host: str = "", paths: tuple[str, ...] | None = None) -> WSGIApplication:
+             host: Callable[[], str] = lambda: "unknown", paths: tuple[str, ...] | None = None) -> WSGIApplication:
     """`stale_after`: seconds, or a callable giving them (it follows configuration reloads).
-    `host`: how the host is sampled, for the status page. `paths`: serve only these (404 else)."""
+    `host`: how the host is sampled now, for the status page. `paths`: serve only these (404 else)."""
     stale_limit: Callable[[], float] = stale_after if callable(stale_after) else (lambda: stale_after)
     metrics_app = MetricsCache(registry, get_state)
 
@@ -109,7 +109,7 @@ def make_app(registry: CollectorRegistry, get_state: Callable[[], State], now: C
             findings = [f.to_json() for f in state.analysis.findings] if state.analysis else []
             return respond(start_response, "200 OK", as_json({"findings": findings}))
         if path == "/":
-            page = status_page.render(state, host or "unknown", sample_age(state), stale_limit())
+            page = status_page.render(state, host(), sample_age(state), stale_limit())
             return respond(start_response, "200 OK", page.encode(), "text/html; charset=utf-8")
         return respond(start_response, "404 Not Found", b"not found\n", "text/plain")
 
