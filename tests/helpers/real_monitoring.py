@@ -29,9 +29,11 @@ class Watch:
 
     def findings(self) -> list[dict[str, Any]]:
         # Once, under the KV ramp's load (160 client threads in this process, vLLM on both
-        # cores), the listener closed a new connection unanswered; the cause is not found yet
-        # (its slow-client guard, a 10 s head deadline, is the suspect). Asking again is what a
-        # client of a guarded server does; a second refusal fails the test.
+        # cores), the listener closed a new connection unanswered: this process, starved of its
+        # interpreter lock, sent its request after the listener's slow-client guard (10 s from
+        # accept to the request's head) had given up on it. Reproduced with the guard at 1 s and
+        # 160 busy threads in the client (5 of 8 requests). Asking again is what a client of a
+        # guarded server does; a second refusal fails the test.
         try:
             return list(self.daemon.get("/api/findings").json()["findings"])
         except requests.ConnectionError:
