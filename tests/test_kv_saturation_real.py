@@ -110,6 +110,25 @@ def test_the_finding_says_what_the_real_server_showed():
     assert re.search(r"\(up to \d+ waiting; \d+ running now\)", finding.summary), finding.summary
 
 
+def test_the_advice_holds_one_figure_while_the_finding_lasts():
+    # A newcomer's trial: the advised --max-num-seqs swung between 30 and 102 within a minute
+    # (it followed the requests running at that instant, a batch's swing) and vanished once the
+    # load ended with the finding still active; sizes that fit read "64.0 requests".
+    analyzer = Analyzer(log_findings=False)
+    advised, advice = [], ""
+    for s in sampled(load("ramp"), 5.0, 0.0):
+        for f in analyzer.update(snapshot(s)).findings:
+            if f.kind == "kv_saturation":
+                advice = " ".join(f.advice)
+                m = re.search(r"--max-num-seqs \(to about (\d+)\)", advice)
+                advised.append(int(m.group(1)) if m else None)
+                if dict(f.evidence)["preemptions_in_window"]:
+                    assert f"counted in those {WINDOW:.0f} s" in f.summary, f.summary
+    assert len(advised) > 10 and None not in advised, advised
+    assert max(advised) - min(advised) <= max(advised) // 5, advised
+    assert "Only 64 requests of --max-model-len 512 tokens fit" in advice and "128 full-length" in advice
+
+
 @pytest.mark.parametrize("interval", [0.25, 1.0, 5.0, 15.0])
 def test_a_real_server_held_at_60_to_85_percent_raises_nothing(interval):
     for phase in (0.0, interval / 2):

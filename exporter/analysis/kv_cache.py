@@ -89,6 +89,7 @@ class _Sample(NamedTuple):
     queued: bool
     waiting: float | None
     preemptions: float | None
+    running: float | None
 
 
 class _Window(NamedTuple):
@@ -140,7 +141,8 @@ def detect_kv_saturation(history: History, snapshot: Snapshot, config: KvSaturat
 def _sample(t: float, e: VllmEngineStats, config: KvSaturationConfig) -> _Sample:
     usage, waiting = e.kv_cache_usage_ratio, e.requests_waiting
     return _Sample(t, usage is not None and usage >= config.usage_ratio,
-                   waiting is not None and waiting >= config.min_waiting, waiting, e.preemptions_total)
+                   waiting is not None and waiting >= config.min_waiting, waiting, e.preemptions_total,
+                   e.requests_running)
 
 
 def _series(past: list[Snapshot], endpoint: str, model: str, engine: str,
@@ -242,7 +244,8 @@ def _finding(server: VllmSample, e: VllmEngineStats, kv: KvCache | None, now: fl
                             ("max_concurrency", round(kv.max_concurrency, 2) if kv.max_concurrency else None)):
             if value is not None:
                 evidence.append((name, value))
-    preempted = (f", {counted(window.preempted, 'preemption')} counted" if window.preempted
+    preempted = (f", {counted(window.preempted, 'preemption')} counted in those {config.window_seconds:.0f} s"
+                 if window.preempted
                  else "; no preemption counted yet (vLLM counts one only when the preempted request next "
                       "produces output)")
     running = f"; {e.requests_running:.0f} running now" if e.requests_running is not None else ""
@@ -251,10 +254,13 @@ def _finding(server: VllmSample, e: VllmEngineStats, kv: KvCache | None, now: fl
                f"{window.queued_share:.0%} (up to {max(waiting) if waiting else 0:.0f} waiting{running}){preempted}")
     return Finding(kind="kv_saturation", severity="warning", first_detected_at=now,
                    endpoint=server.endpoint, summary=summary, evidence=tuple(evidence),
-                   advice=_advice(server, kv, e.requests_running))
+                   advice=_advice(server, kv, max((p.running for p in recent if p.running is not None),
+                                                  default=None)))
 
 
 def _advice(server: VllmSample, kv: KvCache | None, running: float | None) -> tuple[str, ...]:
+    """`running`: the most requests running at once in the window (the instant's count swings
+    with every batch, and is 0 once a load has ended while the finding still holds)."""
     advice = []
     tokens = kv.capacity_tokens if kv is not None else None
     max_len = kv.max_model_len if kv is not None else None
@@ -262,17 +268,18 @@ def _advice(server: VllmSample, kv: KvCache | None, running: float | None) -> tu
     if tokens is not None and running:
         per_request = tokens / running
         advice.append(
-            f"The KV cache holds {tokens:,} tokens, about {per_request:,.0f} per running request "
-            f"({running:.0f} running). Lower --max-num-seqs (to about {max(1, int(running * 0.8))}) "
+            f"The KV cache holds {tokens:,} tokens: about {per_request:,.0f} per request when the most "
+            f"ran at once ({running:.0f} in the window). Lower --max-num-seqs (to about "
+            f"{max(1, int(running * 0.8))}) "
             "so requests wait to be admitted instead of being preempted and recomputed.")
     else:
         advice.append("Lower --max-num-seqs so requests wait to be admitted instead of being "
                       "preempted and recomputed.")
     if max_len is not None and fits is not None:
         advice.append(
-            f"Only {fits:.1f} requests of --max-model-len {max_len:,} tokens fit at once: long "
+            f"Only {round(fits, 1):g} requests of --max-model-len {max_len:,} tokens fit at once: long "
             f"requests crowd the cache. Lowering --max-model-len caps them (at {max_len // 2:,}, "
-            f"{fits * 2:.1f} full-length requests fit).")
+            f"{round(fits * 2, 1):g} full-length requests fit).")
     else:
         advice.append("Lower --max-model-len if a few long requests crowd the cache.")
     c = server.cache_config
