@@ -24,12 +24,14 @@ process has no budget to take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is). A process that did not
 grow is said to have held its memory for as long as its series' per-minute minima say (the
-history's retention, not the window), so "held for 79 min" stays true an hour later.
+history's retention, not the window), so "held for 79 min" stays true an hour later; and, when it
+took memory well before it reached its size, how long it has held any ("held for 8 min at this
+size, 33 min in all": a notebook that grew is not a newcomer).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
@@ -183,37 +185,59 @@ def describe(p: ProcessSample) -> str:
 HELD_SHARE = 0.9  # "held since": the earliest minute from which it held at least this share of it
 
 
-def held_for(tier: SeriesView, now: float, held: int) -> tuple[float, bool] | None:
-    """How long a process has held at least HELD_SHARE of `held` bytes, from its series' tier
-    (per-minute minima, kept for the history's retention, so true beyond the raw window), and
-    whether that is only a lower bound (it held it as far back as the tier goes). None without
-    a tier to read."""
+class Lasted(NamedTuple):
+    at_size: float  # seconds it has held at least HELD_SHARE of what it holds now
+    in_all: float  # seconds it has held at least the bytes a process is named for
+    lower_bound: bool  # it held it as far back as the history goes
+
+
+def held_for(tier: SeriesView, now: float, held: int, floor: int, history: History) -> Lasted | None:
+    """How long a process has held at least HELD_SHARE of `held` bytes, and at least `floor`
+    bytes, from its series' tier (per-minute minima, kept for the history's retention, so true
+    beyond the raw window). A notebook that took 5 GiB, then 3 more, has held 8 GiB for minutes
+    but memory for half an hour: both are what on-call wants. None without a tier to read, or
+    when it took most of it within the last minute."""
     if not tier.times or not tier.lows:
         return None
-    i = len(tier.lows) - 1
-    if tier.lows[i] < HELD_SHARE * held:
-        return None  # it took most of it within the last minute
-    while i > 0 and tier.lows[i - 1] >= HELD_SHARE * held:
-        i -= 1
-    return now - tier.times[i], i == 0
+
+    def since(least: float) -> int | None:
+        i = len(tier.lows) - 1
+        if tier.lows[i] < least:
+            return None
+        while i > 0 and tier.lows[i - 1] >= least:
+            i -= 1
+        return i
+
+    at_size = since(HELD_SHARE * held)
+    if at_size is None:
+        return None
+    first = since(min(floor, HELD_SHARE * held))
+    first = at_size if first is None else first
+    # A series that starts where the history does (the exporter's start, or its retention) may
+    # have begun before: only a lower bound. One that starts later began when the process did.
+    horizon = max(history.started_at or now, now - history.retention_seconds) + history.bucket_seconds
+    return Lasted(now - tier.times[at_size], now - tier.times[first], first == 0 and tier.times[0] <= horizon)
 
 
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
-def _growth(grew: int | None, lasted: tuple[float, bool] | None, window: float) -> str:
+def _growth(grew: int | None, lasted: Lasted | None, window: float) -> str:
     """Growth over the window, or, where it did not grow, how long it has held the memory (a
-    duration the window does not cap)."""
+    duration the window does not cap), and how long memory at all when that is much longer."""
     if grew is None or abs(grew) < GiB / 20:
         if lasted is not None:
-            return f", held for {'at least ' if lasted[1] else ''}{_duration(lasted[0])}"
+            bound = "at least " if lasted.lower_bound else ""
+            if _duration(lasted.in_all) == _duration(lasted.at_size) or lasted.in_all - lasted.at_size < 120:
+                return f", held for {bound}{_duration(lasted.at_size)}"
+            return f", held for {_duration(lasted.at_size)} at this size, {bound}{_duration(lasted.in_all)} in all"
         return "" if grew is None else f", no growth in the last {window / 60:.0f} min"
     sign = "+" if grew >= 0 else "-"
     return f", {sign}{format_bytes(abs(grew))} in {window / 60:.0f} min"
 
 
-Held = tuple[int, "int | None", ProcessSample, "tuple[float, bool] | None"]  # bytes, growth, process, held for
+Held = tuple[int, "int | None", ProcessSample, "Lasted | None"]  # bytes, growth, process, how long held
 
 
 def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tuple[str, Evidence]:
@@ -233,7 +257,8 @@ def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tup
         if g is not None:
             evidence.append((f"process_{i}_{'rss_' if rss else ''}grew_bytes", g))
         if h is not None:
-            evidence.append((f"process_{i}_held_seconds", round(h[0], 1)))
+            evidence += [(f"process_{i}_held_seconds", round(h.at_size, 1)),
+                         (f"process_{i}_holding_seconds", round(h.in_all, 1))]
     return text, evidence
 
 
@@ -253,7 +278,9 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
         key=lambda bgp: (-bgp[0], bgp[2].pid))
     if not held or held_all < config.min_bytes or not short:
         return None
-    held = [(b, g, p, held_for(history.process_memory(gpu.uuid, p.identity), now, b)) for b, g, p, _ in held]
+    held = [(b, g, p, held_for(history.process_memory(gpu.uuid, p.identity), now, b, config.process_min_bytes,
+                                    history))
+            for b, g, p, _ in held]
     ratio = gpu.used_bytes / gpu.total_bytes
     spare = _spare(gpu, budgets)
     evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
@@ -386,7 +413,8 @@ def _rss_holders(snapshot: Snapshot, base: Snapshot | None, config: ContentionCo
             grew = rss  # started within the window
         else:
             grew = None  # not among the largest back then: how much it had is not known
-        held.append((rss, grew, p, held_for(history.process_rss(ident), snapshot.timestamp, rss)))
+        held.append((rss, grew, p, held_for(history.process_rss(ident), snapshot.timestamp, rss,
+                                            config.process_min_bytes, history)))
     held.sort(key=lambda bgp: (-bgp[0], bgp[2].pid))
     return held
 

@@ -272,6 +272,7 @@ class History:
         self.max_log_events = max_log_events
         self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
+        self.started_at: float | None = None  # the first snapshot's time: no series reaches further back
         self._next_sweep = float("-inf")
         self.dropped_out_of_order = 0
         self.dropped_log_events = 0  # let go of to stay within max_log_events
@@ -284,6 +285,8 @@ class History:
             self.dropped_out_of_order += 1  # a clock step backwards must not corrupt order
             return
         self._last_timestamp = t
+        if self.started_at is None:
+            self.started_at = t
         rss_done: set[SeriesKey] = set()
         get, move_to_end = self._series.get, self._series.move_to_end
         raw_seconds, retention, raw_gap = self.raw_seconds, self.retention_seconds, self.raw_gap
