@@ -166,6 +166,10 @@ def test_the_settings_read_from_the_log_are_in_the_event():
                                  "kv_cache_memory_bytes": 1 * MiB, "tensor_parallel_size": 1,
                                  "pipeline_parallel_size": 1, "data_parallel_size": 1, "backend": "cpu",
                                  "memory_node": "0", "kv_cache_explicit": True}
+    # The text form does not call them all "non-default args" (the engine's lines added
+    # defaults and facts; a newcomer's trial read it as a list of what had been changed).
+    text = explain([str(fixture("kv_cache_too_small_sub_gib"))], "text")
+    assert "server settings, from its log: " in text and "non-default" not in text
 
 
 def with_settings(tmp_path: Path, first_line: str) -> dict:

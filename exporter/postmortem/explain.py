@@ -126,7 +126,9 @@ def render_text(events: list[OomEvent], files: list[dict[str, Any]], max_bytes: 
             out.append(f"  other processes: {others}")
         if not e.settings.empty:
             stated = ", ".join(f"{k} {v}" for k, v in e.settings.stated().items() if k != "source")
-            out.append(f"  server settings ({e.settings.source or 'its log'}): {stated}")
+            # Not "non-default args" even where that line began them: the engine's own lines
+            # (its config, the CPU backend's KV cache) add defaults and facts to it.
+            out.append(f"  server settings, from its log: {stated}")
         if e.verdict:
             out.append(f"  why: {e.verdict}")
         out.extend(f"  - {a}" for a in e.advice)
