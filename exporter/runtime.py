@@ -58,8 +58,10 @@ class Host:
         if self.scenario is None:
             return "real"
         played = max(0.0, self.clock.now() - self.scenario.start)
-        return (f"simulated: scenario {self.scenario.name}, at {_hours_minutes(played)} of "
-                f"{_hours_minutes(self.scenario.duration)}")
+        where = f"simulated: scenario {self.scenario.name}, at {_hours_minutes(played)}"
+        if played > self.scenario.duration:  # its curves go on, but what they tell is over
+            return f"{where}, past the end of its story ({_hours_minutes(self.scenario.duration)})"
+        return f"{where} of {_hours_minutes(self.scenario.duration)}"
 
     def close(self) -> None:
         self._cleanup.close()

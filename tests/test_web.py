@@ -460,5 +460,8 @@ def test_a_simulated_host_says_where_its_scenario_clock_stands():
         assert runtime.host.sampled() == "simulated: scenario contention, at 0h00m of 3h00m"
         runtime.clock.advance(35 * 60 + 20)
         assert runtime.host.sampled() == "simulated: scenario contention, at 0h35m of 3h00m"
+        runtime.clock.advance(3 * 3600)
+        assert runtime.host.sampled() == ("simulated: scenario contention, at 3h35m, "
+                                          "past the end of its story (3h00m)")
     finally:
         runtime.close()
