@@ -289,3 +289,25 @@ def test_the_processes_table_says_when_a_restarted_servers_old_engine_was_last_s
     assert max(seen(old)) < snapshots[-1].timestamp - 300  # it exited
     assert last_seen[old] == datetime.fromtimestamp(max(seen(old)), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     assert last_seen[new] == "at the end"
+
+
+def test_each_start_of_a_restarted_server_has_its_own_start_up_figures(tmp_path):
+    # A newcomer's trial: the restarted (0.6) start's KV cache, 27 GiB, was shown beside the first
+    # (0.9) start's settings, whose own log said 51.5 GiB.
+    runtime = build_runtime(build_config(), simulate="stale-memory", at=0.0)
+    snapshots = []
+    try:
+        while runtime.clock.elapsed() < 1200:
+            snapshots.append(runtime.sampler.sample())
+            runtime.clock.advance(10)
+    finally:
+        runtime.close()
+    path = tmp_path / "stale.html"
+    write_report(snapshots, [], [], str(path))
+    section = path.read_text(encoding="utf-8").split("<h2>vLLM servers</h2>", 1)[1].split("<h2>Processes", 1)[0]
+    first = re.search(r"<p>Settings from [^<]*gpu_memory_utilization 0\.9[^<]*</p>", section)
+    restart = re.search(r"restarted with gpu_memory_utilization 0\.6[^<]*</li>", section)
+    assert first and restart, section
+    assert "start-up log: weights 14.99 GiB, KV cache 51.50 GiB" in first.group(0)
+    assert "start-up log: weights 14.99 GiB, KV cache 27.00 GiB" in restart.group(0)
+    assert re.search(r"capacity 221,184 tokens since \d{4}-", section)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import html
 import os
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
@@ -290,17 +291,25 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
                    if s.down_samples else ""))
         out += [f'<div class="vllm"><h3>{_e(s.endpoint)}</h3>',
                 f"<p>Model: <b>{_e(', '.join(s.models) or 'not reported')}</b>; {_e(seen)}.</p>"]
+        # Each start's log figures go with the settings they came under (a restart's smaller KV
+        # cache was shown beside the first start's settings).
+        starts = [c.at for c in s.settings[1:]]
+        logged: list[list[str]] = [[] for _ in range(len(starts) + 1)]
+        for at, profile in s.startups:
+            if startup_text(profile):
+                logged[bisect_right(starts, at)].append(startup_text(profile))
+        log_text = ["".join(f"; start-up log: {text}" for text in texts) for texts in logged]
         if s.settings:
             first = s.settings[0]
-            out.append(f"<p>Settings from {_e(_when(first.at))}: {_e(settings_text(first.config))}.</p>")
+            out.append(f"<p>Settings from {_e(_when(first.at))}: {_e(settings_text(first.config) + log_text[0])}.</p>")
             changes = [f"<li><b>{_e(_when(c.at))}</b>: {'restarted with' if c.restarted else 'settings changed to'} "
-                       f"{_e(settings_text(c.config, c.previous))}</li>" for c in s.settings[1:]]
+                       f"{_e(settings_text(c.config, c.previous) + log_text[i])}</li>"
+                       for i, c in enumerate(s.settings[1:], 1)]
             if changes:
                 out.append('<ul class="vllm-changes">' + "".join(changes) + "</ul>")
         else:
             out.append("<p>Settings: not reported (no <code>vllm:cache_config_info</code>).</p>")
-        if startup_text(s.startup):
-            out.append(f"<p>Its start-up log: {_e(startup_text(s.startup))}.</p>")
+            out += [f"<p>Its start-up log: {_e(text)}.</p>" for text in logged[0]]
         if s.gpus:
             out.append(_table(("GPU", "budget", "basis", "peak used", "at", "most over budget"), (
                 (g, ", then ".join(_bytes(b) for b in u.budgets) or "unknown", u.basis,
@@ -311,7 +320,8 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         if s.kv_peak is not None:
             kv.append(f"KV cache usage peaked at {s.kv_peak:.0%} ({_when(s.kv_peak_at)})")
         if s.config is not None and s.config.kv_capacity_tokens is not None:
-            kv.append(f"capacity {s.config.kv_capacity_tokens:,} tokens")
+            kv.append(f"capacity {s.config.kv_capacity_tokens:,} tokens"
+                      + (f" since {_when(s.settings[-1].at)}" if len(s.settings) > 1 else ""))
         if s.running_peak is not None or s.waiting_peak is not None:
             kv.append(f"at most {s.running_peak or 0:g} requests running and "
                       f"{s.waiting_peak or 0:g} waiting")

@@ -47,7 +47,9 @@ class ServerStory:
     down_samples: int = 0
     first_down: float | None = None
     settings: list[SettingsChange] = field(default_factory=list)
-    startup: MemoryProfile | None = None  # the last start-up log figures the trace carries
+    # Each start's start-up log figures, with when the trace first carried them: a restarted
+    # server's second start reports its own (a smaller KV cache at a lower utilization).
+    startups: list[tuple[float, MemoryProfile]] = field(default_factory=list)
     gpus: dict[str, GpuUse] = field(default_factory=dict)
     kv_peak: float | None = None
     kv_peak_at: float | None = None
@@ -106,8 +108,9 @@ def _sample(story: ServerStory, server: VllmSample, ts: float,
     last = story.config
     if config is not None and config != last:
         story.settings.append(SettingsChange(ts, config, last, restarted))
-    if server.startup is not None and not server.startup.empty:
-        story.startup = server.startup
+    if server.startup is not None and not server.startup.empty and (
+            not story.startups or story.startups[-1][1] != server.startup):
+        story.startups.append((ts, server.startup))
     for engine in server.engines:
         if engine.model and engine.model not in story.models:
             story.models.append(engine.model)
