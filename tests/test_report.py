@@ -24,18 +24,24 @@ GiB = 1 << 30
 IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 
 
+def played(scenario: str, until: float, step: float = 10.0) -> list[Snapshot]:
+    """The scenario's snapshots, sampled every `step` s through the simulated host, up to `until`."""
+    runtime = build_runtime(build_config(), simulate=scenario, at=0.0)
+    snapshots = []
+    try:
+        while runtime.clock.elapsed() < until:
+            snapshots.append(runtime.sampler.sample())
+            runtime.clock.advance(step)
+    finally:
+        runtime.close()
+    return snapshots
+
+
 @pytest.fixture(scope="module")
 def leak_run():
     """The leak scenario's first 70 minutes, sampled every 10 s through the simulated host,
     replayed through the detectors; plus a fragmentation OOM parsed from a real log line."""
-    runtime = build_runtime(build_config(), simulate="leak", at=0.0)
-    snapshots = []
-    try:
-        while runtime.clock.elapsed() < 4200:
-            snapshots.append(runtime.sampler.sample())
-            runtime.clock.advance(10)
-    finally:
-        runtime.close()
+    snapshots = played("leak", 4200)
     episodes, _ = replay_episodes(snapshots)
     with open(FIXTURES / "torch_fragmentation.log", encoding="utf-8") as handle:
         events = parse_lines(handle, source="vllm.log")
@@ -264,19 +270,19 @@ def test_the_leak_chart_zooms_on_the_growth_not_the_start_up(mpl):
     assert ax.get_ylim()[0] > 40  # GiB: zoomed on the growth
 
 
-def test_the_processes_table_says_when_a_restarted_servers_old_engine_was_last_seen(tmp_path):
-    # stale-memory: the engine exits at 10 min and the server restarts under a new pid.
-    runtime = build_runtime(build_config(), simulate="stale-memory", at=0.0)
-    snapshots = []
-    try:
-        while runtime.clock.elapsed() < 1200:
-            snapshots.append(runtime.sampler.sample())
-            runtime.clock.advance(10)
-    finally:
-        runtime.close()
-    path = tmp_path / "stale.html"
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """stale-memory's first 20 min (the engine exits at 10 min, the server restarts at 0.6 under a
+    new pid) and its report's text."""
+    snapshots = played("stale-memory", 1200)
+    path = tmp_path_factory.mktemp("report") / "stale.html"
     write_report(snapshots, replay_episodes(snapshots)[0], [], str(path))
-    table = path.read_text(encoding="utf-8").split("<h2>Processes</h2>", 1)[1].split("</table>", 1)[0]
+    return snapshots, path.read_text(encoding="utf-8")
+
+
+def test_the_processes_table_says_when_a_restarted_servers_old_engine_was_last_seen(restarted):
+    snapshots, text = restarted
+    table = text.split("<h2>Processes</h2>", 1)[1].split("</table>", 1)[0]
     assert "<th>last seen</th>" in table
     rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr>")[2:]]
     last_seen = {int(row[1]): row[5] for row in rows}
@@ -291,20 +297,10 @@ def test_the_processes_table_says_when_a_restarted_servers_old_engine_was_last_s
     assert last_seen[new] == "at the end"
 
 
-def test_each_start_of_a_restarted_server_has_its_own_start_up_figures(tmp_path):
+def test_each_start_of_a_restarted_server_has_its_own_start_up_figures(restarted):
     # A newcomer's trial: the restarted (0.6) start's KV cache, 27 GiB, was shown beside the first
     # (0.9) start's settings, whose own log said 51.5 GiB.
-    runtime = build_runtime(build_config(), simulate="stale-memory", at=0.0)
-    snapshots = []
-    try:
-        while runtime.clock.elapsed() < 1200:
-            snapshots.append(runtime.sampler.sample())
-            runtime.clock.advance(10)
-    finally:
-        runtime.close()
-    path = tmp_path / "stale.html"
-    write_report(snapshots, [], [], str(path))
-    section = path.read_text(encoding="utf-8").split("<h2>vLLM servers</h2>", 1)[1].split("<h2>Processes", 1)[0]
+    section = restarted[1].split("<h2>vLLM servers</h2>", 1)[1].split("<h2>Processes", 1)[0]
     first = re.search(r"<p>Settings from [^<]*gpu_memory_utilization 0\.9[^<]*</p>", section)
     restart = re.search(r"restarted with gpu_memory_utilization 0\.6[^<]*</li>", section)
     assert first and restart, section
