@@ -369,6 +369,32 @@ def step_models(prefix: Prefix, i: int, j: int) -> tuple[float, float]:
     return max(0.0, one), max(0.0, two)
 
 
+def steps_rss(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -> float:
+    """RSS on [i, j) of the best model of `steps` steps (steps + 1 levels, each held by at least
+    `min_points` points but the first, a level that held before the window began; an intercept
+    per segment between the cuts as the line has), by dynamic programming over where the steps
+    fall: O(steps x points^2), for the short series of troughs. inf where there is no room."""
+    m = j - i
+    if m < steps * min_points + 1:
+        return math.inf
+
+    def cost(a: int, b: int) -> float:
+        if not prefix.cuts:
+            return prefix.level_rss(a, b)
+        return sum(prefix.level_rss(x, y) for x, y in prefix.pieces(a, b))
+    # best[e]: least RSS of [i, i + e) in the levels placed so far
+    best = [math.inf] * (m + 1)
+    for e in range(1, m + 1):
+        best[e] = cost(i, i + e)
+    for _ in range(steps):
+        nxt = [math.inf] * (m + 1)
+        for e in range(1 + min_points, m + 1):
+            nxt[e] = min((best[s] + cost(i + s, i + e) for s in range(1, e - min_points + 1)
+                          if best[s] < math.inf), default=math.inf)
+        best = nxt
+    return best[m]
+
+
 def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
     """z of the quadratic term of a least-squares parabola over [i, j) (negative: the growth
     slows down). 0 with too few points or no noise estimate."""
@@ -465,16 +491,22 @@ class WindowResult:
     rss: float  # residual sum of squares of the model
     kink: float | None = None  # a hinge's onset in u where it falls between points (else u[onset])
 
-    def shape(self, prefix: Prefix, sigma1: float) -> Shape:
+    def shape(self, prefix: Prefix, sigma1: float, step_sigma: float | None = None) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
-        slope's z with its error from the model's own residuals (their lag-1 correlation)."""
+        slope's z with its error from the model's own residuals (their lag-1 correlation).
+        With `step_sigma` (a deviation blind to steps), the models of several steps are also
+        judged against that noise where it is lower, and three steps are tried as well: on a
+        few points, one a tooth, steps inflate the noise measured from second differences
+        enough to hide behind it."""
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, two = step_models(prefix, self.start, self.end)
-        return Shape((one - self.rss) / noise, (two - self.rss) / noise,
+        several = noise if step_sigma is None else min(noise, step_sigma * step_sigma)
+        three = math.inf if step_sigma is None else steps_rss(prefix, self.start, self.end, 3)
+        return Shape((one - self.rss) / noise, (two - self.rss) / several,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
-                     self.slope / self.residual_se(prefix))
+                     self.slope / self.residual_se(prefix), (three - self.rss) / several)
 
     def residual_se(self, prefix: Prefix) -> float:
         """The slope's standard error as AR(1) residuals would make it: their variance and
@@ -511,6 +543,7 @@ class Shape:
     two_step_margin: float  # (RSS of the best two steps - RSS of the model) / (sigma^2 kappa)
     curvature: float  # z of the quadratic term of the growing part
     residual_z: float  # the slope's z with its error from the residuals (residual_se)
+    three_step_margin: float = math.inf  # as two_step_margin, three steps (where tried)
 
 
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
