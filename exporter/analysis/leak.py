@@ -327,10 +327,12 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         block = memo.get("block", end, era, n - lo, config, lambda: _quietest_block(medians, lows, lo))
         if block == 0:
             tested.append(("median", times[base:], medians[base:]))
-        elif block == 1:
-            tested.append(("floor", times[base:], lows[base:]))
         else:
-            tested.append(("floor", *_block_floor(times, lows, base, block)))
+            # A bucket an up-step falls in holds the old level's minimum over part of the bucket
+            # only, which misses the cycle's trough: left out of the floor.
+            ft, fl = _unstraddled(times, medians, lows, base, block,
+                                  max(config.min_shift_bytes, config.shift_noise_factor * low_noise))
+            tested.append(("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block)))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
         tested.append(("troughs", *_troughs(times, lows, base, drops)))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
@@ -496,7 +498,8 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     # line over a young series' first tooth, its drop and the next tooth's ramp).
     y = prefix.y
     fall = max(config.min_drop_bytes, config.drop_noise_factor * sigma)
-    for k in range(w.start + 1, w.end):
+    # (Not the troughs: one point a tooth, a fall between two is a trough missed before it.)
+    for k in range(w.start + 1, w.end) if step_sigma is None else ():
         if y[k - 1] - y[k] >= fall:
             gap = prefix.mean(max(w.start, k - 3), k) - w.level_end
             if -margin < gap < reach:
@@ -507,7 +510,7 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     if shape.step_margin < config.min_step_margin:
         return "a_step"
     penalty = config.two_step_penalty * math.log(w.end - w.start)
-    if shape.two_step_margin < -penalty or shape.three_step_margin < -2 * penalty:
+    if shape.two_step_margin < -penalty or shape.warm_two_margin < -penalty or shape.warm_three_margin < -2 * penalty:
         return "steps"
     if shape.curvature < -config.max_concavity_z:
         return "decelerating"
@@ -717,6 +720,29 @@ def _block_floor(times: Sequence[float], lows: Sequence[float], base: int,
     ts.reverse()
     vs.reverse()
     return ts, vs
+
+
+def _unstraddled(times: Sequence[float], medians: Sequence[float], lows: Sequence[float], base: int,
+                 block: int, size: float) -> tuple[Sequence[float], Sequence[float]]:
+    """times[base:] and lows[base:] less a bucket of the newest block that an up-step of at least
+    `size` fell in: the median already at the new level, the minimum still at the old one, read
+    over the part of the bucket before the step, and no bucket after it in the block yet to show
+    the step in the floor (mixed#1114: a 2 GiB step 13 s into a bucket under a 1.5-minute
+    sawtooth left a minimum 48 MiB above the floor, the newest point of a 2-minute block floor,
+    read as growth). Such a bucket's spread (median less minimum) exceeds the usual one by most
+    of the step; a ramp's spreads over its buckets by half of one bucket's rise at most. Older
+    blocks have the step's next bucket beside it."""
+    ts, ls = times[base:], lows[base:]
+    n = len(ts)
+    if n < 2 or max(map(operator.sub, medians[-block:], medians[-block - 1:-1])) < size:
+        return ts, ls  # the usual case: no up-step in the newest block
+    spreads = list(map(operator.sub, medians[base:], ls))
+    usual = median(spreads)
+    drop = {k for k in range(max(1, n - block), n)
+            if (up := medians[base + k] - medians[base + k - 1]) >= size and spreads[k] - usual >= 0.75 * up}
+    if not drop:
+        return ts, ls
+    return [t for k, t in enumerate(ts) if k not in drop], [v for k, v in enumerate(ls) if k not in drop]
 
 
 def _troughs(times: Sequence[float], lows: Sequence[float], base: int,

@@ -369,30 +369,44 @@ def step_models(prefix: Prefix, i: int, j: int) -> tuple[float, float]:
     return max(0.0, one), max(0.0, two)
 
 
-def steps_rss(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -> float:
-    """RSS on [i, j) of the best model of `steps` steps (steps + 1 levels, each held by at least
+def steps_fit(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -> tuple[float, list[float]]:
+    """The best model of `steps` steps on [i, j) (steps + 1 levels, each held by at least
     `min_points` points but the first, a level that held before the window began; an intercept
     per segment between the cuts as the line has), by dynamic programming over where the steps
-    fall: O(steps x points^2), for the short series of troughs. inf where there is no room."""
+    fall: O(steps x points^2), for the short series of troughs. (RSS, the steps' sizes, oldest
+    first); (inf, []) where there is no room for them."""
     m = j - i
     if m < steps * min_points + 1:
-        return math.inf
+        return math.inf, []
 
     def cost(a: int, b: int) -> float:
         if not prefix.cuts:
             return prefix.level_rss(a, b)
         return sum(prefix.level_rss(x, y) for x, y in prefix.pieces(a, b))
-    # best[e]: least RSS of [i, i + e) in the levels placed so far
+    # best[e]: least RSS of [i, i + e) in the levels placed so far; back[r][e]: where its last began
     best = [math.inf] * (m + 1)
     for e in range(1, m + 1):
         best[e] = cost(i, i + e)
+    back: list[list[int]] = []
     for _ in range(steps):
         nxt = [math.inf] * (m + 1)
+        arg = [0] * (m + 1)
         for e in range(1 + min_points, m + 1):
-            nxt[e] = min((best[s] + cost(i + s, i + e) for s in range(1, e - min_points + 1)
-                          if best[s] < math.inf), default=math.inf)
+            for s0 in range(1, e - min_points + 1):
+                if best[s0] < math.inf:
+                    c = best[s0] + cost(i + s0, i + e)
+                    if c < nxt[e]:
+                        nxt[e], arg[e] = c, s0
         best = nxt
-    return best[m]
+        back.append(arg)
+    if best[m] == math.inf:
+        return math.inf, []
+    edges = [m]
+    for arg in reversed(back):
+        edges.append(arg[edges[-1]])
+    edges = [0, *reversed(edges)]
+    means = [prefix.mean(i + a, i + b) for a, b in itertools.pairwise(edges)]
+    return best[m], [b - a for a, b in itertools.pairwise(means)]
 
 
 def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
@@ -494,19 +508,23 @@ class WindowResult:
     def shape(self, prefix: Prefix, sigma1: float, step_sigma: float | None = None) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
         slope's z with its error from the model's own residuals (their lag-1 correlation).
-        With `step_sigma` (a deviation blind to steps), the models of several steps are also
-        judged against that noise where it is lower, and three steps are tried as well: on a
-        few points, one a tooth, steps inflate the noise measured from second differences
+        With `step_sigma` (a deviation blind to steps), the best two and three steps are also
+        judged against that noise where it is lower, where they shrink as a warm-up's steps do:
+        on a few points, one a tooth, steps inflate the noise measured from second differences
         enough to hide behind it."""
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, two = step_models(prefix, self.start, self.end)
-        several = noise if step_sigma is None else min(noise, step_sigma * step_sigma)
-        three = math.inf if step_sigma is None else steps_rss(prefix, self.start, self.end, 3)
-        return Shape((one - self.rss) / noise, (two - self.rss) / several,
+        warm = [math.inf, math.inf]
+        for k in (2, 3) if step_sigma is not None else ():
+            rss, sizes = steps_fit(prefix, self.start, self.end, k)
+            # A warm-up's steps: all up, none much larger than the one before it.
+            if sizes and min(sizes) > 0 and all(b <= 1.25 * a for a, b in itertools.pairwise(sizes)):
+                warm[k - 2] = (rss - self.rss) / min(noise, step_sigma * step_sigma)
+        return Shape((one - self.rss) / noise, (two - self.rss) / noise,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
-                     self.slope / self.residual_se(prefix), (three - self.rss) / several)
+                     self.slope / self.residual_se(prefix), warm[0], warm[1])
 
     def residual_se(self, prefix: Prefix) -> float:
         """The slope's standard error as AR(1) residuals would make it: their variance and
@@ -543,7 +561,10 @@ class Shape:
     two_step_margin: float  # (RSS of the best two steps - RSS of the model) / (sigma^2 kappa)
     curvature: float  # z of the quadratic term of the growing part
     residual_z: float  # the slope's z with its error from the residuals (residual_se)
-    three_step_margin: float = math.inf  # as two_step_margin, three steps (where tried)
+    # As two_step_margin, for two and three steps that shrink as a warm-up's do, against the
+    # noise blind to steps (where tried: the troughs); inf where the best such steps do not shrink.
+    warm_two_margin: float = math.inf
+    warm_three_margin: float = math.inf
 
 
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
