@@ -517,11 +517,13 @@ class WindowResult:
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, two = step_models(prefix, self.start, self.end)
         warm = [math.inf, math.inf]
-        for k in (2, 3) if step_sigma is not None else ():
-            rss, sizes = steps_fit(prefix, self.start, self.end, k)
-            # A warm-up's steps: all up, none much larger than the one before it.
-            if sizes and min(sizes) > 0 and all(b <= 1.25 * a for a, b in itertools.pairwise(sizes)):
-                warm[k - 2] = (rss - self.rss) / min(noise, step_sigma * step_sigma)
+        if step_sigma is not None:
+            blind = min(noise, step_sigma * step_sigma)
+            for k in (2, 3):
+                rss, sizes = steps_fit(prefix, self.start, self.end, k)
+                # A warm-up's steps: all up, none much larger than the one before it.
+                if sizes and min(sizes) > 0 and all(b <= 1.25 * a for a, b in itertools.pairwise(sizes)):
+                    warm[k - 2] = (rss - self.rss) / blind
         return Shape((one - self.rss) / noise, (two - self.rss) / noise,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
                      self.slope / self.residual_se(prefix), warm[0], warm[1])
