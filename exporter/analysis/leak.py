@@ -20,21 +20,25 @@ What is not a leak is modelled explicitly rather than waited out:
     only; within a window the line must fit clearly better than one step, and two steps must
     not fit clearly better than it (small steps below the shift size);
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
-    up to a plateau; a staircase that shrinks or slows is one too;
+    up to a plateau; a staircase that shrinks or slows is one too (the step before its run
+    included); under a sawtooth, troughs that climb in two or three shrinking steps (judged
+    against the troughs' noise read blind to steps);
   * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
     tooth) instead of the medians, so a tooth's ramp is never taken for growth while growth
     under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
     blocks of a few minutes;
   * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
-    take the level clearly above every level of the half hour before it is no leak (unless that
-    level is too far above for the growth to climb back to within the hour); an isolated large
+    take the level clearly above every level of the half hour before it, nor above the level
+    before a drop inside its window, is no leak (unless that level is too far above for the
+    growth to climb back to within the hour); an isolated large
     drop and the climb back after it are left out of the noise measurement (its kinks would pass
     for noise that wanders);
   * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
     correlation) bound the slope's error.
 One view of each series is tested: the per-minute medians, or where cycles faster than a
-minute make them jitter, the minima (over the block length that makes them quietest), or the
-troughs under a sawtooth. The budget is shared among the series tested for one process (the
+minute make them jitter, the minima (over the block length that makes them quietest; a newest
+bucket an up-step fell in left out, its minimum read over part of it only), or the troughs
+under a sawtooth. The budget is shared among the series tested for one process (the
 allocator probe's parts, leak_detector.py).
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
