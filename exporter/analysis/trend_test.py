@@ -491,6 +491,12 @@ def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int
     return best
 
 
+# The models of a warm-up's several steps (steps_fit, O(points^2)) are fitted over windows of at
+# most this many points: 2 ms a window at 40, 90 ms at 320 (a sawtooth of 1-minute teeth over the
+# longest window). A warm-up's few steps show in the shorter windows first.
+WARM_STEPS_MAX_POINTS = 40
+
+
 @dataclass(frozen=True)
 class WindowResult:
     start: int  # first point of the fit (the baseline's first for a hinge)
@@ -517,7 +523,7 @@ class WindowResult:
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, two = step_models(prefix, self.start, self.end)
         warm = [math.inf, math.inf]
-        if step_sigma is not None:
+        if step_sigma is not None and self.end - self.start <= WARM_STEPS_MAX_POINTS:
             blind = min(noise, step_sigma * step_sigma)
             for k in (2, 3):
                 rss, sizes = steps_fit(prefix, self.start, self.end, k)
