@@ -12,6 +12,21 @@ The shapes, and what was wrong:
     2 noise variances: the line must now beat the step by 4);
   * correlated#109, correlated#114: noise wandering with a memory of 3-6 minutes, on a series too
     young (or a window too long) for the block estimates of its correlations.
+
+And those the detector of 4920ee8 (round 3) raised, on seeds 700-715, 900-915 and 1100-1115:
+  * correlated#906: noise wandering with a memory of 7.5 minutes on a series 35 minutes old; a
+    line begun while young passed the young bar by its slope, and the test of the slope's error
+    from its own residuals (which sees the wander) against the lower bar only;
+  * mixed#701, mixed#900: a warm-up's steps under a sawtooth, read through its troughs (one point
+    a tooth): adjacent steps of 20-110 MiB, which inflate the troughs' noise read from second
+    differences to 13-29 MiB where they scatter by a few, so no model of steps beat the line;
+  * mixed#910: a young series' first tooth, its drop and the next tooth's ramp in one 15-minute
+    line (the level before the drop, inside the window, was no earlier level to the test);
+  * mixed#1114: a 2 GiB step 13 s into a minute bucket under a 1.5-minute sawtooth: the bucket's
+    minimum, read over the 13 s before the step, missed the trough and stood 48 MiB above the
+    floor, the newest point of a 2-minute block floor;
+  * warmup#1106: four of a warm-up's steps (100, 110, 74, 68 MiB, 7-12 minutes apart) that looked
+    steady, after a 329 MiB one two minutes before the first: a staircase.
 """
 import sys
 from pathlib import Path
@@ -23,11 +38,15 @@ from helpers.leak_replay import episodes
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from leak_corpus import PAGE, T0, MiB, make_trace
 
-# (family, seed, GPU UUID, the minute the detector of 01acb4f raised its false alert)
+# (family, seed, GPU UUID, the minute the detector of 01acb4f (the first six) or 4920ee8 raised its
+# false alert)
 FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78),
           ("correlated", 114, "GPU-bench", 28), ("mixed", 114, "GPU-bench", 78),
-          ("warmup", 108, "GPU-test", 62), ("warmup", 110, "GPU-b", 101)]
+          ("warmup", 108, "GPU-test", 62), ("warmup", 110, "GPU-b", 101),
+          ("correlated", 906, "GPU-bench", 35), ("mixed", 701, "GPU-bench", 81), ("mixed", 900, "GPU-bench", 89),
+          ("mixed", 910, "GPU-bench", 22), ("mixed", 1114, "GPU-bench", 107), ("warmup", 1106, "GPU-bench", 36)]
 IDS = [f"{f}#{s}-{u}" for f, s, u, _ in FOOLED]
+SLOWER = {("mixed", 900): 80, ("mixed", 910): 100}
 
 
 @pytest.mark.parametrize("family,seed,uuid,minute", FOOLED, ids=IDS)
@@ -44,6 +63,11 @@ def test_a_leak_beginning_where_the_false_alert_came_is_still_found(family, seed
     rate = 4 * MiB  # per minute
     values = [int((v + max(0.0, (t - T0) / 60 - onset) * rate) // PAGE) * PAGE
               for t, v in zip(trace.times, trace.values, strict=True)]
-    found = episodes(trace.times[: int((onset + 60) * 12)], values[: int((onset + 60) * 12)], uuid)
-    assert found, f"{family}#{seed}: a 4 MiB/min leak from minute {onset} not found within an hour"
-    assert onset <= found[0] <= onset + 45, found
+    # Under a sawtooth read through its troughs, whose noise a warm-up's steps inflate, a 4 MiB/min
+    # leak takes longer: mixed#900 74 min, mixed#910 94 min (4920ee8 the same, once its false
+    # alert had cleared); elsewhere within 45 min.
+    within = SLOWER.get((family, seed), 45)
+    found = episodes(trace.times[: int((onset + within + 15) * 12)], values[: int((onset + within + 15) * 12)],
+                     uuid)
+    assert found, f"{family}#{seed}: a 4 MiB/min leak from minute {onset} not found within {within + 15} min"
+    assert onset <= found[0] <= onset + within, found

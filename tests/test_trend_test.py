@@ -15,6 +15,7 @@ from exporter.analysis.trend_test import (
     robust_sigma,
     scan,
     step_models,
+    steps_fit,
     threshold_z,
     wander_fit,
 )
@@ -183,3 +184,21 @@ def test_one_measured_kappa_grows_with_the_window_as_a_random_walk_would():
     table = [(2, 1.3)]
     assert kappa_for(16, table) == pytest.approx(1 + 0.3 * 16 / 2)
     assert kappa_for(16, [(2, 1.0)]) == 1.0  # white noise loses nothing
+
+
+def test_steps_fit_places_several_steps_where_they_fit_best():
+    # A warm-up's shrinking steps, two troughs each (the first level's last one in the window).
+    levels = [0.0, 40.0, 40.0, 68.0, 68.0, 92.0, 92.0]
+    rng = random.Random(3)
+    ys = [v + rng.gauss(0, 1.0) for v in levels]
+    p = Prefix(times(len(ys)), ys)
+    three, sizes = steps_fit(p, 0, len(ys), 3)
+    assert three < 4 * 1.0 * len(ys)  # the noise's scatter, not the steps'
+    assert sizes == pytest.approx([40.0, 28.0, 24.0], abs=4.0)
+    assert steps_fit(p, 0, len(ys), 2)[0] > 10 * three  # two steps cannot place the three
+    assert three < p.line(0, len(ys))[4] / 10  # nor can a line
+    # On a line the steps fit worse than the line does, and with no room for them not at all.
+    ramp = [2.0 * k + g for k, g in enumerate(white(12, 1.0, seed=4))]
+    q = Prefix(times(12), ramp)
+    assert steps_fit(q, 0, 12, 3)[0] > q.line(0, 12)[4]
+    assert steps_fit(q, 0, 6, 3) == (math.inf, [])

@@ -369,6 +369,46 @@ def step_models(prefix: Prefix, i: int, j: int) -> tuple[float, float]:
     return max(0.0, one), max(0.0, two)
 
 
+def steps_fit(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -> tuple[float, list[float]]:
+    """The best model of `steps` steps on [i, j) (steps + 1 levels, each held by at least
+    `min_points` points but the first, a level that held before the window began; an intercept
+    per segment between the cuts as the line has), by dynamic programming over where the steps
+    fall: O(steps x points^2), for the short series of troughs. (RSS, the steps' sizes, oldest
+    first); (inf, []) where there is no room for them."""
+    m = j - i
+    if m < steps * min_points + 1:
+        return math.inf, []
+
+    def cost(a: int, b: int) -> float:
+        if not prefix.cuts:
+            return prefix.level_rss(a, b)
+        return sum(prefix.level_rss(x, y) for x, y in prefix.pieces(a, b))
+    # best[e]: least RSS of [i, i + e) in the levels placed so far; back[r][e]: where its last began
+    best = [math.inf] * (m + 1)
+    for e in range(1, m + 1):
+        best[e] = cost(i, i + e)
+    back: list[list[int]] = []
+    for _ in range(steps):
+        nxt = [math.inf] * (m + 1)
+        arg = [0] * (m + 1)
+        for e in range(1 + min_points, m + 1):
+            for s0 in range(1, e - min_points + 1):
+                if best[s0] < math.inf:
+                    c = best[s0] + cost(i + s0, i + e)
+                    if c < nxt[e]:
+                        nxt[e], arg[e] = c, s0
+        best = nxt
+        back.append(arg)
+    if best[m] == math.inf:
+        return math.inf, []
+    edges = [m]
+    for arg in reversed(back):
+        edges.append(arg[edges[-1]])
+    edges = [0, *reversed(edges)]
+    means = [prefix.mean(i + a, i + b) for a, b in itertools.pairwise(edges)]
+    return best[m], [b - a for a, b in itertools.pairwise(means)]
+
+
 def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
     """z of the quadratic term of a least-squares parabola over [i, j) (negative: the growth
     slows down). 0 with too few points or no noise estimate."""
@@ -451,6 +491,12 @@ def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int
     return best
 
 
+# The models of a warm-up's several steps (steps_fit, O(points^2)) are fitted over windows of at
+# most this many points: 2 ms a window at 40, 90 ms at 320 (a sawtooth of 1-minute teeth over the
+# longest window). A warm-up's few steps show in the shorter windows first.
+WARM_STEPS_MAX_POINTS = 40
+
+
 @dataclass(frozen=True)
 class WindowResult:
     start: int  # first point of the fit (the baseline's first for a hinge)
@@ -465,16 +511,28 @@ class WindowResult:
     rss: float  # residual sum of squares of the model
     kink: float | None = None  # a hinge's onset in u where it falls between points (else u[onset])
 
-    def shape(self, prefix: Prefix, sigma1: float) -> Shape:
+    def shape(self, prefix: Prefix, sigma1: float, step_sigma: float | None = None) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
-        slope's z with its error from the model's own residuals (their lag-1 correlation)."""
+        slope's z with its error from the model's own residuals (their lag-1 correlation).
+        With `step_sigma` (a deviation blind to steps), the best two and three steps are also
+        judged against that noise where it is lower, where they shrink as a warm-up's steps do:
+        on a few points, one a tooth, steps inflate the noise measured from second differences
+        enough to hide behind it."""
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
         one, two = step_models(prefix, self.start, self.end)
+        warm = [math.inf, math.inf]
+        if step_sigma is not None and self.end - self.start <= WARM_STEPS_MAX_POINTS:
+            blind = min(noise, step_sigma * step_sigma)
+            for k in (2, 3):
+                rss, sizes = steps_fit(prefix, self.start, self.end, k)
+                # A warm-up's steps: all up, none much larger than the one before it.
+                if sizes and min(sizes) > 0 and all(b <= 1.25 * a for a, b in itertools.pairwise(sizes)):
+                    warm[k - 2] = (rss - self.rss) / blind
         return Shape((one - self.rss) / noise, (two - self.rss) / noise,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
-                     self.slope / self.residual_se(prefix))
+                     self.slope / self.residual_se(prefix), warm[0], warm[1])
 
     def residual_se(self, prefix: Prefix) -> float:
         """The slope's standard error as AR(1) residuals would make it: their variance and
@@ -511,6 +569,10 @@ class Shape:
     two_step_margin: float  # (RSS of the best two steps - RSS of the model) / (sigma^2 kappa)
     curvature: float  # z of the quadratic term of the growing part
     residual_z: float  # the slope's z with its error from the residuals (residual_se)
+    # As two_step_margin, for two and three steps that shrink as a warm-up's do, against the
+    # noise blind to steps (where tried: the troughs); inf where the best such steps do not shrink.
+    warm_two_margin: float = math.inf
+    warm_three_margin: float = math.inf
 
 
 def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
