@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple, cast
 
 from ..model import Budget, GpuSample, OomEvent, ProcessSample, Snapshot
+from .sleep_state import sleep_state
 from .trend import median
 
 Identity = tuple[int, "float | None"]
@@ -269,6 +270,11 @@ class History:
         # Insertion order = least recently updated first (moved to the end on every update).
         self._series: OrderedDict[SeriesKey, _Series] = OrderedDict()
         self._frames: deque[tuple[Snapshot, tuple[Budget, ...]]] = deque()
+        # The vLLM servers' sleep states, indexed as the frames come and go: (endpoint, state) ->
+        # the times of the frames that show it, oldest first. The detectors that ask "asleep, or
+        # in another state, within the last minutes?" every tick read it in O(1), not the frames.
+        self._frame_states: deque[tuple[tuple[str, str], ...]] = deque()  # beside _frames
+        self._state_times: dict[tuple[str, str], deque[float]] = {}
         self.max_log_events = max_log_events
         self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
@@ -323,12 +329,15 @@ class History:
         if (len(frames) >= 2 and frames[-1][0].timestamp - frames[-2][0].timestamp < self.raw_gap
                 and not frames[-1][0].log_events):
             frames.pop()  # the previous newest was too close to the one before: thinned
+            self._unindex(self._frame_states.pop(), newest=True)
         frames.append((_kept(snapshot, self.max_log_events), budgets))
+        self._index(snapshot)
         self._held_log_events += len(frames[-1][0].log_events)
         self.dropped_log_events += len(snapshot.log_events) - len(frames[-1][0].log_events)
         cutoff = t - self.raw_seconds
         while frames and frames[0][0].timestamp < cutoff:
             self._held_log_events -= len(frames.popleft()[0].log_events)
+            self._unindex(self._frame_states.popleft(), newest=False)
         if self._held_log_events > self.max_log_events:
             self._let_go_of_log_events()
         if t >= self._next_sweep:
@@ -336,6 +345,23 @@ class History:
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
+
+    def _index(self, snapshot: Snapshot) -> None:
+        states = tuple({v.endpoint: sleep_state(v) for v in snapshot.vllm}.items())
+        self._frame_states.append(states)
+        for key in states:
+            times = self._state_times.get(key)
+            if times is None:
+                times = self._state_times[key] = deque()
+            times.append(snapshot.timestamp)
+
+    def _unindex(self, states: tuple[tuple[str, str], ...], newest: bool) -> None:
+        """A frame let go of: the oldest (its times are the first of theirs), or the newest."""
+        for key in states:
+            times = self._state_times[key]
+            times.pop() if newest else times.popleft()
+            if not times:
+                del self._state_times[key]
 
     def _let_go_of_log_events(self) -> None:
         """The oldest snapshots' log events go until the held ones fit max_log_events."""
@@ -429,6 +455,20 @@ class History:
             out.append(frame)
         out.reverse()
         return out
+
+    def sleep_states(self, since: float, before: float) -> dict[str, frozenset[str]]:
+        """endpoint -> the sleep states ("" for none reported) the frames with since <= timestamp
+        < before show it in: what `recent(since)` would say of them, without reading the frames."""
+        out: dict[str, set[str]] = {}
+        for (endpoint, state), times in self._state_times.items():
+            # The newest such frame before `before`: the last, or the one before it (the frames
+            # at or after `before` are the current tick's, at most one or two).
+            i = len(times) - 1
+            while i >= 0 and times[i] >= before:
+                i -= 1
+            if i >= 0 and times[i] >= since:
+                out.setdefault(endpoint, set()).add(state)
+        return {endpoint: frozenset(states) for endpoint, states in out.items()}
 
     def series_count(self) -> int:
         return len(self._series)
