@@ -275,6 +275,10 @@ class History:
         # in another state, within the last minutes?" every tick read it in O(1), not the frames.
         self._frame_states: deque[tuple[tuple[str, str], ...]] = deque()  # beside _frames
         self._state_times: dict[tuple[str, str], deque[float]] = {}
+        # (GPU uuid, identity) -> when a serving process (role "vllm") was last seen on that GPU,
+        # least recent first; let go of once older than the oldest frame. Asked whether a server's
+        # process has gone within the last minutes, it answers without reading the frames.
+        self._serving_seen: OrderedDict[tuple[str, Identity], float] = OrderedDict()
         self.max_log_events = max_log_events
         self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
@@ -300,6 +304,10 @@ class History:
                 if unowned is not None:
                     self._add(("unowned", gpu.uuid), t, float(unowned), "")
             for p in gpu.processes:
+                if p.role == "vllm":
+                    key = (gpu.uuid, p.identity)
+                    self._serving_seen[key] = t
+                    self._serving_seen.move_to_end(key)
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
                 if p.allocator is not None:
@@ -340,6 +348,9 @@ class History:
             self._unindex(self._frame_states.popleft(), newest=False)
         if self._held_log_events > self.max_log_events:
             self._let_go_of_log_events()
+        oldest, serving = frames[0][0].timestamp, self._serving_seen
+        while serving and next(iter(serving.values())) < oldest:
+            serving.popitem(last=False)
         if t >= self._next_sweep:
             self._sweep(t)
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
@@ -454,6 +465,17 @@ class History:
                 break
             out.append(frame)
         out.reverse()
+        return out
+
+    def serving_seen(self, since: float) -> list[tuple[str, Identity]]:
+        """(GPU uuid, identity) of every serving process (role "vllm") seen on that GPU in a frame
+        at or after `since`, and maybe a few more (seen in a frame since thinned): enough to know
+        that none of them is gone without reading the frames."""
+        out = []
+        for key, seen in reversed(self._serving_seen.items()):
+            if seen < since:
+                break
+            out.append(key)
         return out
 
     def sleep_states(self, since: float, before: float) -> dict[str, frozenset[str]]:
