@@ -305,9 +305,9 @@ class History:
                     self._add(("unowned", gpu.uuid), t, float(unowned), "")
             for p in gpu.processes:
                 if p.role == "vllm":
-                    key = (gpu.uuid, p.identity)
-                    self._serving_seen[key] = t
-                    self._serving_seen.move_to_end(key)
+                    seen_key = (gpu.uuid, p.identity)
+                    self._serving_seen[seen_key] = t
+                    self._serving_seen.move_to_end(seen_key)
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
                 if p.allocator is not None:
@@ -348,9 +348,9 @@ class History:
             self._unindex(self._frame_states.popleft(), newest=False)
         if self._held_log_events > self.max_log_events:
             self._let_go_of_log_events()
-        oldest, serving = frames[0][0].timestamp, self._serving_seen
-        while serving and next(iter(serving.values())) < oldest:
-            serving.popitem(last=False)
+        oldest, seen = frames[0][0].timestamp, self._serving_seen
+        while seen and next(iter(seen.values())) < oldest:
+            seen.popitem(last=False)
         if t >= self._next_sweep:
             self._sweep(t)
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
