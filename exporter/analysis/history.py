@@ -279,6 +279,14 @@ class History:
         # least recent first; let go of once older than the oldest frame. Asked whether a server's
         # process has gone within the last minutes, it answers without reading the frames.
         self._serving_seen: OrderedDict[tuple[str, Identity], float] = OrderedDict()
+        # (endpoint, model, engine) -> (preemptions_total, since, last seen): the value every frame
+        # since `since` gave it (a frame where it is unknown aside), so a detector learns that the
+        # counter did not move within its window without reading the window's frames.
+        self._preemption_runs: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+        # (endpoint, model, engine) -> (time, KV cache usage) with usage falling from first to last:
+        # each the peak of the frames since its time. The KV saturation detector learns from it
+        # that no frame of its window came near full without reading them.
+        self._kv_peaks: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
         self.max_log_events = max_log_events
         self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
@@ -327,6 +335,20 @@ class History:
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
                     self._add(rss_key, t, float(p.host_rss_bytes), p.name)
+        runs = self._preemption_runs
+        for server in snapshot.vllm:
+            if server.up:
+                for e in server.engines:
+                    engine = (server.endpoint, e.model, e.engine)
+                    if e.preemptions_total is not None:
+                        run = runs.get(engine)
+                        since = run[1] if run is not None and run[0] == e.preemptions_total else t
+                        runs[engine] = (e.preemptions_total, since, t)
+                    if e.kv_cache_usage_ratio is not None:
+                        peaks = self._kv_peaks.setdefault(engine, deque())
+                        while peaks and peaks[-1][1] <= e.kv_cache_usage_ratio:
+                            peaks.pop()
+                        peaks.append((t, e.kv_cache_usage_ratio))
         for server in snapshot.vllm:  # a server's own processes, on no GPU (vLLM's CPU backend)
             for p in server.processes:
                 rss_key = ("rss", p.pid, p.start_time)
@@ -353,6 +375,13 @@ class History:
             seen.popitem(last=False)
         if t >= self._next_sweep:
             self._sweep(t)
+            for engine in [k for k, run in runs.items() if run[2] < oldest]:
+                del runs[engine]  # not seen in any frame kept
+            for engine, peaks in list(self._kv_peaks.items()):
+                while peaks and peaks[0][0] < oldest:
+                    peaks.popleft()
+                if not peaks:
+                    del self._kv_peaks[engine]
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
@@ -477,6 +506,20 @@ class History:
                 break
             out.append(key)
         return out
+
+    def preemptions_run(self, endpoint: str, model: str, engine: str) -> tuple[float, float] | None:
+        """(value, since): the engine's preemptions counter had this value in every frame since
+        `since` that gave one (None when no frame kept gave one)."""
+        run = self._preemption_runs.get((endpoint, model, engine))
+        return None if run is None else (run[0], run[1])
+
+    def kv_usage_peak(self, endpoint: str, model: str, engine: str, since: float) -> float | None:
+        """The engine's highest KV cache usage in the frames at or after `since`, or higher (a
+        frame since thinned may still count); None when no frame kept gave one."""
+        for t, usage in self._kv_peaks.get((endpoint, model, engine), ()):
+            if t >= since:
+                return usage
+        return None
 
     def sleep_states(self, since: float, before: float) -> dict[str, frozenset[str]]:
         """endpoint -> the sleep states ("" for none reported) the frames with since <= timestamp
