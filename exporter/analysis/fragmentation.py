@@ -163,13 +163,19 @@ def _engine_stats(snap: Snapshot, endpoint: str) -> dict[tuple[str, str], VllmEn
 def _from_preemptions(history: History, snapshot: Snapshot, config: FragmentationConfig,
                       budgets: tuple[Budget, ...]) -> list[Finding]:
     now = snapshot.timestamp
-    past = [s for s in history.recent(now - config.window_seconds) if s.timestamp < now]
+    start = now - config.window_seconds
+    past: list[Snapshot] | None = None
     findings = []
     for server in snapshot.vllm:
         if not server.up:
             continue
+        engines = _engine_stats(snapshot, server.endpoint)
+        if all(_unmoved(history, server.endpoint, e, start) for e in engines.values()):
+            continue  # no preemption within the window, the history's index says: no frame read (#18)
+        if past is None:
+            past = [s for s in history.recent(start) if s.timestamp < now]
         preempted, kv_peak = 0.0, None
-        for key, current in _engine_stats(snapshot, server.endpoint).items():
+        for key, current in engines.items():
             series = [e for s in past if (e := _engine_stats(s, server.endpoint).get(key))]
             series.append(current)
             preempted += _counter_increase([e.preemptions_total for e in series])
@@ -202,6 +208,12 @@ def _from_preemptions(history: History, snapshot: Snapshot, config: Fragmentatio
                     f"{config.window_seconds / 60:.0f} min with {why}",
             evidence=tuple(evidence), advice=advice))
     return findings
+
+
+def _unmoved(history: History, endpoint: str, engine: VllmEngineStats, since: float) -> bool:
+    """The engine's preemptions counter had its current value in every frame since `since`."""
+    run = history.preemptions_run(endpoint, engine.model, engine.engine)
+    return run is not None and run[0] == engine.preemptions_total and run[1] <= since
 
 
 def _counter_increase(values: list[float | None]) -> float:

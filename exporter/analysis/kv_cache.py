@@ -113,7 +113,8 @@ def detect_kv_saturation(history: History, snapshot: Snapshot, config: KvSaturat
     preemption); once raised, it stays while clear_full_share of a window is still full, for a
     window after the condition last held, so one dip does not clear it."""
     now = snapshot.timestamp
-    past = [s for s in history.recent(now - 2 * config.window_seconds) if s.timestamp < now]
+    since = now - 2 * config.window_seconds
+    past: list[Snapshot] | None = None
     by_engine = {(k.endpoint, k.model, k.engine): k for k in caches}
     findings = []
     for server in snapshot.vllm:
@@ -121,8 +122,10 @@ def detect_kv_saturation(history: History, snapshot: Snapshot, config: KvSaturat
             continue
         worst: tuple[float, Finding] | None = None
         for e in server.engines:
-            if e.kv_cache_usage_ratio is None:
+            if e.kv_cache_usage_ratio is None or _never_full(history, server.endpoint, e, since, config):
                 continue
+            if past is None:
+                past = [s for s in history.recent(since) if s.timestamp < now]
             series = _series(past, server.endpoint, e.model, e.engine, config)
             series.append(_sample(now, e, config))
             judged = _judge(series, now, config)
@@ -136,6 +139,17 @@ def detect_kv_saturation(history: History, snapshot: Snapshot, config: KvSaturat
         if worst is not None:
             findings.append(worst[1])
     return findings
+
+
+def _never_full(history: History, endpoint: str, e: VllmEngineStats, since: float,
+                config: KvSaturationConfig) -> bool:
+    """No sample of the engine since `since` is full, now included (the history's index says so
+    without reading the frames; #18): then no window of them is saturated."""
+    if config.min_full_share <= 0 or config.clear_full_share <= 0:
+        return False  # a window with nothing full could still count: read it
+    peak = history.kv_usage_peak(endpoint, e.model, e.engine, since)
+    usage = e.kv_cache_usage_ratio
+    return (peak is None or peak < config.usage_ratio) and usage is not None and usage < config.usage_ratio
 
 
 def _sample(t: float, e: VllmEngineStats, config: KvSaturationConfig) -> _Sample:

@@ -28,11 +28,13 @@ from ..model import Finding, GpuSample, Snapshot, VllmSample
 from ..units import format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import History, Identity
+from .sleep_state import SLEEPING_STATES, is_asleep, sleep_state
+
+__all__ = ["SLEEPING_STATES", "SleepConfig", "SleepLeakDetector", "quiet_endpoints", "sleep_state"]
 
 Evidence = list[tuple[str, float | int | str]]
 
 MIB = 1 << 20
-SLEEPING_STATES = ("weights_offloaded", "discard_all")  # the levels that release memory
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,6 @@ class SleepConfig:
             raise ValueError("sleep: settle_seconds >= 0 and lookback_seconds > settle_seconds")
 
 
-def sleep_state(server: VllmSample) -> str:
-    """The server's state: a sleeping engine's state if any sleeps, "awake" if all report awake,
-    "" when not reported (down, or a vLLM without sleep metrics)."""
-    if not server.up:
-        return ""
-    states = [e.sleep_state for e in server.engines if e.sleep_state]
-    asleep = [s for s in states if s != "awake"]
-    return asleep[0] if asleep else ("awake" if states else "")
-
-
 def _states(snap: Snapshot) -> dict[str, str]:
     return {v.endpoint: sleep_state(v) for v in snap.vllm}
 
@@ -70,15 +62,12 @@ def quiet_endpoints(history: History, snapshot: Snapshot, seconds: float) -> fro
     and rises by design, so the leak and stale detectors do not judge it then."""
     now = snapshot.timestamp
     current = _states(snapshot)
-    quiet = {endpoint for endpoint, state in current.items() if state not in ("", "awake")}
-    for snap in history.recent(now - seconds):
-        if snap.timestamp >= now:
-            continue
-        for endpoint, state in _states(snap).items():
-            if state and state != current.get(endpoint, state):
-                quiet.add(endpoint)
-            if state not in ("", "awake"):
-                quiet.add(endpoint)
+    quiet = {endpoint for endpoint, state in current.items() if is_asleep(state)}
+    # The states the earlier frames show, from the history's index: asked every tick by two
+    # detectors, reading the frames themselves was a cost that grew with `seconds` (#18).
+    for endpoint, states in history.sleep_states(now - seconds, now).items():
+        if any(is_asleep(state) or (state and state != current.get(endpoint, state)) for state in states):
+            quiet.add(endpoint)
     return frozenset(quiet)
 
 
@@ -123,7 +112,7 @@ class _FrameMemo:
     def __init__(self, frame: Snapshot):
         self.frame = frame
         self.states = _states(frame)
-        self.asleep = frozenset(e for e, state in self.states.items() if state not in ("", "awake"))
+        self.asleep = frozenset(e for e, state in self.states.items() if is_asleep(state))
         self._used: dict[tuple[str, str, frozenset[Identity]], int | None] = {}
 
     def used(self, uuid: str, endpoint: str, processes: frozenset[Identity]) -> int | None:
@@ -153,10 +142,20 @@ class SleepLeakDetector:
 
     def __call__(self, tick: Tick, config: SleepConfig) -> list[Finding]:
         snapshot, now = tick.snapshot, tick.now
-        frames = [s for s in tick.history.recent(now - config.lookback_seconds) if s.timestamp < now]
-        frames.append(snapshot)
-        memos = self._memos(frames)
-        asleep = frozenset().union(*(m.asleep for m in memos))  # at some time in the lookback
+        since = now - config.lookback_seconds
+        # Asleep at some time in the lookback: from the history's index of sleep states, so a host
+        # whose servers never sleep reads no frame (most hosts, most of the time; #18).
+        asleep = {e for e, states in tick.history.sleep_states(since, now).items() if any(map(is_asleep, states))}
+        asleep.update(e for e, state in _states(snapshot).items() if is_asleep(state))
+        frames: list[Snapshot] = []
+        memos: list[_FrameMemo] = []
+        if asleep or self._kept or any(_logs_sleeps(s) for s in snapshot.vllm):
+            frames = [s for s in tick.history.recent(since) if s.timestamp < now]
+            frames.append(snapshot)
+        if asleep or self._kept:
+            memos = self._memos(frames)
+        else:
+            self._frame_memos = {}  # no cycle to judge: hold no frame
         findings = []
         seen: set[tuple[str, str]] = set()
         for server in snapshot.vllm:
@@ -310,11 +309,17 @@ def _expected_freed(server: VllmSample) -> int | None:
     return kv + weights
 
 
+def _logs_sleeps(server: VllmSample) -> bool:
+    """The server's log has told of two sleeps or more (_log_signal has something to compare)."""
+    p = server.startup
+    return server.up and p is not None and p.sleeps >= 2 and p.sleep_still_in_use_bytes is not None
+
+
 def _log_signal(frames: list[Snapshot], server: VllmSample, snapshot: Snapshot,
                 config: SleepConfig) -> Evidence:
     """The log's "still in use" after the latest sleep against the one before it."""
     p = server.startup
-    if p is None or p.sleeps < 2 or p.sleep_still_in_use_bytes is None:
+    if not _logs_sleeps(server) or p is None or p.sleep_still_in_use_bytes is None:
         return []
     previous = None
     for snap in reversed(frames[:-1]):  # the latest earlier figure from the previous sleep

@@ -54,7 +54,11 @@ def detect_stale(history: History, snapshot: Snapshot, config: StaleConfig,
     `active`: the findings active before this tick (an exited server named once stays named)."""
     now = snapshot.timestamp
     past = [s for s in history.recent(now - config.lookback_seconds) if s.timestamp < now]
-    exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED))
+    live = {(g.uuid, p.identity) for g in snapshot.gpus for p in g.processes}
+    # Only when a serving process seen within the lookback is gone are the frames read for its
+    # exit (they were read every tick, most of this detector's cost at the steady state; #18).
+    gone = any(key not in live for key in history.serving_seen(now - config.lookback_seconds))
+    exited = exited_servers(snapshot, _thin(past, config.lookback_seconds / _MAX_SCANNED)) if gone else {}
     # An exit found within lookback_seconds is remembered by the finding itself for as long as
     # the memory stays: the cause is named while it lasts, not for the lookback only.
     for f in active:
