@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+# A process: its PID and start time (a reused PID is another process).
+Identity = tuple[int, "float | None"]
+
 
 @dataclass(frozen=True)
 class AllocatorStats:
@@ -71,7 +74,7 @@ class ProcessSample:
     allocator: AllocatorStats | None = None  # None: no probe in this process (or not read)
 
     @property
-    def identity(self) -> tuple[int, float | None]:
+    def identity(self) -> Identity:
         """PID plus start time: a reused PID is a different process."""
         return (self.pid, self.start_time)
 

@@ -41,7 +41,8 @@ from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
 
 if TYPE_CHECKING:
-    from .history import History, Identity, SeriesView
+    from ..model import Identity
+    from .history import History, SeriesView
 
 MIB = 1 << 20
 

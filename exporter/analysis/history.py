@@ -44,11 +44,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple, cast
 
-from ..model import Budget, GpuSample, OomEvent, ProcessSample, Snapshot
-from .sleep_state import sleep_state
+from ..model import Budget, GpuSample, Identity, OomEvent, ProcessSample, Snapshot
+from .frame_index import FrameIndex
 from .trend import median
 
-Identity = tuple[int, "float | None"]
 # ("gpu", uuid) | ("mem", uuid, pid, start_time) | ("rss", pid, start_time)
 # | (allocator series name, uuid, pid, start_time)
 SeriesKey = tuple[object, ...]
@@ -270,23 +269,7 @@ class History:
         # Insertion order = least recently updated first (moved to the end on every update).
         self._series: OrderedDict[SeriesKey, _Series] = OrderedDict()
         self._frames: deque[tuple[Snapshot, tuple[Budget, ...]]] = deque()
-        # The vLLM servers' sleep states, indexed as the frames come and go: (endpoint, state) ->
-        # the times of the frames that show it, oldest first. The detectors that ask "asleep, or
-        # in another state, within the last minutes?" every tick read it in O(1), not the frames.
-        self._frame_states: deque[tuple[tuple[str, str], ...]] = deque()  # beside _frames
-        self._state_times: dict[tuple[str, str], deque[float]] = {}
-        # (GPU uuid, identity) -> when a serving process (role "vllm") was last seen on that GPU,
-        # least recent first; let go of once older than the oldest frame. Asked whether a server's
-        # process has gone within the last minutes, it answers without reading the frames.
-        self._serving_seen: OrderedDict[tuple[str, Identity], float] = OrderedDict()
-        # (endpoint, model, engine) -> (preemptions_total, since, last seen): the value every frame
-        # since `since` gave it (a frame where it is unknown aside), so a detector learns that the
-        # counter did not move within its window without reading the window's frames.
-        self._preemption_runs: dict[tuple[str, str, str], tuple[float, float, float]] = {}
-        # (endpoint, model, engine) -> (time, KV cache usage) with usage falling from first to last:
-        # each the peak of the frames since its time. The KV saturation detector learns from it
-        # that no frame of its window came near full without reading them.
-        self._kv_peaks: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
+        self._index = FrameIndex()  # what the frames show of rare events, kept beside them
         self.max_log_events = max_log_events
         self._held_log_events = 0  # log events in self._frames
         self._last_timestamp: float | None = None
@@ -315,10 +298,6 @@ class History:
                 if unowned is not None:
                     self._add(("unowned", gpu.uuid), t, float(unowned), "")
             for p in gpu.processes:
-                if p.role == "vllm":
-                    seen_key = (gpu.uuid, p.identity)
-                    self._serving_seen[seen_key] = t
-                    self._serving_seen.move_to_end(seen_key)
                 if p.used_bytes is not None:
                     self._add(("mem", gpu.uuid, p.pid, p.start_time), t, float(p.used_bytes), p.name)
                 if p.allocator is not None:
@@ -338,20 +317,6 @@ class History:
                 if p.host_rss_bytes is not None and rss_key not in rss_done:
                     rss_done.add(rss_key)  # a process on several GPUs has one RSS
                     self._add(rss_key, t, float(p.host_rss_bytes), p.name)
-        runs = self._preemption_runs
-        for server in snapshot.vllm:
-            if server.up:
-                for e in server.engines:
-                    engine = (server.endpoint, e.model, e.engine)
-                    if e.preemptions_total is not None:
-                        run = runs.get(engine)
-                        since = run[1] if run is not None and run[0] == e.preemptions_total else t
-                        runs[engine] = (e.preemptions_total, since, t)
-                    if e.kv_cache_usage_ratio is not None:
-                        peaks = self._kv_peaks.setdefault(engine, deque())
-                        while peaks and peaks[-1][1] <= e.kv_cache_usage_ratio:
-                            peaks.pop()
-                        peaks.append((t, e.kv_cache_usage_ratio))
         for server in snapshot.vllm:  # a server's own processes, on no GPU (vLLM's CPU backend)
             for p in server.processes:
                 rss_key = ("rss", p.pid, p.start_time)
@@ -362,49 +327,24 @@ class History:
         if (len(frames) >= 2 and frames[-1][0].timestamp - frames[-2][0].timestamp < self.raw_gap
                 and not frames[-1][0].log_events):
             frames.pop()  # the previous newest was too close to the one before: thinned
-            self._unindex(self._frame_states.pop(), newest=True)
+            self._index.drop(newest=True)
         frames.append((_kept(snapshot, self.max_log_events), budgets))
-        self._index(snapshot)
+        self._index.add(snapshot)
         self._held_log_events += len(frames[-1][0].log_events)
         self.dropped_log_events += len(snapshot.log_events) - len(frames[-1][0].log_events)
         cutoff = t - self.raw_seconds
         while frames and frames[0][0].timestamp < cutoff:
             self._held_log_events -= len(frames.popleft()[0].log_events)
-            self._unindex(self._frame_states.popleft(), newest=False)
+            self._index.drop(newest=False)
         if self._held_log_events > self.max_log_events:
             self._let_go_of_log_events()
-        oldest, seen = frames[0][0].timestamp, self._serving_seen
-        while seen and next(iter(seen.values())) < oldest:
-            seen.popitem(last=False)
-        if t >= self._next_sweep:
+        sweep = t >= self._next_sweep
+        self._index.trim(frames[0][0].timestamp, sweep)
+        if sweep:
             self._sweep(t)
-            for engine in [k for k, run in runs.items() if run[2] < oldest]:
-                del runs[engine]  # not seen in any frame kept
-            for engine, peaks in list(self._kv_peaks.items()):
-                while peaks and peaks[0][0] < oldest:
-                    peaks.popleft()
-                if not peaks:
-                    del self._kv_peaks[engine]
             self._next_sweep = t + min(self.bucket_seconds, self.dead_grace_seconds or self.bucket_seconds)
         while len(self._series) > self.max_series:
             self._series.popitem(last=False)
-
-    def _index(self, snapshot: Snapshot) -> None:
-        states = tuple({v.endpoint: sleep_state(v) for v in snapshot.vllm}.items())
-        self._frame_states.append(states)
-        for key in states:
-            times = self._state_times.get(key)
-            if times is None:
-                times = self._state_times[key] = deque()
-            times.append(snapshot.timestamp)
-
-    def _unindex(self, states: tuple[tuple[str, str], ...], newest: bool) -> None:
-        """A frame let go of: the oldest (its times are the first of theirs), or the newest."""
-        for key in states:
-            times = self._state_times[key]
-            times.pop() if newest else times.popleft()
-            if not times:
-                del self._state_times[key]
 
     def _let_go_of_log_events(self) -> None:
         """The oldest snapshots' log events go until the held ones fit max_log_events."""
@@ -499,44 +439,27 @@ class History:
         out.reverse()
         return out
 
+    # --- what the frames show of rare events, without reading them (frame_index.py) ---------
     def serving_seen(self, since: float) -> list[tuple[str, Identity]]:
         """(GPU uuid, identity) of every serving process (role "vllm") seen on that GPU in a frame
         at or after `since`, and maybe a few more (seen in a frame since thinned): enough to know
         that none of them is gone without reading the frames."""
-        out = []
-        for key, seen in reversed(self._serving_seen.items()):
-            if seen < since:
-                break
-            out.append(key)
-        return out
+        return self._index.serving_seen(since)
 
     def preemptions_run(self, endpoint: str, model: str, engine: str) -> tuple[float, float] | None:
         """(value, since): the engine's preemptions counter had this value in every frame since
         `since` that gave one (None when no frame kept gave one)."""
-        run = self._preemption_runs.get((endpoint, model, engine))
-        return None if run is None else (run[0], run[1])
+        return self._index.preemptions_run((endpoint, model, engine))
 
     def kv_usage_peak(self, endpoint: str, model: str, engine: str, since: float) -> float | None:
         """The engine's highest KV cache usage in the frames at or after `since`, or higher (a
         frame since thinned may still count); None when no frame kept gave one."""
-        for t, usage in self._kv_peaks.get((endpoint, model, engine), ()):
-            if t >= since:
-                return usage
-        return None
+        return self._index.kv_usage_peak((endpoint, model, engine), since)
 
     def sleep_states(self, since: float, before: float) -> dict[str, frozenset[str]]:
         """endpoint -> the sleep states ("" for none reported) the frames with since <= timestamp
         < before show it in: what `recent(since)` would say of them, without reading the frames."""
-        out: dict[str, set[str]] = {}
-        for (endpoint, state), times in self._state_times.items():
-            # The newest such frame before `before`: the last, or the one before it (the frames
-            # at or after `before` are the current tick's, at most one or two).
-            i = len(times) - 1
-            while i >= 0 and times[i] >= before:
-                i -= 1
-            if i >= 0 and times[i] >= since:
-                out.setdefault(endpoint, set()).add(state)
-        return {endpoint: frozenset(states) for endpoint, states in out.items()}
+        return self._index.sleep_states(since, before)
 
     def series_count(self) -> int:
         return len(self._series)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import Budget, Finding, GpuSample, ProcessSample, ProcessTrend, Snapshot
+from ..model import Budget, Finding, GpuSample, Identity, ProcessSample, ProcessTrend, Snapshot
 from .attribution import NO_PROBE, Attribution, attribute, component_advice, describe
 from .budget import tensor_parallel_endpoints
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
-from .history import History, Identity
+from .history import History
 from .leak import LeakAssessment, LeakAssessor, LeakConfig, LeakLatch
 from .sleep import quiet_endpoints
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..model import Finding, GpuSample, Snapshot, VllmSample
+from ..model import Finding, GpuSample, Identity, Snapshot, VllmSample
 from ..units import format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
-from .history import History, Identity
+from .history import History
 from .sleep_state import SLEEPING_STATES, is_asleep, sleep_state
 
 __all__ = ["SLEEPING_STATES", "SleepConfig", "SleepLeakDetector", "quiet_endpoints", "sleep_state"]

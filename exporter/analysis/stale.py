@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model import NEUTRAL_TOOLS, Finding, GpuSample, GpuTools, ProcessSample, Snapshot
+from ..model import NEUTRAL_TOOLS, Finding, GpuSample, GpuTools, Identity, ProcessSample, Snapshot
 from ..units import GiB, format_bytes
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import unattributed_bytes
 from .sleep import quiet_endpoints
 
 if TYPE_CHECKING:
-    from .history import History, Identity, SeriesView
+    from .history import History, SeriesView
 
 __all__ = ["StaleConfig", "detect_stale", "exited_servers", "unattributed_bytes"]
 
