@@ -82,7 +82,7 @@ def host():
     """The steady scenario's fake NVML and processes, treated as a real host: the allocator
     source comes from the configuration, as on a GPU node."""
     h = open_host(build({}), simulate="steady", at=3600)
-    h.simulated = False
+    h.scenario = None  # played, but read as a real host
     yield h
     h.close()
 
