@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
-from ..units import GiB, counted, format_bytes
+from ..units import GiB, counted, format_bytes, format_duration
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
@@ -220,19 +220,16 @@ def held_for(tier: SeriesView, now: float, held: int, floor: int, history: Histo
     return Lasted(now - tier.times[at_size], now - tier.times[first], first == 0 and tier.times[0] <= horizon)
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
-
-
 def _growth(grew: int | None, lasted: Lasted | None, window: float) -> str:
     """Growth over the window, or, where it did not grow, how long it has held the memory (a
     duration the window does not cap), and how long memory at all when that is much longer."""
     if grew is None or abs(grew) < GiB / 20:
         if lasted is not None:
             bound = "at least " if lasted.lower_bound else ""
-            if _duration(lasted.in_all) == _duration(lasted.at_size) or lasted.in_all - lasted.at_size < 120:
-                return f", held for {bound}{_duration(lasted.at_size)}"
-            return f", held for {_duration(lasted.at_size)} at this size, {bound}{_duration(lasted.in_all)} in all"
+            at_size, in_all = (format_duration(s, hours_from=5400) for s in (lasted.at_size, lasted.in_all))
+            if at_size == in_all or lasted.in_all - lasted.at_size < 120:
+                return f", held for {bound}{at_size}"
+            return f", held for {at_size} at this size, {bound}{in_all} in all"
         return "" if grew is None else f", no growth in the last {window / 60:.0f} min"
     sign = "+" if grew >= 0 else "-"
     return f", {sign}{format_bytes(abs(grew))} in {window / 60:.0f} min"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .. import thresholds
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory, ProcessSample
-from ..units import format_bytes
+from ..units import format_bytes, format_duration
 from .detector import DetectorSpec, FindingKind, Tick
 
 
@@ -167,7 +167,7 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         if beyond is not None and beyond < ratio:
             summary += f", {beyond:.0%} of the GPU beyond the vLLM budget"
         if a.time_to_full_seconds is not None:
-            summary += f", full in about {_duration(a.time_to_full_seconds)} at the current rate"
+            summary += f", full in about {format_duration(a.time_to_full_seconds)} at the current rate"
         if holding:
             summary += "; held by " + ", ".join(f"{_who(p)} {format_bytes(b)}" for b, p in holding)
         findings.append(Finding(
@@ -175,10 +175,6 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
             evidence=tuple(evidence), advice=_advice(gpu, a.admission_open)))
     return findings
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 def _advice(gpu: GpuSample | None, admission_open: bool) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import NEUTRAL_TOOLS, Finding, GpuSample, GpuTools, Identity, ProcessSample, Snapshot
-from ..units import GiB, format_bytes
+from ..units import GiB, format_bytes, format_duration
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .history import unattributed_bytes
 from .sleep import quiet_endpoints
@@ -138,7 +138,7 @@ def _persistent(gpu: GpuSample, unowned: int, past: list[Snapshot], now: float,
     at_least = False
     if walked_all and past:  # over it for all the raw snapshots looked at: the tier goes further
         since, at_least = _since_in_tier(tier, since, threshold)
-    lasted = f"{'at least ' if at_least else ''}{_duration(now - since)}"
+    lasted = f"{'at least ' if at_least else ''}{format_duration(now - since, hours_from=5400)}"
     return Finding(
         kind="stale_memory", severity="warning", first_detected_at=now, gpu=gpu.index,
         uuid=gpu.uuid,
@@ -161,10 +161,6 @@ def _since_in_tier(tier: SeriesView, since: float, threshold: int) -> tuple[floa
         since = tier.times[i]
         i -= 1
     return since, i < 0 and len(tier.times) > 0
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 def _exited_from(f: Finding) -> tuple[float, ProcessSample] | None:

@@ -13,7 +13,7 @@ from html import escape
 from .. import __version__
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, KvCache, Snapshot, State, VllmEngineStats
 from ..sources import gpu as gpu_backends
-from ..units import counted, format_bytes
+from ..units import counted, format_bytes, format_duration
 
 _STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}"
           "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}.bad{color:#b00}.ok{color:#070}")
@@ -35,9 +35,7 @@ def _updown(up: bool, why: str = "") -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "no clear trend"
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+    return "no clear trend" if seconds is None else format_duration(seconds)
 
 
 def _advice(advice: tuple[str, ...]) -> str:
@@ -87,9 +85,7 @@ def _last_oom(g: GpuSample, recent: tuple[tuple[Finding, float | None], ...], no
 
 
 def _ago(seconds: float) -> str:
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
+    return f"{format_duration(seconds)} ago"
 
 
 def _verdict(g: GpuSample, a: GpuAnalysis | None, budgets: list[Budget], related: list[tuple[Finding, str]],
