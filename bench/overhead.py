@@ -12,7 +12,9 @@ processes (idle `sleep`s spawned here, their PIDs written into the scenario), so
 name, memory and owner in the real /proc as they would on a GPU host.
 
 Each (exporter, host) runs in its own worker process, so its CPU time and resident memory are
-its own; the fake vLLM servers run in this parent process. Measured per worker:
+its own. Each vLLM server runs in a process of its own too, as a real API server does, and the
+engine of each (the GPU process the exporter must tie to that endpoint) is its child; the other
+GPU processes are children of this parent process, which serves nothing. Measured per worker:
 - CPU seconds per hour: CPU time (user + system) of a sampling tick, ticks run back to back
   with the clock advanced 5 s each, times 720 ticks an hour; scrapes excluded (they depend on
   Prometheus's interval, not ours: see scrape latency). The first `--warm-ticks` (3) are not
@@ -57,28 +59,29 @@ VLLM_ENDPOINTS = 4
 TICKS_PER_HOUR = 3600 / INTERVAL
 
 
+def server_positions(gpus: int, procs_per_gpu: int) -> list[int]:
+    """Where, in the host's process list, each vLLM server's engine is: the first process of GPUs
+    0..3, or of GPU 0 and the ones after it where there are fewer GPUs."""
+    firsts = [g * procs_per_gpu for g in range(min(gpus, VLLM_ENDPOINTS))]
+    rest = [i for i in range(gpus * procs_per_gpu) if i not in firsts]
+    return firsts + rest[:VLLM_ENDPOINTS - len(firsts)]
+
+
 def scenario_dict(gpus: int, procs_per_gpu: int, pids: list[int]) -> dict:
-    """A host of `gpus` H100s with `procs_per_gpu` processes each; the first process on GPUs
-    0..3 (or 0 when fewer) are vLLM API servers with a /metrics endpoint."""
-    processes, vllm = [], []
-    it = iter(pids)
-    for g in range(gpus):
-        for i in range(procs_per_gpu):
-            pid = next(it)
-            processes.append({"pid": pid, "name": "python3", "gpu": g,
-                              "memory": [{"constant": f"{max(1, 60 // procs_per_gpu)}GiB"},
-                                         {"sawtooth": {"period": 60, "amplitude": "64MiB"}},
-                                         {"noise": {"stddev": "8MiB"}}],
-                              "rss": "512MiB"})
-            if i == 0 and len(vllm) < VLLM_ENDPOINTS:
-                vllm.append({"port": 8000 + len(vllm), "pid": pid, "model": f"model-{len(vllm)}",
-                             "kv_cache_usage": 0.5, "running": 8, "waiting": 1,
-                             "cache_config": {"gpu_memory_utilization": 0.9, "num_gpu_blocks": 30000}})
-    while len(vllm) < VLLM_ENDPOINTS:  # a 1-GPU host still gets 4 servers (on GPU 0)
-        pid = processes[len(vllm)]["pid"]
-        vllm.append({"port": 8000 + len(vllm), "pid": pid, "model": f"model-{len(vllm)}",
+    """A host of `gpus` H100s with `procs_per_gpu` processes each (PIDs in that order); the
+    processes at server_positions() are the engines of 4 vLLM servers with a /metrics endpoint."""
+    processes = [{"pid": pid, "name": "python3", "gpu": i // procs_per_gpu,
+                  "memory": [{"constant": f"{max(1, 60 // procs_per_gpu)}GiB"},
+                             {"sawtooth": {"period": 60, "amplitude": "64MiB"}},
+                             {"noise": {"stddev": "8MiB"}}],
+                  "rss": "512MiB"} for i, pid in enumerate(pids)]
+    vllm = []
+    for n, i in enumerate(server_positions(gpus, procs_per_gpu)):
+        big = n < gpus  # one server per GPU; where GPUs are fewer, the extra servers are small
+        vllm.append({"port": 8000 + n, "pid": pids[i], "model": f"model-{n}",
                      "kv_cache_usage": 0.5, "running": 8, "waiting": 1,
-                     "cache_config": {"gpu_memory_utilization": 0.2, "num_gpu_blocks": 3000}})
+                     "cache_config": {"gpu_memory_utilization": 0.9 if big else 0.2,
+                                      "num_gpu_blocks": 30000 if big else 3000}})
     return {"name": f"bench-{gpus}x{procs_per_gpu}", "description": "overhead benchmark", "duration": "2h",
             "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory": "81559MiB", "reserved": "527MiB",
                       "count": gpus}],
@@ -134,6 +137,10 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int) -> dict
         if i >= warm:  # warm-up: caches and history fill in the first ticks
             cpu.append(time.process_time() - c0)
     procs = sum(len(g.processes) for g in state.snapshot.gpus)
+    if endpoints:  # the measurement is of the real work only if each server's engine is found as its
+        tied = {p.pid: p.endpoint for g in state.snapshot.gpus for p in g.processes if p.role == "vllm"}
+        print(f"ours: {len(tied)} GPU processes tied to {len(set(tied.values()))} of {len(endpoints)} "
+              "endpoints", file=sys.stderr)
     return {"cpu_per_tick": cpu, "rss": _rss(), "port": _serve(registry), "gpu_processes": procs}
 
 
@@ -174,36 +181,63 @@ def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, tick
 
 
 # -- the parent: spawn processes and servers, run workers, scrape, report ---------------------------
-@contextlib.contextmanager
-def page_server(path: str):
-    """An HTTP/1.1 keep-alive server answering every GET with the file's body (its first line, a
-    fixture's provenance comment, aside); yields its /metrics URL."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+def server_main(index: int, page: str | None) -> None:
+    """One vLLM server, in its own process as a real one is: it serves /metrics, and its child
+    (an idle `sleep`) is its engine, the GPU process. Prints the engine's PID, reads the
+    scenario's path (once every engine's PID is in it), prints its URL, serves until stdin closes."""
+    from pageserver import page_server  # beside this script
 
-    body = Path(path).read_bytes().partition(b"\n")[2]
+    from exporter.clock import VirtualClock
+    from exporter.sim.fake_vllm import FakeVllmServer
+    from exporter.sim.scenario import from_dict
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    engine = subprocess.Popen(["sleep", "36000"])
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        print(engine.pid, flush=True)
+        spec_file = sys.stdin.readline().strip()
+        with contextlib.ExitStack() as stack:
+            if page:
+                url = stack.enter_context(page_server(page))
+            else:
+                scenario = from_dict(json.loads(Path(spec_file).read_text()))
+                url = stack.enter_context(FakeVllmServer(scenario, VirtualClock(speed=1.0), server_index=index)).url
+            print(url, flush=True)
+            sys.stdin.read()
     finally:
-        server.shutdown()
-        server.server_close()
+        engine.kill()
+        engine.wait()
+
+
+@contextlib.contextmanager
+def host_processes(gpus: int, per_gpu: int, page: str | None, spec_file: str):
+    """The host's GPU processes, real and idle: 4 vLLM servers' engines (each the child of its
+    server's process, so the exporter ties each endpoint to its own engine) and unrelated ones
+    (children of this process, which serves nothing). Writes the scenario to `spec_file`;
+    yields the 4 endpoints' URLs."""
+    servers = [subprocess.Popen([sys.executable, __file__, "--serve", str(i), *(["--vllm-page", page] if page else [])],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for i in range(VLLM_ENDPOINTS)]
+    others: list[subprocess.Popen] = []
+    try:
+        engines = [int(s.stdout.readline()) for s in servers]
+        others = [subprocess.Popen(["sleep", "36000"]) for _ in range(gpus * per_gpu - VLLM_ENDPOINTS)]
+        pids, spare = [0] * (gpus * per_gpu), iter(p.pid for p in others)
+        for engine, i in zip(engines, server_positions(gpus, per_gpu), strict=True):
+            pids[i] = engine
+        pids = [pid or next(spare) for pid in pids]
+        Path(spec_file).write_text(json.dumps(scenario_dict(gpus, per_gpu, pids)))
+        for s in servers:
+            s.stdin.write(spec_file + "\n")
+            s.stdin.flush()
+        yield [s.stdout.readline().strip() for s in servers]
+    finally:
+        for s in servers:
+            with contextlib.suppress(OSError):
+                s.stdin.close()
+        for p in others:
+            p.kill()
+        for p in (*servers, *others):
+            p.wait(timeout=30)
 
 
 def scrape_latencies(port: int, n: int) -> tuple[list[float], int]:
@@ -258,6 +292,7 @@ def main() -> int:
     default_site = next(iter(sorted(glob.glob("/tmp/nvitop-venv/lib/python3*/site-packages"))), "")
     ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
     ap.add_argument("--worker", choices=["ours", "nvitop"], help=argparse.SUPPRESS)
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
@@ -265,12 +300,11 @@ def main() -> int:
     if args.worker:
         worker_main(args.worker, args.spec, args.endpoint, args.site, args.ticks, args.warm_ticks)
         return 0
+    if args.serve is not None:
+        server_main(args.serve, args.vllm_page)
+        return 0
 
     import tempfile
-
-    from exporter.clock import VirtualClock
-    from exporter.sim.fake_vllm import FakeVllmServer
-    from exporter.sim.scenario import from_dict
 
     have_nvitop = bool(args.nvitop_site) and os.path.isdir(os.path.join(args.nvitop_site, "nvitop_exporter"))
     if not have_nvitop:
@@ -279,34 +313,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for gpus in args.gpus:
             for per_gpu in args.procs:
+                spec_file = os.path.join(tmp, f"{gpus}x{per_gpu}.json")
                 # Exactly the host's GPU processes exist: the cost of walking /proc grows with them.
-                sleepers = [subprocess.Popen(["sleep", "36000"]) for _ in range(gpus * per_gpu)]
-                try:
-                    spec = scenario_dict(gpus, per_gpu, [p.pid for p in sleepers])
-                    spec_file = os.path.join(tmp, f"{gpus}x{per_gpu}.json")
-                    Path(spec_file).write_text(json.dumps(spec))
-                    scenario = from_dict(spec)
-                    clock = VirtualClock(speed=1.0)
-                    with contextlib.ExitStack() as stack:
-                        if args.vllm_page:
-                            urls = [stack.enter_context(page_server(args.vllm_page)) for _ in range(VLLM_ENDPOINTS)]
-                        else:
-                            urls = [stack.enter_context(FakeVllmServer(scenario, clock, server_index=i)).url
-                                    for i in range(VLLM_ENDPOINTS)]
-                        workers = {"ours": ("ours", urls, ""), "ours, no vLLM": ("ours", [], "")}
-                        if have_nvitop:
-                            workers["nvitop"] = ("nvitop", [], args.nvitop_site)
-                        row = {"gpus": gpus, "procs": per_gpu}
-                        for _ in range(args.rounds):  # in turn: a change in the machine's load hits all alike
-                            for name, (kind, endpoints, site) in workers.items():
-                                result = run_worker(kind, spec_file, endpoints, site, args.ticks, args.warm_ticks,
-                                                    args.scrapes)
-                                row[name] = merged(row.get(name), result)
-                finally:
-                    for p in sleepers:
-                        p.kill()
-                    for p in sleepers:
-                        p.wait()
+                with host_processes(gpus, per_gpu, args.vllm_page, spec_file) as urls:
+                    workers = {"ours": ("ours", urls, ""), "ours, no vLLM": ("ours", [], "")}
+                    if have_nvitop:
+                        workers["nvitop"] = ("nvitop", [], args.nvitop_site)
+                    row = {"gpus": gpus, "procs": per_gpu}
+                    for _ in range(args.rounds):  # in turn: a change in the machine's load hits all alike
+                        for name, (kind, endpoints, site) in workers.items():
+                            result = run_worker(kind, spec_file, endpoints, site, args.ticks, args.warm_ticks,
+                                                args.scrapes)
+                            row[name] = merged(row.get(name), result)
                 rows.append(row)
                 print(f"  {gpus} GPUs x {per_gpu} processes done", file=sys.stderr)
     print_table(rows, have_nvitop)

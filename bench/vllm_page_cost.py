@@ -8,8 +8,9 @@ Timed side by side in one run, medians of `--repeats` rounds (CPU time of this p
 - the whole page through prometheus_client's parser (what a scraper that reads every family pays);
 - `normalise()`: the page into the values the exporter exports;
 - one scrape over loopback: HTTP GET over a kept-alive connection, then `normalise()` (the page
-  served by a plain HTTP/1.1 server in a child process, as uvicorn serves it: the whole page,
-  as vLLM 0.32 serves /metrics whatever `?name[]=` asks, its instrumentator's route being first);
+  served by pageserver.py in a child process, as uvicorn serves it and as late as a real server
+  answers: the whole page, as vLLM 0.32 serves /metrics whatever `?name[]=` asks, its
+  instrumentator's route being first);
 - one tick of the `vllm` source with 4 such endpoints (scrapes run on its worker threads).
 With `--baseline REF` the same steps run on that commit's code too (`git archive`, in a
 subprocess), and the table shows both and their ratio.
@@ -28,25 +29,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "tests" / "fixtures" / "vllm" / "v0_32_cpu_served.prom"
 ENDPOINTS = 4
-
-SERVE = """
-import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-body = open(sys.argv[1], "rb").read().partition(b"\\n")[2]  # the fixture's provenance line aside
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-print(server.server_address[1], flush=True)
-server.serve_forever()
-"""
 
 
 def timed(fn, repeats: int) -> float:
@@ -98,8 +80,8 @@ def main() -> int:
     ap.add_argument("--baseline", help="a commit to measure beside the working tree")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    servers = [subprocess.Popen([sys.executable, "-c", SERVE, str(PAGE)], stdout=subprocess.PIPE, text=True)
-               for _ in range(ENDPOINTS)]
+    serve = [sys.executable, str(REPO / "bench" / "pageserver.py"), str(PAGE)]
+    servers = [subprocess.Popen(serve, stdout=subprocess.PIPE, text=True) for _ in range(ENDPOINTS)]
     try:
         ports = [int(s.stdout.readline()) for s in servers]
         text = PAGE.read_text().partition("\n")[2]

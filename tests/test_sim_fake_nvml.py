@@ -252,6 +252,14 @@ def test_addressing_mode_missing_on_older_drivers(clock):
         nv.nvmlDeviceGetAddressingMode(handle(3))
 
 
+def test_unimplemented_function_is_one_object_that_raises_function_not_found(clock):
+    # A module attribute is the same object on every lookup: nvitop logs a failed function once
+    # by its identity, and would log (and pay for) a traceback on every tick otherwise.
+    assert nv.nvmlDeviceGetFieldValues is nv.nvmlDeviceGetFieldValues
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        nv.nvmlDeviceGetFieldValues(handle(0), [])
+
+
 # ---- processes and their fall-backs ------------------------------------------------------------
 
 

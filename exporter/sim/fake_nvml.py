@@ -37,8 +37,10 @@ Faithful details worth knowing:
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import types
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import pynvml as _real
@@ -735,8 +737,15 @@ def __getattr__(name: str) -> Any:
     # Any: to a type checker this stands for every name _reexport() copied in at run time too.
     real = getattr(_real, name, None)
     if name.startswith("nvml") and isinstance(real, types.FunctionType):
-        def missing(*args: Any, **kwargs: Any) -> NoReturn:
-            _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
-        missing.__name__ = name
-        return missing
+        return _missing(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _missing(name: str) -> Callable[..., NoReturn]:
+    """One function per name, as a module attribute is: callers that remember which functions
+    failed (nvitop logs each one once) know it again on the next lookup."""
+    def missing(*args: Any, **kwargs: Any) -> NoReturn:
+        _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+    missing.__name__ = name
+    return missing
