@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-
 # How late a real vLLM 0.32's API server answered /metrics here: rendering the page (its
 # prometheus_client registry, every request histogram) takes it that long.
 REAL_DELAY_MS = 8.0

@@ -65,6 +65,9 @@ class ProcessSample:
     namespace: str = ""
     ns_pid: int | None = None  # PID inside the process's own PID namespace
     ppid: int | None = None  # parent PID: tells which vLLM server a worker belongs to
+    # The parent's name: what started it, where its own name says nothing (a notebook kernel is
+    # a "python3" whose parent is "jupyter-noteboo"). "" when not known.
+    parent_name: str = ""
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm
     # Which of its server's processes it is: api_server | engine_core | worker | "" (another

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from exporter.model import GpuSample, ProcessSample
@@ -30,6 +31,7 @@ def test_process_identity(child):
     assert info.rss_bytes > 1 << 20
     assert abs(info.start_time - time.time()) < 60
     assert info.ppid == os.getpid()
+    assert info.parent_name == psutil.Process().name()  # this test's own process started it
     assert info.cgroup  # every Linux process is in some cgroup
     assert info.cmdline == ""  # not read unless asked
 
@@ -180,6 +182,21 @@ def test_name_and_parent_are_refreshed_cgroup_is_kept(fake_proc):
     info = host.process(5000)
     assert (info.name, info.ppid) == ("VLLM::Worker", 1)
     assert info.cgroup == "0::/system.slice/a.service\n"  # a process keeps its cgroup for life
+
+
+def test_the_parents_name_is_read_with_the_process_and_refreshed_with_it(fake_proc):
+    """A notebook's kernel is a "python3": what started it says what it is."""
+    from exporter.sources.host import IDENTITY_REFRESH_SECONDS
+    proc, host, clock = fake_proc
+    proc.put(5201, "jupyter-noteboo", starttime=400)
+    proc.put(5230, "python3", starttime=500, ppid=5201)
+    assert host.process(5230).parent_name == "jupyter-noteboo"
+    proc.put(5230, "python3", starttime=500, ppid=77)  # re-parented: its parent exited
+    clock[0] += IDENTITY_REFRESH_SECONDS
+    assert host.process(5230).parent_name == ""  # 77 is no process: unknown, never a guess
+    proc.put(77, "systemd", starttime=1)
+    clock[0] += IDENTITY_REFRESH_SECONDS
+    assert host.process(5230).parent_name == "systemd"
 
 
 def test_processes_not_asked_about_are_forgotten(fake_proc):

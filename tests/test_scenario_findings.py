@@ -121,16 +121,18 @@ def test_every_finding_kind_is_shown_by_the_scenario_it_declares():
 @pytest.mark.slow
 def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
     """The notebook takes the headroom at 32 min and holds 8.6 GiB until it is shut down at 2 h
-    30 min: one contention episode naming it, cleared within its hold once the kernel is gone;
-    pressure names it too (#19 item 1)."""
+    30 min: one contention episode naming it, and what started it (a kernel is a "python3": its
+    parent says it is a notebook's), cleared within its hold once the kernel is gone; pressure
+    names it too (#19 item 1)."""
     analyzer, start = play("contention")
     episodes = [(f, cleared) for f, cleared in analyzer.episodes() if f.kind == "contention"]
     assert len(episodes) == 1 and 150 * 60 < episodes[0][1] - start <= 150 * 60 + 180
     finding = episodes[0][0]
-    assert re.search(r"pid 5230 \(python3\) 8\.[56]\d GiB", finding.summary) and finding.severity == "critical"
+    assert re.search(r"pid 5230 \(python3, started by jupyter-noteboo\) 8\.[56]\d GiB", finding.summary)
+    assert finding.severity == "critical" and ("process_1_started_by", "jupyter-noteboo") in finding.evidence
     assert 30 * 60 < finding.first_detected_at - start < 40 * 60
     [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
-    assert "pid 5230 (python3)" in pressure.summary
+    assert "pid 5230 (python3, started by jupyter-noteboo)" in pressure.summary
 
 
 @pytest.mark.slow

@@ -373,8 +373,10 @@ def test_the_findings_table_shows_the_processes_a_finding_names():
                         "Findings")
     rows = {re.search(r"<td>(contention|pressure)</td>", r).group(1): r
             for r in findings.split("<tr>") if re.search(r"<td>(contention|pressure)</td>", r)}
-    assert "<td>5230 python3</td>" in rows["contention"]
-    assert re.search(r"<td>5150 VLLM::EngineCor; 5230 python3[^<]*</td>", rows["pressure"])
+    assert "<td>5230 python3 (started by jupyter-noteboo)</td>" in rows["contention"]
+    # The engine's name says what it is: no parent.
+    assert re.search(r"<td>5150 VLLM::EngineCor; 5230 python3 \(started by jupyter-noteboo\)[^<]*</td>",
+                     rows["pressure"])
 
 
 def test_the_last_oom_stays_on_the_page_after_its_finding_is_held():

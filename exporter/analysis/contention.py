@@ -39,6 +39,7 @@ from ..units import GiB, counted, format_bytes, format_duration
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
+from .process_names import named_evidence, process_name
 
 if TYPE_CHECKING:
     from ..model import Identity
@@ -175,7 +176,7 @@ def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
 
 def describe(p: ProcessSample) -> str:
     """pid, name and where it runs, for a human."""
-    parts = [f"pid {p.pid} ({p.name or '?'})"]
+    parts = [f"pid {p.pid} ({process_name(p)})"]
     if p.pod:
         parts.append(f"pod {p.namespace + '/' if p.namespace else ''}{p.pod}")
     if p.container:
@@ -249,8 +250,7 @@ def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tup
         text += f"; and {len(rest)} more ({format_bytes(sum(b for b, _, _, _ in rest))})"
     evidence: Evidence = []
     for i, (b, g, p, h) in enumerate(shown, 1):
-        evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
-                     (f"process_{i}_container", p.container), (f"process_{i}_pod", p.pod),
+        evidence += [*named_evidence(i, p), (f"process_{i}_container", p.container), (f"process_{i}_pod", p.pod),
                      (f"process_{i}_{'rss_' if rss else ''}bytes", b)]
         if g is not None:
             evidence.append((f"process_{i}_{'rss_' if rss else ''}grew_bytes", g))

@@ -27,6 +27,7 @@ from .. import thresholds
 from ..model import Budget, Finding, GpuAnalysis, GpuSample, HostMemory, ProcessSample
 from ..units import format_bytes, format_duration
 from .detector import DetectorSpec, FindingKind, Tick
+from .process_names import named_evidence, process_name
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def holders(gpu: GpuSample, host_processes: Iterable[ProcessSample] = (),
 
 def _who(p: ProcessSample) -> str:
     role = f", vLLM {p.endpoint}" if p.role == "vllm" and p.endpoint else (", vLLM" if p.role == "vllm" else "")
-    return f"pid {p.pid} ({p.name or '?'}{role})"
+    return f"pid {p.pid} ({process_name(p)}{role})"
 
 
 def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnalysis],
@@ -158,8 +159,7 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         evidence.append(("admission_open", int(a.admission_open)))
         holding = holders(gpu, host_processes)
         for i, (b, p) in enumerate(holding, 1):
-            evidence += [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name),
-                         (f"process_{i}_role", p.role), (f"process_{i}_bytes", b)]
+            evidence += [*named_evidence(i, p), (f"process_{i}_role", p.role), (f"process_{i}_bytes", b)]
         summary = f"GPU {a.gpu} memory {ratio:.0%} used"
         if host_short:
             summary += f" and its host (unified memory) is short of memory: {host_short}"

@@ -185,7 +185,8 @@ def _named_processes(f: Finding) -> str:
         pid = ev.get(f"process_{i}_pid")
         if pid is None:
             break
-        named.append(f"{pid} {ev.get(f'process_{i}_name') or '?'}")
+        parent = ev.get(f"process_{i}_started_by")
+        named.append(f"{pid} {ev.get(f'process_{i}_name') or '?'}{f' (started by {parent})' if parent else ''}")
     if "exited_pid" in ev:
         named.append(f"{ev['exited_pid']} {ev.get('exited_process') or '?'} (exited)")
     return "; ".join(named) or f.process

@@ -64,10 +64,15 @@ class SimulatedHost:
             rss_bytes=proc.rss_bytes,
             start_time=self.clock.start + proc.start,
             ppid=proc.ppid,
+            parent_name=self._name_of(proc.ppid),
             cgroup=cgroup_text(proc),
             ns_pid=proc.ns_pid if proc.ns_pid is not None else proc.pid,
             cmdline=(proc.cmdline or proc.name) if with_cmdline else "",
         )
+
+    def _name_of(self, pid: int) -> str:
+        parent = self._state().process(pid)
+        return parent.name if parent is not None else ""
 
     def children(self, pid: int) -> tuple[int, ...]:
         kids: dict[int | None, list[int]] = {}

@@ -37,6 +37,16 @@ TOP_PROCESSES = 8  # host processes read per tick where a GPU shares the host's 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _name_of(pid: int | None) -> str:
+    """A process's name, "" when it is gone or hidden (PID 0: no parent)."""
+    if not pid:
+        return ""
+    try:
+        return psutil.Process(pid).name()
+    except _PROCESS_ERRORS:
+        return ""
+
+
 def _read_small(path: str) -> str:
     try:
         return read_head(path, _MAX_PROC_FILE)[0].decode("utf-8", errors="replace")
@@ -53,7 +63,8 @@ class _Tracked:
     ns_pid: int | None
     name: str
     ppid: int | None
-    named_at: float  # when name and ppid were read
+    parent_name: str
+    named_at: float  # when name, ppid and the parent's name were read
     seen_at: float
 
 
@@ -87,6 +98,7 @@ class LocalHost(HostView):
             elif now - tracked.named_at >= IDENTITY_REFRESH_SECONDS:
                 with tracked.proc.oneshot():
                     tracked.name, tracked.ppid = tracked.proc.name(), tracked.proc.ppid()
+                tracked.parent_name = _name_of(tracked.ppid)
                 tracked.named_at = now
             try:
                 rss = tracked.proc.memory_info().rss
@@ -103,7 +115,8 @@ class LocalHost(HostView):
             return None
         tracked.seen_at = now
         return ProcessInfo(pid=pid, name=tracked.name, rss_bytes=rss, start_time=tracked.start,
-                           ppid=tracked.ppid, cgroup=tracked.cgroup, ns_pid=tracked.ns_pid, cmdline=cmdline)
+                           ppid=tracked.ppid, parent_name=tracked.parent_name, cgroup=tracked.cgroup,
+                           ns_pid=tracked.ns_pid, cmdline=cmdline)
 
     def _track(self, pid: int, now: float) -> _Tracked:
         proc = psutil.Process(pid)
@@ -112,7 +125,7 @@ class LocalHost(HostView):
         base = f"{self.proc_root}/{pid}"
         return _Tracked(proc=proc, start=start, cgroup=_read_small(f"{base}/cgroup"),
                         ns_pid=_innermost_nspid(_read_small(f"{base}/status")),
-                        name=name, ppid=ppid, named_at=now, seen_at=now)
+                        name=name, ppid=ppid, parent_name=_name_of(ppid), named_at=now, seen_at=now)
 
     def _sweep(self, now: float) -> None:
         """Forget processes not asked about for a while: bounded under any churn."""
@@ -302,7 +315,7 @@ def host_processes(host: HostView, limit: int = TOP_PROCESSES) -> tuple[ProcessS
         container, pod_uid = parse_cgroup(info.cgroup)
         out.append(ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
                                  start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
-                                 ns_pid=info.ns_pid, ppid=info.ppid))
+                                 ns_pid=info.ns_pid, ppid=info.ppid, parent_name=info.parent_name))
     return tuple(out)
 
 
@@ -326,6 +339,6 @@ def enrich(gpus: tuple[GpuSample, ...], host: HostView,
             procs.append(dataclasses.replace(
                 p, name=info.name, host_rss_bytes=info.rss_bytes, start_time=info.start_time,
                 container=container[:12], pod_uid=pod_uid, ns_pid=info.ns_pid, ppid=info.ppid,
-                cmdline=info.cmdline if with_cmdline else ""))
+                parent_name=info.parent_name, cmdline=info.cmdline if with_cmdline else ""))
         out.append(dataclasses.replace(gpu, processes=tuple(procs)))
     return tuple(out)

@@ -19,6 +19,7 @@ class ProcessInfo:
     rss_bytes: int | None
     start_time: float | None  # Unix seconds
     ppid: int | None = None
+    parent_name: str = ""  # the parent's name, "" when unknown
     cgroup: str = ""  # raw text of /proc/<pid>/cgroup
     ns_pid: int | None = None  # innermost PID from NSpid
     cmdline: str = ""  # only read when asked for

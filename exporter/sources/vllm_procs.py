@@ -220,8 +220,8 @@ def _server_process(info: ProcessInfo, root: int, endpoint: str) -> ProcessSampl
     container, pod_uid = parse_cgroup(info.cgroup)
     return ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
                          start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
-                         ns_pid=info.ns_pid, ppid=info.ppid, role="vllm", endpoint=endpoint,
-                         server_role=server_role(info.pid, root, info.name))
+                         ns_pid=info.ns_pid, ppid=info.ppid, parent_name=info.parent_name, role="vllm",
+                         endpoint=endpoint, server_role=server_role(info.pid, root, info.name))
 
 
 def is_local_host(hostname: str) -> bool:
