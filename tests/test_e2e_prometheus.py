@@ -42,7 +42,7 @@ from helpers.tools import HANG
 FAST_FOR = "2s"
 
 # The leak scenario's leaking process (exporter/sim/scenarios/leak.yaml).
-LEAK_PID, LEAK_PROCESS = "3150", "VLLM::EngineCor"
+LEAK_PID, LEAK_PROCESS = "3150", "VLLM::EngineCore"
 
 # Data that exists only in another scenario than the one the dashboards are checked on: the
 # leak annotation (`== 1`) needs a leak, which test_leak_alert_reaches_alertmanager checks.

@@ -77,9 +77,9 @@ def test_leak_report_names_the_process_and_its_rate(leak_run, tmp_path):
     write_report(snapshots, episodes, events, str(path))
     text = path.read_text(encoding="utf-8")
     leak = gpu_leak(episodes)
-    assert leak.process == "VLLM::EngineCor" and leak.pid == 3150
+    assert leak.process == "VLLM::EngineCore" and leak.pid == 3150
     detail = section_of(text, leak)
-    assert "VLLM::EngineCor" in detail
+    assert "VLLM::EngineCore" in detail
     rate = float(re.search(r"([\d.]+) MiB/min", detail).group(1))
     assert 3.0 < rate < 5.0  # the scenario leaks 4 MiB/min
     expected = dict(leak.evidence)["slope_bytes_per_second"] * 60 / 2**20
@@ -122,7 +122,7 @@ def test_without_matplotlib_the_tables_remain(leak_run, tmp_path, monkeypatch):
     assert "<img" not in text and "matplotlib is not installed" in text
     leak = gpu_leak(episodes)
     detail = section_of(text, leak)
-    assert "VLLM::EngineCor" in detail and 3.0 < float(re.search(r"([\d.]+) MiB/min", detail)[1]) < 5.0
+    assert "VLLM::EngineCore" in detail and 3.0 < float(re.search(r"([\d.]+) MiB/min", detail)[1]) < 5.0
     assert "fragmentation" in text and "<h2>Advice</h2>" in text
 
 

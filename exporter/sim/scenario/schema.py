@@ -5,7 +5,9 @@ Top-level keys (sizes: 80GiB / bytes; times: seconds or "30m"; unknown keys are 
     name, description (one line), duration, driver_version?, cuda_driver_version?
     gpus:   [{name, memory, reserved?, unified?, count?, mig?: [{profile, memory}]}]
     host:   {memory, available?, psi_some?, psi_full?, oom_kills?, subtract_processes?}
-    processes: [{pid, ppid?, name (comm, <= 15 chars), cmdline?, gpu? (0 | "0/1" | [0, 1]),
+    processes: [{pid, ppid?, name (as psutil names it, <= 64 chars: the kernel's 15-character
+                 comm, or the title a process gave itself, e.g. VLLM::EngineCore), cmdline?,
+                 gpu? (0 | "0/1" | [0, 1]),
                  start?, stop?, memory? (curve), memory_by_gpu? {gpu: curve}, rss?, kind?,
                  container? (64 hex), pod_uid?, qos?, namespace?, ns_pid?,
                  memory_not_available?, replicas? (copies with pids pid, pid+1, ...),
@@ -76,6 +78,10 @@ from .validate import (
 )
 
 MAX_PROCESSES = 4096
+# A process name as psutil gives it: the kernel keeps 15 characters (comm), psutil reads the
+# rest from the title a process set (vLLM's `VLLM::EngineCore`); longer is no name but a command line.
+MAX_NAME_CHARS = 64
+
 log = logging.getLogger("exporter.sim.scenario")
 
 
@@ -198,8 +204,8 @@ def _parse_processes(value: Any, path: str, gpus: tuple[GpuSpec, ...]) -> tuple[
             raise ScenarioError(f"{n.sub('pid')}: must be between 1 and 4194304")
         ppid = n.get("ppid", integer, 1)
         name = n.get("name", string)
-        if not name or len(name) > 15:
-            raise ScenarioError(f"{n.sub('name')}: a process name (comm) has 1 to 15 characters")
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise ScenarioError(f"{n.sub('name')}: a process name has 1 to {MAX_NAME_CHARS} characters")
         raw_gpu = n.raw("gpu")
         if raw_gpu is None:
             keys: tuple[str, ...] = ()
