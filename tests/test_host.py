@@ -199,6 +199,17 @@ def test_the_parents_name_is_read_with_the_process_and_refreshed_with_it(fake_pr
     assert host.process(5230).parent_name == "systemd"
 
 
+def test_a_name_read_from_the_command_line_is_bounded(fake_proc):
+    """Where comm is cut at 15 characters psutil takes the name from the command line, which a
+    process sets to what it likes: a name is a label value and a finding's words, never 100 KB."""
+    from exporter.sources.hostview import MAX_NAME_CHARS
+    proc, host, _ = fake_proc
+    proc.put(6000, "x" * 100_000, starttime=600, ppid=6001)
+    proc.put(6001, "y" * 100_000, starttime=500)
+    info = host.process(6000)
+    assert info.name == "x" * MAX_NAME_CHARS and info.parent_name == "y" * MAX_NAME_CHARS
+
+
 def test_processes_not_asked_about_are_forgotten(fake_proc):
     from exporter.sources.host import FORGET_AFTER_SECONDS
     proc, host, clock = fake_proc

@@ -20,7 +20,7 @@ import psutil
 from ..boundedio import read_head
 from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
 from .cgroup import parse_cgroup
-from .hostview import HostView, ProcessInfo
+from .hostview import MAX_NAME_CHARS, HostView, ProcessInfo
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, Reading
 
 _MAX_PROC_FILE = 64 << 10  # /proc files are small; never read more than this
@@ -37,12 +37,18 @@ TOP_PROCESSES = 8  # host processes read per tick where a GPU shares the host's 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _name(proc: psutil.Process) -> str:
+    """psutil's name, bounded: where the kernel's 15-character comm is cut, psutil takes the
+    name from the command line, which any process sets to what it likes, as long as it likes."""
+    return proc.name()[:MAX_NAME_CHARS]
+
+
 def _name_of(pid: int | None) -> str:
     """A process's name, "" when it is gone or hidden (PID 0: no parent)."""
     if not pid:
         return ""
     try:
-        return psutil.Process(pid).name()
+        return _name(psutil.Process(pid))
     except _PROCESS_ERRORS:
         return ""
 
@@ -97,7 +103,7 @@ class LocalHost(HostView):
                 tracked = self._tracked[pid] = self._track(pid, now)
             elif now - tracked.named_at >= IDENTITY_REFRESH_SECONDS:
                 with tracked.proc.oneshot():
-                    tracked.name, tracked.ppid = tracked.proc.name(), tracked.proc.ppid()
+                    tracked.name, tracked.ppid = _name(tracked.proc), tracked.proc.ppid()
                 tracked.parent_name = _name_of(tracked.ppid)
                 tracked.named_at = now
             try:
@@ -121,7 +127,7 @@ class LocalHost(HostView):
     def _track(self, pid: int, now: float) -> _Tracked:
         proc = psutil.Process(pid)
         with proc.oneshot():
-            name, start, ppid = proc.name(), proc.create_time(), proc.ppid()
+            name, start, ppid = _name(proc), proc.create_time(), proc.ppid()
         base = f"{self.proc_root}/{pid}"
         return _Tracked(proc=proc, start=start, cgroup=_read_small(f"{base}/cgroup"),
                         ns_pid=_innermost_nspid(_read_small(f"{base}/status")),

@@ -11,11 +11,15 @@ from typing import Protocol
 
 from ..model import HostMemory
 
+# A process name as psutil gives it: the kernel's comm (15 characters), or where comm is cut, the
+# title the process set (vLLM's `VLLM::EngineCore`), bounded: longer is a command line, not a name.
+MAX_NAME_CHARS = 64
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
     pid: int
-    name: str  # comm
+    name: str  # as psutil names it, at most MAX_NAME_CHARS
     rss_bytes: int | None
     start_time: float | None  # Unix seconds
     ppid: int | None = None

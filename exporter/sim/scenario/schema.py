@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from ...sources.hostview import MAX_NAME_CHARS
 from .curves import Curve, constant, parse_curve
 from .evaluate import Scenario
 from .specs import (
@@ -78,9 +79,6 @@ from .validate import (
 )
 
 MAX_PROCESSES = 4096
-# A process name as psutil gives it: the kernel keeps 15 characters (comm), psutil reads the
-# rest from the title a process set (vLLM's `VLLM::EngineCore`); longer is no name but a command line.
-MAX_NAME_CHARS = 64
 
 log = logging.getLogger("exporter.sim.scenario")
 
