@@ -152,6 +152,11 @@ def worker_nvitop(spec: dict, site: str, ticks: int, warm: int) -> dict:
     clock = FixedClock(float(int(time.time()) // 60 * 60), at=600.0)
     fake_nvml.configure(from_dict(spec), clock)
     sys.modules["pynvml"] = fake_nvml  # before nvitop is imported: it binds pynvml at import
+    # nvitop checks pynvml's functions at import and says the simulator's module is "corrupted"
+    # where it lacks one (NVLink, temperature...), and logs each missing one once with a
+    # traceback: true of the simulator, not of the run, so not printed over the table. Its
+    # logger takes its level from LOGLEVEL when it is imported.
+    os.environ["LOGLEVEL"] = "CRITICAL"
     sys.path.append(site)
     from nvitop import Device
     from nvitop_exporter.exporter import PrometheusExporter

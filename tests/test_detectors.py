@@ -336,6 +336,21 @@ def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():
     assert "8.60 GiB, held for at least 2.0 h" in always[-1][0].summary, always[-1][0].summary
 
 
+def test_contention_says_growth_since_a_young_process_started_not_over_the_window():
+    """From a trial: "+5.59 GiB in 5 min" of a notebook 3 minutes old read as a rate it never
+    had. A process younger than the window grew that much since it started; an older one, in
+    the window."""
+    cfg = ContentionConfig(window_seconds=300)
+    came = 600  # the notebook starts 10 min in, and takes 9 GiB at once
+    young = lambda e: [proc(555, 9 * GiB, start=T0 + came)] if e >= came else []  # noqa: E731
+    per_tick = run_detector(contention.DETECTOR, timeline(came + 180, 30, lambda e: budgeted(e, young)), cfg)
+    assert "pid 555 (python3) 9.00 GiB, +9.00 GiB since it started 3 min ago" in per_tick[-1][0].summary, \
+        per_tick[-1][0].summary
+    grows = lambda e: [proc(555, (1 + 8 * (e >= came)) * GiB)]  # noqa: E731  (started an hour before)
+    per_tick = run_detector(contention.DETECTOR, timeline(came + 180, 30, lambda e: budgeted(e, grows)), cfg)
+    assert "pid 555 (python3) 9.00 GiB, +8.00 GiB in 5 min" in per_tick[-1][0].summary, per_tick[-1][0].summary
+
+
 def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
     cfg = ContentionConfig()
 

@@ -221,9 +221,11 @@ def held_for(tier: SeriesView, now: float, held: int, floor: int, history: Histo
     return Lasted(now - tier.times[at_size], now - tier.times[first], first == 0 and tier.times[0] <= horizon)
 
 
-def _growth(grew: int | None, lasted: Lasted | None, window: float) -> str:
-    """Growth over the window, or, where it did not grow, how long it has held the memory (a
-    duration the window does not cap), and how long memory at all when that is much longer."""
+def _growth(grew: int | None, lasted: Lasted | None, window: float, age: float | None) -> str:
+    """Growth over the window (since the process started, where it is younger: "+5.6 GiB in 5
+    min" of a process 3 minutes old reads as a rate it never had), or, where it did not grow, how
+    long it has held the memory (a duration the window does not cap), and how long memory at all
+    when that is much longer. `age`: seconds since the process started, None if not known."""
     if grew is None or abs(grew) < GiB / 20:
         if lasted is not None:
             bound = "at least " if lasted.lower_bound else ""
@@ -233,18 +235,21 @@ def _growth(grew: int | None, lasted: Lasted | None, window: float) -> str:
             return f", held for {at_size} at this size, {bound}{in_all} in all"
         return "" if grew is None else f", no growth in the last {window / 60:.0f} min"
     sign = "+" if grew >= 0 else "-"
+    if age is not None and 0 <= age < window:
+        return f", {sign}{format_bytes(abs(grew))} since it started {format_duration(max(age, 60))} ago"
     return f", {sign}{format_bytes(abs(grew))} in {window / 60:.0f} min"
 
 
 Held = tuple[int, "int | None", ProcessSample, "Lasted | None"]  # bytes, growth, process, how long held
 
 
-def _named(held: list[Held], config: ContentionConfig, rss: bool = False) -> tuple[str, Evidence]:
+def _named(held: list[Held], config: ContentionConfig, now: float, rss: bool = False) -> tuple[str, Evidence]:
     """The summary's list of processes (bytes, growth or how long held) and their evidence,
     largest first."""
     shown = held[:config.top_processes]
     text = "; ".join(f"{describe(p)} {format_bytes(b)}{' resident' if rss else ''}"
-                     f"{_growth(g, h, config.window_seconds)}" for b, g, p, h in shown)
+                     f"{_growth(g, h, config.window_seconds, None if p.start_time is None else now - p.start_time)}"
+                     for b, g, p, h in shown)
     rest = held[config.top_processes:]
     if rest:
         text += f"; and {len(rest)} more ({format_bytes(sum(b for b, _, _, _ in rest))})"
@@ -283,7 +288,7 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
     spare = _spare(gpu, budgets)
     evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
                           ("free_bytes", max(0, gpu.total_bytes - gpu.used_bytes))]
-    names, named_evidence = _named(held, config)
+    names, named_evidence = _named(held, config, now)
     if spare is not None:
         planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
@@ -336,7 +341,7 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
     held = _rss_holders(snapshot, base, config, history)
     if not held or (sum(b for b, _, _, _ in held) < config.min_bytes and not kills):
         return None
-    names, named_evidence = _named(held, config, rss=True)
+    names, named_evidence = _named(held, config, snapshot.timestamp, rss=True)
     evidence: Evidence = [
         ("host_available_bytes", host.available_bytes), ("host_total_bytes", host.total_bytes),
         ("oom_kills_in_window", kills), ("window_seconds", config.window_seconds)]

@@ -747,5 +747,5 @@ def _missing(name: str) -> Callable[..., NoReturn]:
     failed (nvitop logs each one once) know it again on the next lookup."""
     def missing(*args: Any, **kwargs: Any) -> NoReturn:
         _raise(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
-    missing.__name__ = name
+    missing.__name__ = missing.__qualname__ = name
     return missing
