@@ -146,8 +146,13 @@ class LeakConfig:
     refill_seconds: float = 3600
     # The noise (its deviation and correlations) is measured again this often per series.
     noise_refresh_seconds: float = 600
-    # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first.
-    max_shapes: int = 6
+    # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first: a
+    # bound on the cost where many windows pass and are explained away. Not lower: the windows
+    # of highest z are often the short ones from the onset, each rejected (too short while
+    # young, a step, noise that wanders in their few residuals), while a longer window that is a
+    # leak ranked below the sixth (6 delayed leak_4#0 and #2, leak_after_shift#3 and
+    # late_leak#3 by 1-2 min, leak_under_sawtooth_slow#5 by 24 min; bench/leak_quality.py).
+    max_shapes: int = 40
     # Noise below this is taken as this (NVML reports whole 2 MiB pages).
     min_noise_bytes: float = 2 * MiB
     # Points the noise is measured over (the newest).
