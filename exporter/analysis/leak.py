@@ -577,7 +577,12 @@ def _steps(values: Sequence[float], size: float) -> list[tuple[int, float, int]]
             # At the newest end, one jump after it stands for two (a fast climb's first
             # minutes are not a step because the series ends before its pace shows twice).
             after = [d[i + 2] + d[i + 3]] if i + 3 < n else [2 * d[i + 2]] if i + 2 < n else []
-        if all(abs(jump - median(side)) >= size for side in (before, after) if side):
+        # A jump beside jumps all of its sign and at least half its size, on either side, is a
+        # climb whose pace shows unevenly (a fast leak's first, part-grown bucket and the next),
+        # not a step.
+        climb = any(side and all(x * jump > 0 and abs(x) >= 0.5 * abs(jump) for x in side)
+                    for side in (before, after))
+        if not climb and all(abs(jump - median(side)) >= size for side in (before, after) if side):
             first = i + width - 1  # the first point wholly at the new level
             lower = values[max(0, i - 3):i]
             upper = values[first:first + 3]
