@@ -65,8 +65,7 @@ def test_a_small_step_beside_a_far_larger_one_is_still_a_step():
     assert [(i, round(d / MiB)) for i, d, _ in found][-1] == (6, 20), found
 
 
-@pytest.mark.parametrize("seed", [311])
-def test_the_mixed_trace_whose_small_trough_step_must_stay_a_step_raises_nothing(seed):
-    trace = make_trace("mixed", seed)
+def test_the_mixed_trace_whose_small_trough_step_must_stay_a_step_raises_nothing():
+    trace = make_trace("mixed", 311)
     assert trace.leak_rate is None
     assert episodes(trace.times, trace.values) == []
