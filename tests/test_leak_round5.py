@@ -8,7 +8,10 @@ detector of 234b0a5 did with the same trace.
   * a fast leak's first minute bucket holds part of a minute's growth: the pair of jumps over it
     and the next stood apart from the pairs beside them by more than a shift's size and was taken
     out as a level shift (fast_leak#7), and so were the troughs of a leak's teeth under a sawtooth
-    (leak_under_sawtooth#1, #3, #7).
+    (leak_under_sawtooth#1, #3, #7);
+  * with three growing buckets (the first part-grown), one step straddling the middle bucket fit
+    them as well as the line, so a leak waited a bucket more; the 5 s samples inside them tell a
+    climb from one jump (fast_leak#4, late_leak#7, leak_after_shift#1).
 And what must not change with it: a small step among troughs beside a far larger one is still a
 step (mixed#311 raised a false alert when a jump had to stand out in its own direction only).
 """
@@ -69,3 +72,12 @@ def test_the_mixed_trace_whose_small_trough_step_must_stay_a_step_raises_nothing
     trace = make_trace("mixed", 311)
     assert trace.leak_rate is None
     assert episodes(trace.times, trace.values) == []
+
+
+@pytest.mark.parametrize("family,seed,within,before", [("fast_leak", 4, 3.5, 3.9), ("late_leak", 7, 6.0, 7.7),
+                                                       ("leak_after_shift", 1, 3.5, 4.9)])
+def test_a_leaks_first_buckets_are_read_from_their_samples(family, seed, within, before):
+    trace = make_trace(family, seed)
+    delay = found_after(trace)
+    assert delay is not None and delay <= within, (trace.name, delay, f"234b0a5: {before} min")
+

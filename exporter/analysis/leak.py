@@ -62,7 +62,19 @@ from typing import TypeVar
 
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
-from .trend_test import Prefix, Wander, WindowResult, kappas, refine, robust_sigma, scan, threshold_z, wander_fit
+from .trend_test import (
+    Prefix,
+    Wander,
+    WindowResult,
+    best_split,
+    hinge,
+    kappas,
+    refine,
+    robust_sigma,
+    scan,
+    threshold_z,
+    wander_fit,
+)
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -231,7 +243,8 @@ class LeakAssessor:
         self._asked: dict[Hashable, Kept] = {}
 
     def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
-                 config: LeakConfig = DEFAULT_CONFIG, signals: int = 1) -> LeakAssessment:
+                 config: LeakConfig = DEFAULT_CONFIG, signals: int = 1,
+                 raw: Callable[[], SeriesView] | None = None) -> LeakAssessment:
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
@@ -241,7 +254,7 @@ class LeakAssessor:
                 (kept[2] is config or kept[2] == config):
             result = kept[4]
         else:
-            result = verdict(series, total_bytes, config, signals, memo)
+            result = verdict(series, total_bytes, config, signals, memo, raw)
         self._asked[key] = (series, total_bytes, config, signals, result, memo)
         return result
 
@@ -302,7 +315,8 @@ class NoiseMemo:
 
 
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
-            signals: int = 1, memo: NoiseMemo | None = None) -> LeakAssessment:
+            signals: int = 1, memo: NoiseMemo | None = None,
+            raw: Callable[[], SeriesView] | None = None) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
     memo, of the noise measured on them up to noise_refresh_seconds before), so a caller may
     keep it for as long as it holds the same SeriesView."""
@@ -348,7 +362,8 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     young_until = settled_from + config.young_seconds if tooth is None else -math.inf
     why = "no_window"
     for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era)
+        found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
+                             raw if name == "median" else None)
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
@@ -381,7 +396,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
                  threshold: float, config: LeakConfig, young_until: float, memo: NoiseMemo,
-                 base_time: float) -> _Found | str:
+                 base_time: float, raw: Callable[[], SeriesView] | None = None) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
     why not."""
     n = len(times)
@@ -461,6 +476,13 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # at z 7.2 against the young bar 7.8).
         bar = threshold if young or times[w.onset] >= young_until else threshold * config.young_threshold_factor
         why = _reject(prefix, w, settled, sigma, config, young, bar, stepped, trough_steps)
+        # A fast leak's first buckets: with three growing, one step straddling the middle one
+        # fits them as well as the line. The samples inside those buckets tell one jump from a
+        # climb.
+        if why == "a_step" and raw is not None and len(prefix.pieces(w.start, w.end)) == 1 and \
+                prefix.u[-1] - prefix.u[w.onset] <= config.half_kink_minutes and \
+                _raw_climb(raw(), times[w.start], times[w.onset], config):
+            why = _reject(prefix, w, settled, sigma, config, young, bar, stepped, trough_steps, raw_climb=True)
         if not why:
             best = w
             threshold = bar
@@ -474,7 +496,8 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
 
 
 def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config: LeakConfig,
-            young: bool, threshold: float, stepped: float = 0.0, step_sigma: float | None = None) -> str:
+            young: bool, threshold: float, stepped: float = 0.0, step_sigma: float | None = None,
+            raw_climb: bool = False) -> str:
     """Why a window whose slope is significant is still no leak ("" when it is one)."""
     minutes = prefix.u[-1] - prefix.u[w.onset]
     if w.slope < config.min_slope_bytes_per_second * 60:
@@ -516,7 +539,7 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     shape = w.shape(prefix, sigma, step_sigma)
     if shape.residual_z < threshold:
         return "correlated_noise"
-    if shape.step_margin < config.min_step_margin:
+    if shape.step_margin < config.min_step_margin and not raw_climb:
         return "a_step"
     penalty = config.two_step_penalty * math.log(w.end - w.start)
     if shape.two_step_margin < -penalty or shape.warm_two_margin < -penalty or shape.warm_three_margin < -2 * penalty:
@@ -524,6 +547,28 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     if shape.curvature < -config.max_concavity_z:
         return "decelerating"
     return ""
+
+
+def _raw_climb(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
+    """Whether the raw samples since `start` (the window's first bucket) climb from a level
+    rather than jump to another: the joined line (flat, then growing from its best onset at or
+    after the bucket before `onset`) beats the best single step by min_step_margin noise
+    variances and 2 log(points), the noise read from the samples' second differences."""
+    times, values = raw.times, raw.values
+    a = bisect.bisect_left(times, start - 30.0)
+    n = len(times)
+    if n - a < 12:
+        return False
+    prefix = Prefix(times[a:], values[a:])
+    sigma = robust_sigma(values[a:], config.min_noise_bytes)
+    one, _ = best_split(prefix, 0, n - a)
+    first = max(2, bisect.bisect_left(times, onset - 90.0) - a)
+    best = math.inf
+    for i in range(first, n - a - 3):
+        h = hinge(prefix, 0, i, sigma, lambda points: 1.0, 5)
+        if h is not None:
+            best = min(best, h.rss)
+    return (one - best) / (sigma * sigma) >= max(config.min_step_margin, 2.0 * math.log(n - a))
 
 
 def _step_sigma(values: Sequence[float]) -> float:
