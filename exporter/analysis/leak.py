@@ -17,8 +17,10 @@ What is not a leak is modelled explicitly rather than waited out:
     a sawtooth's first tooth;
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
-    only; within a window the line must fit clearly better than one step, and two steps must
-    not fit clearly better than it (small steps below the shift size);
+    only; within a window the line must fit clearly better than one step (or, over a leak's
+    first few minutes, where one step straddling a bucket fits its buckets as well, its 5 s
+    samples must climb rather than jump), and two steps must not fit clearly better than it
+    (small steps below the shift size);
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
     up to a plateau; a staircase that shrinks or slows is one too (the step before its run
     included); under a sawtooth, troughs that climb in two or three shrinking steps (judged
@@ -318,8 +320,9 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
             signals: int = 1, memo: NoiseMemo | None = None,
             raw: Callable[[], SeriesView] | None = None) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
-    memo, of the noise measured on them up to noise_refresh_seconds before), so a caller may
-    keep it for as long as it holds the same SeriesView."""
+    memo, of the noise measured on them up to noise_refresh_seconds before; with `raw`, which
+    returns the same series' raw samples, of those where a leak's first minutes are in doubt),
+    so a caller may keep it for as long as it holds the same SeriesView."""
     memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
