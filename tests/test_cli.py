@@ -244,6 +244,9 @@ def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
             time.sleep(0.2)
         files = list((tmp_path / "traces").glob("*vllm_exit*.csv"))
         assert files, "no trace written"
+        # The write is counted once the file is in place: a scrape may fall between the two.
+        while time.monotonic() < deadline and metrics(d)[("gpumem_recorder_writes_total", ())] < 1:
+            time.sleep(0.2)
         assert metrics(d)[("gpumem_recorder_writes_total", ())] >= 1
     finally:
         d.stop()

@@ -129,7 +129,7 @@ def test_fetch_gives_the_simulated_run(prom):
         [gpu] = s.gpus
         assert gpu.index == "0" and gpu.uuid.startswith("GPU-") and gpu.total_bytes == H100_TOTAL
         [proc] = gpu.processes
-        assert (proc.pid, proc.name, proc.role) == (3150, "VLLM::EngineCor", "vllm")
+        assert (proc.pid, proc.name, proc.role) == (3150, "VLLM::EngineCore", "vllm")
         assert proc.host_rss_bytes is not None and proc.host_rss_bytes > 1 << 30
         assert 0 < proc.used_bytes <= gpu.used_bytes <= gpu.total_bytes
 
