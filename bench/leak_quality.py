@@ -533,6 +533,9 @@ def main(argv=None) -> int:
                          "also gives the leak families' delays")
     ap.add_argument("--all-phases", action="store_true",
                     help="replay the leak-free families at all 12 phases of the 5 s grid")
+    ap.add_argument("--phase-leaks", action="store_true",
+                    help="also replay the leak families at every phase: their false alerts before the onset "
+                         "and their delays per phase")
     ap.add_argument("--perf", action="store_true", help="also time LeakDetector.detect per tick, 8x64, 6 h history")
     ap.add_argument("--perf-ticks", type=int, default=60)
     ap.add_argument("--check-promtool", action="store_true", help="cross-check the PromQL reimplementation")
@@ -552,7 +555,7 @@ def main(argv=None) -> int:
     requests = [{"op": "replay", "spec": list(s), "probe": False} for s in specs]
     requests += [{"op": "replay", "spec": list(specs[i]), "probe": True} for i in probed]
     uuids = phase_uuids() if args.all_phases else args.uuids.split(",")
-    free = [i for i, (f, _) in enumerate(specs) if not FAMILY[f].leak]
+    free = [i for i, (f, _) in enumerate(specs) if args.phase_leaks or not FAMILY[f].leak]
     for i in free:
         requests[i]["uuid"] = uuids[0]
     phased = [(i, u) for u in uuids[1:] for i in free]
@@ -573,7 +576,7 @@ def main(argv=None) -> int:
         for c in codes:
             outcomes[i].episodes[(c, "probe")] = answers[c][len(specs) + j]["episodes"]
     phase_base = len(specs) + len(probed)
-    # per_phase[uuid][code]: {spec index: episodes} of the leak-free traces
+    # per_phase[uuid][code]: {spec index: episodes} of the traces replayed at every phase
     per_phase = {u: {c: {i: answers[c][i]["episodes"] for i in free} for c in codes} for u in uuids[:1]}
     for j, (i, u) in enumerate(phased):
         for c in codes:
@@ -640,7 +643,11 @@ def main(argv=None) -> int:
         within = sum(1 for d in ds if d is not None and d <= 1800)
         print(f"- 1 MiB/min leaks found within 30 min, {names[c]}: {within}/{len(ds)}.")
     if free:
-        print(phase_table(fams, specs, codes, names, uuids, per_phase))
+        for u in uuids:
+            for c in codes:
+                for i, eps in per_phase[u][c].items():
+                    outcomes[i].episodes[(c, u)] = eps
+        print(phase_table(fams, outcomes, codes, names, uuids, per_phase))
     if probed:
         print("\n## The allocator probe's signal (same traces, with and without the probe's numbers)\n")
         print("| family | tree | delay without probe | with probe | caught without / with |")
@@ -689,32 +696,44 @@ def main(argv=None) -> int:
     return 0
 
 
-def phase_table(fams, specs, codes, names, uuids, per_phase) -> str:
-    """False alerts of the leak-free families at each bucket phase: traces with one (episodes),
-    and the traces named."""
-    lines = ["\n## False alerts per phase of the minute buckets (leak-free families)\n",
-             "Each leak-free trace replayed under each GPU UUID; the phase is the second after the trace's "
-             "start of the first 5 s sample that opens a minute of its process series (History's offset "
-             f"from the key). The table above used `{uuids[0]}` (+{bucket_phase(uuids[0])} s).\n"]
+def phase_table(fams, outcomes, codes, names, uuids, per_phase) -> str:
+    """False alerts at each bucket phase, per family: traces with one before any leak's onset
+    (episodes), and for the leak families replayed at every phase (--phase-leaks), the median
+    delay; then the traces named."""
+    lines = ["\n## False alerts per phase of the minute buckets\n",
+             "Each trace replayed under each GPU UUID (the leak-free families always, the leak families with "
+             "--phase-leaks); the phase is the second after the trace's start of the first 5 s sample that "
+             "opens a minute of its process series (History's offset from the key). The table above used "
+             f"`{uuids[0]}` (+{bucket_phase(uuids[0])} s). Cells: traces with a false alert (episodes)"
+             " [median delay].\n"]
     head = ["family"] + [f"{names[c]}: {u} (+{bucket_phase(u)} s)" for c in codes for u in uuids]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    fam_specs = {f.name: [i for i, (n, _) in enumerate(specs) if n == f.name] for f in fams if not f.leak}
-    for fam, idx in fam_specs.items():
-        row = [fam]
+    for fam in fams:
+        group = [o for k, o in enumerate(outcomes) if o.family == fam.name and k in per_phase[uuids[0]][codes[0]]]
+        if not group:
+            continue
+        row = [fam.name]
         for c in codes:
             for u in uuids:
-                eps = [len(per_phase[u][c][i]) for i in idx]
-                hit = sum(1 for e in eps if e)
-                row.append(f"{hit}/{len(idx)}" + (f" ({sum(eps)})" if hit else ""))
+                sm = summary(group, (c, u))
+                cell = f"{sm['false_traces']}/{sm['traces']}"
+                cell += f" ({sm['false_episodes']})" if sm["false_traces"] else ""
+                if fam.leak:
+                    cell += f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]"
+                row.append(cell)
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for c in codes:
         for u in uuids:
-            bad = [f"{specs[i][0]}#{specs[i][1]} (min {', '.join(f'{(e - T0) / 60:.1f}' for e in eps)})"
-                   for i, eps in sorted(per_phase[u][c].items()) if eps]
-            total = len(per_phase[u][c])
-            lines.append(f"- {names[c]}, {u} (+{bucket_phase(u)} s): false alerts on {len(bad)}/{total} traces"
-                         + (": " + "; ".join(bad) if bad else "") + ".")
+            bad = []
+            for k in sorted(per_phase[u][c]):
+                o = outcomes[k]
+                onset = o.leak_start if o.leak_start is not None else math.inf
+                early = [e for e in per_phase[u][c][k] if e < onset]
+                if early:
+                    bad.append(f"{o.name} (min {', '.join(f'{(e - T0) / 60:.1f}' for e in early)})")
+            lines.append(f"- {names[c]}, {u} (+{bucket_phase(u)} s): false alerts on {len(bad)}/{len(per_phase[u][c])} "
+                         "traces" + (": " + "; ".join(bad) if bad else "") + ".")
     return "\n".join(lines)
 
 
