@@ -50,13 +50,44 @@ sys.path.insert(0, str(BENCH))
 
 from leak_corpus import FAMILIES, FAMILY, T0, TOTAL, MiB, Trace, limit_seconds, make_trace  # noqa: E402
 
+# --- the phase of History's minute buckets ---------------------------------------------------
+# History cuts each series into minutes at an offset drawn from its key (crc32 of the key's
+# repr), so every GPU's process series sees its 5 s samples grouped at another phase: which
+# sample opens a minute. The leak-free families are replayed under several GPU UUIDs whose
+# process series' minutes open at phases spread over the minute; a false alert at any of them
+# is one a real host can raise. The first UUID is the one the leak families' delays use.
+PHASES = ("GPU-bench", "GPU-test", "GPU-b", "GPU-c")
+PID = 4242
+
+
+def bucket_phase(uuid: str) -> int:
+    """Seconds after the trace's start (0-55, on the 5 s grid) of the first sample that opens a
+    minute bucket of the process series replayed under `uuid` (History's own offset)."""
+    import zlib
+
+    offset = (zlib.crc32(repr(("mem", uuid, PID, T0 - 1.0)).encode()) % 997) / 997.0 * 60.0
+    return math.ceil(((offset - T0) % 60.0) / 5.0) * 5 % 60
+
+
+def phase_uuids() -> list[str]:
+    """One UUID per phase on the 5 s grid (12), the bench's own first."""
+    found = {bucket_phase(u): u for u in reversed(PHASES)}
+    j = 0
+    while len(found) < 12:
+        found.setdefault(bucket_phase(f"GPU-phase-{j}"), f"GPU-phase-{j}")
+        j += 1
+    return [PHASES[0]] + [u for _, u in sorted(found.items()) if u != PHASES[0]]
+
+
 # --- the detector of one code tree, in a worker process ------------------------------------
 # A worker runs with that tree's `exporter` first on its path (--worker DIR); it reads one JSON
 # request per line on stdin and answers one JSON line each.
 
-def _replay(spec: list, probe: bool) -> dict:
+def _replay(spec: list, probe: bool, uuid: str = "GPU-bench") -> dict:
     """Replay one trace through History + LeakDetector.detect, tick by tick as the daemon does:
-    the start of each leak-finding episode, and the first finding's evidence after the onset."""
+    the start of each leak-finding episode, and the first finding's evidence after the onset.
+    `uuid` names the GPU: History's minute buckets start at an offset drawn from the series'
+    key, so another UUID reads the same samples through buckets of another phase."""
     from exporter.analysis.history import History
     from exporter.analysis.leak import LeakConfig
     from exporter.analysis.leak_detector import LeakDetector
@@ -72,9 +103,9 @@ def _replay(spec: list, probe: bool) -> dict:
         alloc = None
         if probe and trace.allocated is not None and trace.reserved is not None:
             alloc = AllocatorStats(allocated_bytes=trace.allocated[k], reserved_bytes=trace.reserved[k])
-        proc = ProcessSample(pid=4242, used_bytes=v, name="python3", start_time=T0 - 1.0, role="vllm",
+        proc = ProcessSample(pid=PID, used_bytes=v, name="python3", start_time=T0 - 1.0, role="vllm",
                              allocator=alloc)
-        snap = Snapshot(timestamp=float(t), gpus=(GpuSample(index="0", uuid="GPU-bench", total_bytes=TOTAL,
+        snap = Snapshot(timestamp=float(t), gpus=(GpuSample(index="0", uuid=uuid, total_bytes=TOTAL,
                                                             used_bytes=v, processes=(proc,)),))
         c0 = time.thread_time()
         history.update(snap)
@@ -164,7 +195,7 @@ def worker_main(code: str) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "replay":
-            out = _replay(req["spec"], req.get("probe", False))
+            out = _replay(req["spec"], req.get("probe", False), req.get("uuid", PHASES[0]))
         elif req["op"] == "real":
             out = _real(req["entry"], req["leak"])
         elif req["op"] == "perf_build":
@@ -497,6 +528,14 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default="", help="comma-separated subset of the families")
     ap.add_argument("--code", nargs="+", default=[str(ROOT)], metavar="DIR",
                     help="code trees to compare (each its exporter package), the first is the new one")
+    ap.add_argument("--uuids", default=",".join(PHASES),
+                    help="GPU UUIDs (bucket phases) the leak-free families are replayed under; the first "
+                         "also gives the leak families' delays")
+    ap.add_argument("--all-phases", action="store_true",
+                    help="replay the leak-free families at all 12 phases of the 5 s grid")
+    ap.add_argument("--phase-leaks", action="store_true",
+                    help="also replay the leak families at every phase: their false alerts before the onset "
+                         "and their delays per phase")
     ap.add_argument("--perf", action="store_true", help="also time LeakDetector.detect per tick, 8x64, 6 h history")
     ap.add_argument("--perf-ticks", type=int, default=60)
     ap.add_argument("--check-promtool", action="store_true", help="cross-check the PromQL reimplementation")
@@ -515,6 +554,12 @@ def main(argv=None) -> int:
     started = time.time()
     requests = [{"op": "replay", "spec": list(s), "probe": False} for s in specs]
     requests += [{"op": "replay", "spec": list(specs[i]), "probe": True} for i in probed]
+    uuids = phase_uuids() if args.all_phases else args.uuids.split(",")
+    free = [i for i, (f, _) in enumerate(specs) if args.phase_leaks or not FAMILY[f].leak]
+    for i in free:
+        requests[i]["uuid"] = uuids[0]
+    phased = [(i, u) for u in uuids[1:] for i in free]
+    requests += [{"op": "replay", "spec": list(specs[i]), "probe": False, "uuid": u} for i, u in phased]
     reals = real_entries()
     long_real = []
     for e in reals:
@@ -530,7 +575,13 @@ def main(argv=None) -> int:
     for j, i in enumerate(probed):
         for c in codes:
             outcomes[i].episodes[(c, "probe")] = answers[c][len(specs) + j]["episodes"]
-    real_base = len(specs) + len(probed)
+    phase_base = len(specs) + len(probed)
+    # per_phase[uuid][code]: {spec index: episodes} of the traces replayed at every phase
+    per_phase = {u: {c: {i: answers[c][i]["episodes"] for i in free} for c in codes} for u in uuids[:1]}
+    for j, (i, u) in enumerate(phased):
+        for c in codes:
+            per_phase.setdefault(u, {}).setdefault(c, {})[i] = answers[c][phase_base + j]["episodes"]
+    real_base = phase_base + len(phased)
     real_free = {e["file"]: {c: answers[c][real_base + k] for c in codes} for k, e in enumerate(reals)}
     long_real = [e for e in reals if e["label"] == "no_leak"
                  and real_free[e["file"]][codes[0]]["end"] - real_free[e["file"]][codes[0]]["start"] >= 45 * 60]
@@ -591,6 +642,12 @@ def main(argv=None) -> int:
         ds = [first_catch(o, c) for o in slow]
         within = sum(1 for d in ds if d is not None and d <= 1800)
         print(f"- 1 MiB/min leaks found within 30 min, {names[c]}: {within}/{len(ds)}.")
+    if free:
+        for u in uuids:
+            for c in codes:
+                for i, eps in per_phase[u][c].items():
+                    outcomes[i].episodes[(c, u)] = eps
+        print(phase_table(fams, outcomes, codes, names, uuids, per_phase))
     if probed:
         print("\n## The allocator probe's signal (same traces, with and without the probe's numbers)\n")
         print("| family | tree | delay without probe | with probe | caught without / with |")
@@ -633,8 +690,51 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"name": o.name, "family": o.family, "leak_rate": o.leak_rate, "leak_start": o.leak_start,
-                        "limit": o.limit, **{names[c]: o.episodes[c] for c in codes}} for o in outcomes], f, indent=1)
+                        "limit": o.limit, **{names[c]: o.episodes[c] for c in codes},
+                        "phases": {u: {names[c]: per_phase[u][c].get(k) for c in codes} for u in uuids}}
+                       for k, o in enumerate(outcomes)], f, indent=1)
     return 0
+
+
+def phase_table(fams, outcomes, codes, names, uuids, per_phase) -> str:
+    """False alerts at each bucket phase, per family: traces with one before any leak's onset
+    (episodes), and for the leak families replayed at every phase (--phase-leaks), the median
+    delay; then the traces named."""
+    lines = ["\n## False alerts per phase of the minute buckets\n",
+             "Each trace replayed under each GPU UUID (the leak-free families always, the leak families with "
+             "--phase-leaks); the phase is the second after the trace's start of the first 5 s sample that "
+             "opens a minute of its process series (History's offset from the key). The table above used "
+             f"`{uuids[0]}` (+{bucket_phase(uuids[0])} s). Cells: traces with a false alert (episodes)"
+             " [median delay].\n"]
+    head = ["family"] + [f"{names[c]}: {u} (+{bucket_phase(u)} s)" for c in codes for u in uuids]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fam in fams:
+        group = [o for k, o in enumerate(outcomes) if o.family == fam.name and k in per_phase[uuids[0]][codes[0]]]
+        if not group:
+            continue
+        row = [fam.name]
+        for c in codes:
+            for u in uuids:
+                sm = summary(group, (c, u))
+                cell = f"{sm['false_traces']}/{sm['traces']}"
+                cell += f" ({sm['false_episodes']})" if sm["false_traces"] else ""
+                if fam.leak:
+                    cell += f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]"
+                row.append(cell)
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    for c in codes:
+        for u in uuids:
+            bad = []
+            for k in sorted(per_phase[u][c]):
+                o = outcomes[k]
+                onset = o.leak_start if o.leak_start is not None else math.inf
+                early = [e for e in per_phase[u][c][k] if e < onset]
+                if early:
+                    bad.append(f"{o.name} (min {', '.join(f'{(e - T0) / 60:.1f}' for e in early)})")
+            lines.append(f"- {names[c]}, {u} (+{bucket_phase(u)} s): false alerts on {len(bad)}/{len(per_phase[u][c])} "
+                         "traces" + (": " + "; ".join(bad) if bad else "") + ".")
+    return "\n".join(lines)
 
 
 def perf(codes: list[str], names: dict[str, str], ticks: int) -> str:

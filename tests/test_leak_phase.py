@@ -1,0 +1,91 @@
+"""The leak detector at every phase of History's minute buckets.
+
+History cuts each series into minutes at an offset drawn from the series' key, so each GPU's
+process series groups the same 5 s samples into minutes at its own phase. bench/leak_quality.py
+replayed every trace under one GPU UUID (`GPU-bench`: the first sample of each minute 15 s after
+the trace's start); it now replays the leak-free families under four (+15, +30, +50, +0 s) and
+finds false alerts at two of the others that the bench's own phase never showed, on 66fad3c
+and before it:
+
+  * warmup#4 under `GPU-test` (+30 s), minute 54.5: the warm-up's last step, 8 MiB in 7 MiB
+    sample noise, falls in the middle of a bucket, whose median lands between the two levels; the
+    noise after it leans upward. The medians read as a 9-minute line at z 5.36 against the bar
+    5.23, and the best single step (its straddling point left out) fits 4.7 noise variances worse
+    than the line, past min_step_margin (4). The noise is not underestimated: a floor from the
+    raw samples' own noise (2.5 MiB for the medians, where 2 MiB was read) lowers the block
+    estimates' inflation as much, and z stays 5.36.
+  * mixed#2 under `GPU-test`, minute 26.5: a young series (no tooth seen yet) read through its
+    medians, a warm-up's steps under a sawtooth of small teeth: a 17-minute line at z 9.82 against
+    the young bar 7.84.
+  * mixed#14 under `GPU-test`, minute 160.5: a sawtooth read through its troughs (one minimum a
+    tooth); a warm-up step of 11 MiB, then troughs that rise 2-6 MiB each (a bucket's minimum
+    holds fewer samples of the tooth's lowest page at this phase); the troughs before the step
+    tie exactly, so their noise reads under the 2 MiB floor and a 50-minute hinge passes at z 10.
+    Two steps fit better than the hinge (by 1.4 variances), short of the 2 log(n) penalty.
+  * mixed#15 under `GPU-c` (+0 s), minute 20.0: as mixed#2, young, read through per-minute
+    minima (the quietest block is one bucket): a 16-minute line of 519 MiB at z 12 (young bar
+    7.8) over a warm-up's steps of 267, 133, 189 and 128 MiB under teeth of 1.6 min. Fixed:
+    growth begun while young is also held to a warm-up's two or three shrinking steps judged
+    against the noise blind to steps, as the troughs were (the teeth, aliased by the buckets,
+    inflate the noise read from second differences to 38 MiB, enough for the steps to hide).
+
+The first three are not fixed in this round: their tests are strict xfails, so fixing one turns
+its test into a failure that asks for the mark to go. What must hold meanwhile: the same traces
+stay clean at the bench's phase, and a leak is still found at the phase that fooled the detector.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.leak_replay import episodes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from leak_corpus import T0, make_trace
+
+# (family, seed, GPU UUID, the minute 66fad3c raised its false alert, why it is not fixed)
+FOOLED = [
+    ("warmup", 4, "GPU-test", 54.5, "an 8 MiB warm-up step straddling a bucket reads as a 9-minute line at z 5.4 "
+                                    "(bar 5.2), the step model 4.7 noise variances worse; not fixed"),
+    ("mixed", 2, "GPU-test", 26.5, "a young series' warm-up steps under small teeth read as a 17-minute line "
+                                   "through the medians at z 9.8 (young bar 7.8); not fixed"),
+    ("mixed", 14, "GPU-test", 160.5, "troughs after a warm-up step rise by the skew of bucket minima, their noise "
+                                     "read under the floor: a 50-minute hinge at z 10; not fixed"),
+]
+FIXED = [("mixed", 15, "GPU-c", 20.0, "a young series' warm-up steps under 1.6-minute teeth read as a 16-minute "
+                                      "line through per-minute minima at z 12 (young bar 7.8)")]
+IDS = [f"{f}#{s}-{u}" for f, s, u, _, _ in FOOLED]
+FIXED_IDS = [f"{f}#{s}-{u}" for f, s, u, _, _ in FIXED]
+
+
+@pytest.mark.parametrize("family,seed,uuid,minute,why", FIXED, ids=FIXED_IDS)
+def test_a_young_warm_up_under_fast_teeth_raises_nothing_at_any_phase(family, seed, uuid, minute, why):
+    trace = make_trace(family, seed)
+    assert trace.leak_rate is None
+    for gpu in (uuid, "GPU-bench", "GPU-test", "GPU-b"):
+        assert episodes(trace.times, trace.values, gpu) == [], (gpu, f"66fad3c under {uuid}: minute {minute}")
+
+
+@pytest.mark.parametrize("family,seed,uuid,minute,why", [
+    pytest.param(f, s, u, m, w, marks=pytest.mark.xfail(strict=True, reason=f"false alert at minute {m}: {w}"))
+    for f, s, u, m, w in FOOLED], ids=IDS)
+def test_leak_free_traces_raise_nothing_at_the_phase_that_fooled_the_detector(family, seed, uuid, minute, why):
+    trace = make_trace(family, seed)
+    assert trace.leak_rate is None
+    assert episodes(trace.times, trace.values, uuid) == []
+
+
+@pytest.mark.parametrize("family,seed,uuid,minute,why", FOOLED + FIXED, ids=IDS + FIXED_IDS)
+def test_the_same_traces_raise_nothing_at_the_benchs_phase(family, seed, uuid, minute, why):
+    trace = make_trace(family, seed)
+    assert episodes(trace.times, trace.values, "GPU-bench") == []
+
+
+@pytest.mark.parametrize("family,seed,within", [("slow_leak", 1, 30), ("fast_leak", 4, 6), ("late_leak", 5, 15)])
+def test_a_leak_is_found_at_the_phases_that_fooled_the_detector(family, seed, within):
+    trace = make_trace(family, seed)
+    onset = (trace.leak_start - T0) / 60
+    for gpu in ("GPU-test", "GPU-c"):
+        found = episodes(trace.times, trace.values, gpu)
+        assert found, f"{trace.name}: not found at {gpu}'s phase"
+        assert onset <= found[0] <= onset + within, (trace.name, gpu, onset, found)
