@@ -63,9 +63,9 @@ PID = 4242
 def bucket_phase(uuid: str) -> int:
     """Seconds after the trace's start (0-55, on the 5 s grid) of the first sample that opens a
     minute bucket of the process series replayed under `uuid` (History's own offset)."""
-    import zlib
+    from exporter.analysis.history import bucket_offset
 
-    offset = (zlib.crc32(repr(("mem", uuid, PID, T0 - 1.0)).encode()) % 997) / 997.0 * 60.0
+    offset = bucket_offset(("mem", uuid, PID, T0 - 1.0), 60.0)
     return math.ceil(((offset - T0) % 60.0) / 5.0) * 5 % 60
 
 

@@ -88,6 +88,13 @@ class RawSpan(NamedTuple):
     flat: bool  # every value the same (then low is that value)
 
 
+def bucket_offset(key: SeriesKey, bucket_seconds: float) -> float:
+    """Where the series of `key` starts its buckets, within one bucket: each series its own phase
+    (which sample opens a minute). Stable across runs (unlike hash() of str), so replays are
+    reproducible."""
+    return (zlib.crc32(repr(key).encode()) % 997) / 997.0 * bucket_seconds
+
+
 class _Series:
     """One series: raw ring (two arrays with a moving start) plus the bucket-median tier."""
 
@@ -114,8 +121,7 @@ class _Series:
         self.last_seen = t
         self.name = name
         self.bucket_seconds = bucket_seconds
-        # Stable across runs (unlike hash() of str), so replays are reproducible.
-        self.offset = (zlib.crc32(repr(key).encode()) % 997) / 997.0 * bucket_seconds
+        self.offset = bucket_offset(key, bucket_seconds)
         self.raw_t = array("d")
         self.raw_v = array("d")
         self.raw_start = 0
