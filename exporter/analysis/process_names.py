@@ -28,6 +28,7 @@ def named_evidence(i: int, p: ProcessSample) -> list[tuple[str, int | str]]:
     """The evidence that names the i-th process a finding concerns: its pid, name and, where
     process_name() says it, what started it (the status page shows them)."""
     out: list[tuple[str, int | str]] = [(f"process_{i}_pid", p.pid), (f"process_{i}_name", p.name)]
-    if started_by(p):
-        out.append((f"process_{i}_started_by", started_by(p)))
+    parent = started_by(p)
+    if parent:
+        out.append((f"process_{i}_started_by", parent))
     return out

@@ -19,7 +19,6 @@ import psutil
 
 from ..boundedio import read_head
 from ..model import GpuSample, HostMemory, ProcessSample, Snapshot, SourceError
-from .cgroup import parse_cgroup
 from .hostview import MAX_NAME_CHARS, HostView, ProcessInfo
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, Reading
 
@@ -318,10 +317,7 @@ def host_processes(host: HostView, limit: int = TOP_PROCESSES) -> tuple[ProcessS
     """The host's largest processes by RSS as samples without GPU memory (used_bytes None)."""
     out = []
     for info in host.top_processes(limit):
-        container, pod_uid = parse_cgroup(info.cgroup)
-        out.append(ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
-                                 start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
-                                 ns_pid=info.ns_pid, ppid=info.ppid, parent_name=info.parent_name))
+        out.append(ProcessSample(pid=info.pid, used_bytes=None, **info.sample_fields()))
     return tuple(out)
 
 
@@ -341,10 +337,6 @@ def enrich(gpus: tuple[GpuSample, ...], host: HostView,
             if info is None:
                 procs.append(p)  # exited between NVML's list and our look: keep what NVML said
                 continue
-            container, pod_uid = parse_cgroup(info.cgroup)
-            procs.append(dataclasses.replace(
-                p, name=info.name, host_rss_bytes=info.rss_bytes, start_time=info.start_time,
-                container=container[:12], pod_uid=pod_uid, ns_pid=info.ns_pid, ppid=info.ppid,
-                parent_name=info.parent_name, cmdline=info.cmdline if with_cmdline else ""))
+            procs.append(dataclasses.replace(p, **info.sample_fields(), cmdline=info.cmdline if with_cmdline else ""))
         out.append(dataclasses.replace(gpu, processes=tuple(procs)))
     return tuple(out)

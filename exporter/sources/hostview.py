@@ -7,13 +7,26 @@ else takes a HostView and never knows which one it has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from ..model import HostMemory
+from .cgroup import parse_cgroup
 
 # A process name as psutil gives it: the kernel's comm (15 characters), or where comm is cut, the
 # title the process set (vLLM's `VLLM::EngineCore`), bounded: longer is a command line, not a name.
 MAX_NAME_CHARS = 64
+
+
+class HostIdentity(TypedDict):
+    """What a ProcessSample takes from the host's view of its process."""
+    name: str
+    host_rss_bytes: int | None
+    start_time: float | None
+    container: str  # the container id's first 12 characters, as docker and kubectl print it
+    pod_uid: str
+    ns_pid: int | None
+    ppid: int | None
+    parent_name: str
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,14 @@ class ProcessInfo:
     cgroup: str = ""  # raw text of /proc/<pid>/cgroup
     ns_pid: int | None = None  # innermost PID from NSpid
     cmdline: str = ""  # only read when asked for
+
+    def sample_fields(self) -> HostIdentity:
+        """The fields a ProcessSample takes from this view (the GPU process's sample, the host's
+        largest processes', a vLLM server's own), in one place."""
+        container, pod_uid = parse_cgroup(self.cgroup)
+        return HostIdentity(name=self.name, host_rss_bytes=self.rss_bytes, start_time=self.start_time,
+                            container=container[:12], pod_uid=pod_uid, ns_pid=self.ns_pid, ppid=self.ppid,
+                            parent_name=self.parent_name)
 
 
 class HostView(Protocol):

@@ -21,7 +21,6 @@ import psutil
 
 from ..boundedio import read_head
 from ..model import GpuSample, ProcessSample, VllmSample
-from .cgroup import parse_cgroup
 from .hostview import HostView, ProcessInfo
 from .vllm_endpoint import VllmEndpoint
 
@@ -217,11 +216,8 @@ class ServerProcesses:
 
 
 def _server_process(info: ProcessInfo, root: int, endpoint: str) -> ProcessSample:
-    container, pod_uid = parse_cgroup(info.cgroup)
-    return ProcessSample(pid=info.pid, used_bytes=None, name=info.name, host_rss_bytes=info.rss_bytes,
-                         start_time=info.start_time, container=container[:12], pod_uid=pod_uid,
-                         ns_pid=info.ns_pid, ppid=info.ppid, parent_name=info.parent_name, role="vllm",
-                         endpoint=endpoint, server_role=server_role(info.pid, root, info.name))
+    return ProcessSample(pid=info.pid, used_bytes=None, **info.sample_fields(), role="vllm", endpoint=endpoint,
+                         server_role=server_role(info.pid, root, info.name))
 
 
 def is_local_host(hostname: str) -> bool:
