@@ -296,8 +296,8 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         starts = [c.at for c in s.settings[1:]]
         logged: list[list[str]] = [[] for _ in range(len(starts) + 1)]
         for at, profile in s.startups:
-            if startup_text(profile):
-                logged[bisect_right(starts, at)].append(startup_text(profile))
+            if text := startup_text(profile):
+                logged[bisect_right(starts, at)].append(text)
         log_text = ["".join(f"; start-up log: {text}" for text in texts) for texts in logged]
         if s.settings:
             first = s.settings[0]
