@@ -9,7 +9,7 @@
 its settling period (10 min after the start-up allocation) plus its shortest window (8 min), so
 run `check --expect-leak` about 20 minutes after `start`. Results go to $OUT (or /tmp) as JSON.
 
-`probe` (about two minutes) needs gpu-memory-probe installed (`pip install ./probe`): it starts
+`probe` (about half a minute) needs gpu-memory-probe installed (`pip install ./probe`): it starts
 the daemon and three PyTorch processes that load the probe the way vLLM's plugin loader does
 (entry point group vllm.general_plugins, GPUMEM_PROBE_DIR set), each growing one component on
 purpose — live tensors (torch allocated), cudaMalloc through ctypes on libcudart (non-torch), and
@@ -59,14 +59,26 @@ def nvml() -> dict:
         parts = g.used_bytes + g.free_bytes + (g.reserved_bytes or 0)
         assert abs(parts - g.total_bytes) <= 0.01 * g.total_bytes, (g.index, parts, g.total_bytes)
     return {"driver": reading.snapshot.driver_version, "errors": [e.kind for e in reading.errors],
+            "nvidia_smi_apps": _nvidia_smi_apps(),
             "gpus": [{"index": g.index, "name": g.name, "total": g.total_bytes, "used": g.used_bytes,
                       "free": g.free_bytes, "reserved": g.reserved_bytes, "unified": g.unified,
                       "processes": [(p.pid, p.name, p.used_bytes) for p in g.processes]} for g in gpus]}
 
 
+def _nvidia_smi_apps() -> str:
+    """nvidia-smi's own per-process view, to set beside what the source read through NVML."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"nvidia-smi: {e}"
+
+
 def start() -> dict:
-    leaker = subprocess.Popen([sys.executable, "-c", LEAKER], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    # Its stderr goes to a file: it outlives this command, and must not hold the caller's pipe open.
+    with open("/tmp/gpumem-leaker.log", "w") as errors:
+        leaker = subprocess.Popen([sys.executable, "-c", LEAKER], stdout=subprocess.PIPE, text=True,
+                                  stderr=errors, start_new_session=True)
     assert leaker.stdout.readline().strip() == "ready", "the PyTorch leaker did not start"
     # The daemon outlives this command (it is checked by a later `check`), so its log stays open.
     with open("/tmp/gpumem-daemon.log", "w") as log:
@@ -77,19 +89,35 @@ def start() -> dict:
     return state
 
 
-def check(expect_leak: bool) -> dict:
+def check(expect_leak: bool, watch_seconds: float) -> dict:
     state = json.loads(STATE.read_text())
+    pid = str(state["leaker_pid"])
+    # The leaker's series as the daemon exports them, every 5 s while watching: the real NVML
+    # readings the leak detector works on, and the growth rate it reports meanwhile.
+    watched = []
+    until = time.time() + watch_seconds
+    while time.time() < until:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        row: dict[str, float] = {"t": round(time.time() - state["started"], 1)}
+        for line in text.splitlines():
+            if f'pid="{pid}"' in line and line.startswith(("gpumem_process_memory_used_bytes{",
+                                                           "gpumem_process_memory_growth_bytes_per_second{",
+                                                           "gpumem_leak_suspected{")):
+                series, value = line.rsplit(" ", 1)
+                row[series] = float(value)
+        watched.append(row)
+        time.sleep(5)
     with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/api/findings", timeout=10) as r:
         findings = json.loads(r.read())["findings"]
-    pid = str(state["leaker_pid"])
     mine = [line for line in metrics.splitlines() if f'pid="{pid}"' in line]
     assert any(line.startswith("gpumem_process_memory_used_bytes") for line in mine), "leaker not exported"
     leaks = [f for f in findings if f["kind"] == "leak" and str(f["pid"]) == pid]
     if expect_leak:
         assert leaks, f"no leak finding for pid {pid} after {time.time() - state['started']:.0f} s"
-    return {"elapsed_seconds": time.time() - state["started"], "leaker_series": mine,
+    return {"elapsed_seconds": time.time() - state["started"], "leaker_series": mine, "watched": watched,
             "leak_findings": leaks, "all_findings": findings}
 
 
@@ -237,14 +265,18 @@ def probe(steps: int, step_mib: int, pause: float, port: int, daemon_args: list[
     if "gpumem_probe" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
         raise SystemExit("gpu-memory-probe is not installed here: pip install ./probe")
     directory = Path(tempfile.mkdtemp(prefix="gpumem-probe-"))
+    # The exporter reads the probes' directory from its configuration only (allocator.probe_dir);
+    # GPUMEM_PROBE_DIR is the probes' side of the same setting.
+    config = directory.parent / f"{directory.name}.yaml"
+    config.write_text(json.dumps({"allocator": {"probe_dir": str(directory)}}))
     env = {**os.environ, "GPUMEM_PROBE_DIR": str(directory), "GPUMEM_PROBE_INTERVAL": "1"}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the fragmenting pattern assumes the default allocator
     env.pop("PYTORCH_ALLOC_CONF", None)
     url = f"http://127.0.0.1:{port}"
     with open(OUT / "gpu-check-probe-daemon.log", "w") as log:
         daemon = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{port}",
-                                   "--interval", "1", *daemon_args], stdout=log, stderr=subprocess.STDOUT,
-                                  cwd=REPO, env=env)
+                                   "--interval", "1", "--config", str(config), *daemon_args],
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         workers: dict[str, subprocess.Popen[str]] = {}
         step_bytes = step_mib * MiB
         try:
@@ -340,18 +372,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", nargs="?", choices=["nvml", "start", "check", "probe"], default="nvml")
     ap.add_argument("--expect-leak", action="store_true", help="check: fail without a leak finding")
+    ap.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                    help="check: first record the leaker's exported series every 5 s for this long")
     ap.add_argument("--steps", type=int, default=20, help="probe: growth steps (and fragmenting rounds) per worker")
     ap.add_argument("--step-mib", type=int, default=32, help="probe: MiB per step (the fragmenting block size)")
     ap.add_argument("--pause", type=float, default=1.0, help="probe: seconds between steps")
     ap.add_argument("--port", type=int, default=PORT + 1, help="probe: port of the exporter it starts")
     ap.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
-                    help="probe: extra argument for `gpu-memory-exporter run` (repeat; e.g. --daemon-arg=--config "
-                         "--daemon-arg=FILE); the daemon also gets GPUMEM_PROBE_DIR in its environment")
+                    help="probe: extra argument for `gpu-memory-exporter run` (repeat); the daemon is "
+                         "given a config file naming the probes' directory")
     args = ap.parse_args()
     if args.what == "check" and not STATE.exists():
         ap.error(f"no {STATE}: run `start` first")
     what = args.what
-    result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak),
+    result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak, args.watch),
               "probe": lambda: probe(args.steps, args.step_mib, args.pause, args.port, args.daemon_arg)}[what]()
     (OUT / f"gpu-check-{what}.json").write_text(json.dumps(result, indent=1, default=str))
     if what == "probe":
