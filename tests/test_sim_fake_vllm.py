@@ -276,3 +276,15 @@ def test_a_server_restarted_on_its_port_is_one_endpoint_whose_log_grows_with_eac
         assert kv_profile() == pytest.approx(27 * 2**30, rel=0.01)
     finally:
         runtime.close()
+
+
+def test_families_by_name_at_metrics_slash_only_as_vllm_serves_them(served):
+    """vLLM answers `/metrics` from its instrumentator's route, which ignores `name[]`, and
+    `/metrics/` from prometheus_client's app, which serves only the samples named."""
+    server, _ = served
+    names = {"name[]": ["vllm:num_requests_running", "vllm:num_preemptions_total"]}
+    only = parse(requests.get(server.url + "/", params=names, timeout=HANG).text)
+    whole = parse(requests.get(server.url, timeout=HANG).text)
+    assert set(only) == set(names["name[]"])
+    assert all(only[name] == whole[name] for name in only)
+    assert set(parse(requests.get(server.url, params=names, timeout=HANG).text)) == set(whole)

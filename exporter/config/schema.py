@@ -121,7 +121,9 @@ class EndpointConfig(Section):
     """One vLLM server (`vllm.endpoints[]`); a bare URL string is the same as `{url: ...}`."""
 
     url: MetricsUrl = Field(
-        description="The server's /metrics URL (a bare http://host:port gets /metrics).")
+        description="The server's /metrics URL (a bare http://host:port gets /metrics). Where it ends in "
+        "/metrics, the few families read are asked for by name (`/metrics/?name[]=...`: vLLM renders 4 KB "
+        "instead of its whole page); a server that does not answer so is read whole.")
     name: Text = Field("", description="The `endpoint` label (default: the URL without credentials).")
     bearer_token_file: TokenFile = Field("", description=(
         "A file holding a token sent as `Authorization: Bearer`; read at start and on reload, never "

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -250,8 +251,8 @@ class _Handler(BaseHTTPRequestHandler):
         super().finish()
 
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path not in ("/metrics", "/health"):
+        path, _, query = self.path.partition("?")
+        if path not in ("/metrics", "/metrics/", "/health"):
             return self._send(404, b'{"detail":"Not Found"}', "application/json")
         self.sim.sync_log()
         state = self.sim.state()
@@ -269,7 +270,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, b"<html>\x00\xff not metrics {{{\n", CONTENT_TYPE_LATEST)
         if path == "/health":
             return self._send(200, b"", "application/json")
-        return self._send(200, self.sim.render(), CONTENT_TYPE_LATEST)
+        # vLLM answers `/metrics` from its instrumentator's route, which ignores `name[]`, and
+        # `/metrics/` from the prometheus_client app mounted behind it, which honours it.
+        names = parse_qs(query).get("name[]", []) if path == "/metrics/" else []
+        return self._send(200, self.sim.render(names), CONTENT_TYPE_LATEST)
 
     def _send(self, status: int, body: bytes, ctype: str) -> None:
         self.send_response(status)
@@ -337,18 +341,25 @@ class FakeVllmServer:
                     fh.write(startup_log(self.scenario, server.index))
                 self._logged = server.index
 
-    def render(self) -> bytes:
-        """The page: the serving state now, the traffic bulk, then the Python collectors."""
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The page: the serving state now, the traffic bulk, then the Python collectors. With
+        `names`, only those samples, as vLLM serves `/metrics/?name[]=...` (prometheus_client's
+        own filter)."""
         with self._render_lock:
             s = self.current()
             created = self.clock.start + s.started_at
             # The bulk's counters move once a minute: rendering its ~400 samples is most of a
             # page's cost, and a scraper only needs it to be there, real-sized and growing.
             uptime = math.floor(max(self.clock.now() - created, 0.0) / TRAFFIC_STEP_SECONDS) * TRAFFIC_STEP_SECONDS
+            if names:
+                registry = CollectorRegistry(auto_describe=True)  # described, as vLLM's own metrics are
+                registry.register(_Families([*_serving(s, created), *_traffic([s.model, "0"], created, uptime),
+                                             *_api_server(uptime)]))
+                return (generate_latest(registry.restricted_registry(names))
+                        + generate_latest(self._python.restricted_registry(names)))
             key = (s.model, created, uptime)
             if self._traffic is None or self._traffic[0] != key:
-                labels = [s.model, "0"]
-                bulk = [*_traffic(labels, created, uptime), *_api_server(uptime)]
+                bulk = [*_traffic([s.model, "0"], created, uptime), *_api_server(uptime)]
                 self._traffic = (key, _exposition(bulk))
             return _exposition(_serving(s, created)) + self._traffic[1] + generate_latest(self._python)
 

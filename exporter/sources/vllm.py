@@ -7,6 +7,9 @@ the deadline whatever the worker is doing, so one stuck endpoint never delays th
 sampling loop. Values a sane vLLM cannot send (negative counters, NaN, a KV usage of -5) are
 dropped and named in the sample, never passed on.
 
+A `PageReader` asks each server for only the few families it reads, where the server honours
+`name[]` as vLLM does, and for the whole page where it does not.
+
 `VllmSource` is the `vllm` source: each tick it scrapes every endpoint, attaches each server's
 start-up memory profile (vllm_log.ProfileCache, from the endpoint's log file) and marks the GPU
 processes that serve it (role "vllm", its endpoint; vllm_procs.assign_roles).
@@ -19,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import requests
 
@@ -28,15 +32,17 @@ from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
-from .vllm_normalise import ParseError, normalise
+from .vllm_normalise import SAMPLE_NAMES, NoVllmSeries, ParseError, normalise
 from .vllm_procs import ServerPids, ServerProcesses, StickyRoles, assign_roles
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
     "ERROR_KINDS",
     "MAX_REDIRECTS",
+    "PageReader",
     "VllmEndpoint",
     "VllmSource",
+    "only_read_url",
     "prepare",
     "public_url",
     "redact",
@@ -58,23 +64,33 @@ ERROR_KINDS = ("refused", "timeout", "tls", "http_status", "too_large", "parse",
 
 def scrape(endpoint: VllmEndpoint, session: requests.Session,
            request: requests.PreparedRequest | None = None,
-           clock: Callable[[], float] = time.monotonic) -> VllmSample:
+           clock: Callable[[], float] = time.monotonic, max_redirects: int = MAX_REDIRECTS) -> VllmSample:
     """Fetch and normalise one endpoint. Never raises; a failure is a VllmSample with up=False.
     `request` is the endpoint's GET from prepare(), reused from scrape to scrape."""
+    return _scrape(endpoint, session, request, clock, max_redirects)[0]
+
+
+def _scrape(endpoint: VllmEndpoint, session: requests.Session, request: requests.PreparedRequest | None,
+            clock: Callable[[], float], max_redirects: int) -> tuple[VllmSample, bool]:
+    """scrape(), and whether it failed as a server does that does not serve the URL's page as
+    asked: a redirect, a 4xx, or valid text without any vllm: series."""
     started = clock()
     secrets = endpoint.secrets()
     try:
         answer = get(session, request or prepare(endpoint, session), timeout=endpoint.timeout_seconds,
-                     max_bytes=endpoint.max_response_bytes, max_redirects=MAX_REDIRECTS, clock=clock)
+                     max_bytes=endpoint.max_response_bytes, max_redirects=max_redirects, clock=clock)
         if answer.status != 200:
             raise HttpFailure("http_status", f"HTTP {answer.status} {answer.reason}".rstrip())
         metrics = normalise(answer.body.decode("utf-8", errors="replace"))
     except HttpFailure as failure:
-        return _failed(endpoint, failure.kind, f"{endpoint.label}: {failure.message}", started, clock)
+        not_served = failure.kind == "http_status" and not failure.message.startswith("HTTP 5")
+        return _failed(endpoint, failure.kind, f"{endpoint.label}: {failure.message}", started, clock), not_served
     except ParseError as exc:
-        return _failed(endpoint, "parse", f"{endpoint.label}: {exc}", started, clock)
+        return (_failed(endpoint, "parse", f"{endpoint.label}: {exc}", started, clock),
+                isinstance(exc, NoVllmSeries))
     except Exception as exc:  # a bug or an exotic library error must not stop sampling
-        return _failed(endpoint, "connection", f"{endpoint.label}: {type(exc).__name__}: {exc}", started, clock)
+        return (_failed(endpoint, "connection", f"{endpoint.label}: {type(exc).__name__}: {exc}", started, clock),
+                False)
     # A server that echoes our credentials into its labels, whole or in pieces, must not make
     # us export them.
     engines = tuple(replace(e, model=secrets.scrub(e.model), engine=secrets.scrub(e.engine))
@@ -88,7 +104,7 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
         truncated=metrics.truncated,
         admission_rejections=tuple((secrets.scrub(model), secrets.scrub(reason), n)
                                    for model, reason, n in metrics.admission_rejections),
-    )
+    ), False
 
 
 def _serving(host_processes: tuple[ProcessSample, ...], samples: tuple[VllmSample, ...]
@@ -102,12 +118,60 @@ def _serving(host_processes: tuple[ProcessSample, ...], samples: tuple[VllmSampl
                  for p in host_processes)
 
 
-def prepare(endpoint: VllmEndpoint, session: requests.Session) -> requests.PreparedRequest:
-    """The endpoint's GET, built once: preparing it anew was a third of a scrape's HTTP cost."""
+def prepare(endpoint: VllmEndpoint, session: requests.Session, url: str | None = None) -> requests.PreparedRequest:
+    """The endpoint's GET (of `url`, by default its page), built once: preparing it anew was a
+    third of a scrape's HTTP cost."""
     headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
     if endpoint.bearer_token:
         headers["Authorization"] = f"Bearer {endpoint.bearer_token}"
-    return session.prepare_request(requests.Request("GET", endpoint.metrics_url, headers=headers))
+    return session.prepare_request(requests.Request("GET", url or endpoint.metrics_url, headers=headers))
+
+
+def only_read_url(metrics_url: str) -> str | None:
+    """The page of only the families normalise() reads, where the URL ends in /metrics: vLLM
+    mounts prometheus_client's app at `/metrics/`, which honours `name[]` (its instrumentator's
+    route at `/metrics` ignores it), so the server renders 4 KB instead of 50 (0.32: 2.6 ms
+    instead of 8.7, on the API server's event loop). None for a URL with its own query."""
+    parts = urlsplit(metrics_url)
+    if parts.query or not parts.path.rstrip("/").endswith("/metrics"):
+        return None
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/",
+                                     query=urlencode([("name[]", name) for name in SAMPLE_NAMES])))
+
+
+class PageReader:
+    """Reads one endpoint's page through its own session, one read at a time (VllmSource's
+    in-flight guard). It asks for only the families it reads (only_read_url). A server that does
+    not serve that page as asked, where its whole page answers (a proxy that allows /metrics
+    alone, several API servers whose shared multiprocess registry cannot filter by name), is
+    read whole from then on; a server that fails both ways (down, an HTTP 5xx) is asked again."""
+
+    def __init__(self, endpoint: VllmEndpoint, session: requests.Session):
+        self.endpoint = endpoint
+        self.session = session
+        self.only_read_url = only_read_url(endpoint.metrics_url)
+        self._prepared: dict[str | None, requests.PreparedRequest] = {}
+
+    def read(self, clock: Callable[[], float] = time.monotonic) -> VllmSample:
+        if self.only_read_url is not None:
+            # No redirect followed: one to /metrics would read the whole page at every scrape.
+            sample, not_served = _scrape(self.endpoint, self.session, self._request(self.only_read_url), clock, 0)
+            if not not_served:
+                return sample
+        whole = scrape(self.endpoint, self.session, self._request(None), clock)
+        if self.only_read_url is not None and whole.up:
+            log.info("vLLM endpoint %s does not serve its page by family (%s): reading it whole from now on",
+                     self.endpoint.label, sample.error.removeprefix(f"{self.endpoint.label}: "))
+            self.only_read_url = None
+        return whole
+
+    def _request(self, url: str | None) -> requests.PreparedRequest | None:
+        if url not in self._prepared:
+            try:
+                self._prepared[url] = prepare(self.endpoint, self.session, url)
+            except Exception:  # scrape() tries again and reports what is wrong
+                return None
+        return self._prepared[url]
 
 
 def redact(text: str, endpoint: VllmEndpoint) -> str:
@@ -153,8 +217,7 @@ class VllmSource:
         self._resolve_pids = pid_resolver or ServerPids()
         # One session per endpoint: requests sessions are not thread-safe, and the in-flight
         # guard below keeps a single request per endpoint at a time.
-        self._sessions = [(session_factory or _plain_session)() for _ in self.endpoints]
-        self._requests: list[requests.PreparedRequest | None] = [None] * len(self.endpoints)
+        self._readers = [PageReader(ep, (session_factory or _plain_session)()) for ep in self.endpoints]
         # A worker per endpoint by default, so a stuck endpoint never takes another's thread.
         workers = max_workers if max_workers is not None else min(32, len(self.endpoints))
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -199,7 +262,7 @@ class VllmSource:
                     results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: previous scrape "
                                          "still running", started, self.clock)
                     continue
-                future = self._pool.submit(scrape, endpoint, self._sessions[i], self._request(i), self.clock)
+                future = self._pool.submit(self._readers[i].read, self.clock)
                 self._inflight[i] = future
                 waiting[future] = i
         if waiting:
@@ -260,14 +323,6 @@ class VllmSource:
                 log.warning("vLLM endpoint %s: impossible values of %s dropped (negative, not "
                             "finite or out of range)", sample.endpoint, name)
 
-    def _request(self, i: int) -> requests.PreparedRequest | None:
-        if self._requests[i] is None:
-            try:
-                self._requests[i] = prepare(self.endpoints[i], self._sessions[i])
-            except Exception:  # scrape() tries again and reports what is wrong
-                pass
-        return self._requests[i]
-
     def _with_pids(self, endpoint: VllmEndpoint, sample: VllmSample,
                    candidates: Sequence[int]) -> VllmSample:
         # Resolved even when the scrape failed: a hung server still holds GPU memory.
@@ -283,5 +338,5 @@ class VllmSource:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for session in self._sessions:
-            session.close()  # a scrape still running is cut short (new_session's adapter)
+        for reader in self._readers:
+            reader.session.close()  # a scrape still running is cut short (new_session's adapter)

@@ -67,6 +67,12 @@ MAX_REASONS = 16  # per engine or model: a hostile page must not grow our label 
 _READ = (*_WANTED, SLEEP_STATE_METRIC, WAITING_BY_REASON_METRIC, REQUEST_PREEMPTIONS_SUM,
          REQUEST_PREEMPTIONS_COUNT, ADMISSION_REJECTIONS_METRIC, CACHE_CONFIG_METRIC)
 _NAMES = sorted({n for base in _READ for n in (base, base + "_total")}, key=len, reverse=True)
+# The same as prometheus_client writes them (a counter's samples end in `_total`), for a server
+# asked for these alone (vllm.only_read_url): the names only, each once, as the URL's length costs
+# the client (urllib3 walks it byte by byte, twice a request).
+_COUNTERS = (*FIELD_METRICS["preemptions_total"], *FIELD_METRICS["prefix_cache_queries_total"],
+             *FIELD_METRICS["prefix_cache_hits_total"], ADMISSION_REJECTIONS_METRIC)
+SAMPLE_NAMES = tuple(sorted(name + "_total" if name in _COUNTERS else name for name in _READ))
 # The lines of those families, each at the start of a line as exposition writers put them: the
 # name, then `{labels}` or blanks (so a longer name sharing the prefix is not taken), then the
 # rest of the line, parsed by _sample(). The literal "\nvllm:" lets the scan skip the rest of
@@ -99,6 +105,11 @@ MAX_COUNT = float(1 << 53)
 
 class ParseError(ValueError):
     """The body is not Prometheus text exposition, or holds no vLLM metrics."""
+
+
+class NoVllmSeries(ParseError):
+    """Valid text format without any vllm: sample (a server that does not filter by `name[]`
+    the way asked answers an empty page)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +310,7 @@ def _raise_why_no_vllm(text: str) -> None:
     except Exception as exc:
         raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
     if not _ANY_VLLM_LINE.search(text):
-        raise ParseError("no vllm: metrics in the response")
+        raise NoVllmSeries("no vllm: metrics in the response")
 
 
 def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: float) -> None:

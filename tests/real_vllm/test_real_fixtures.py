@@ -14,7 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.model import MemoryProfile
+from exporter.sources.httpclient import new_session
+from exporter.sources.vllm import PageReader, VllmEndpoint, only_read_url
 from exporter.sources.vllm_log import parse_profile
+from exporter.sources.vllm_normalise import SAMPLE_NAMES
 from helpers import real_vllm
 
 FIXTURES = real_vllm.FIXTURES
@@ -101,3 +104,22 @@ def test_the_live_start_up_log_tells_the_exporter_what_the_fixture_tells_it(main
     assert profile(live) == profile(fixture)
     version = f"version {real_vllm.pinned_version()}"
     assert version in live and version in fixture
+
+
+@pytest.mark.real_vllm
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_live_server_serves_the_families_read_alone_and_the_source_reads_them_so(main_server):
+    """The `vllm` source asks for only the families it reads (`/metrics/?name[]=...`): the real
+    server answers exactly those series of its whole page, in a small part of its size."""
+    url = only_read_url(main_server.metrics_url)
+    assert url is not None
+    only, whole = real_vllm.get_text(url), real_vllm.get_text(main_server.metrics_url)
+    only_series, whole_series = vllm_series(only)[0], vllm_series(whole)[0]
+    assert only_series == {s for s in whole_series if s[0] in SAMPLE_NAMES}
+    assert {name for name, _ in only_series} >= {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                                                 "vllm:cache_config_info"}
+    assert len(only) * 8 < len(whole), (len(only), len(whole))
+    page = PageReader(VllmEndpoint(main_server.metrics_url, timeout_seconds=30), new_session())
+    assert page.read().up and page.read().up
+    assert page.only_read_url == url, "the source fell back to the whole page"
