@@ -4,6 +4,7 @@
     python gpu_checks/real_gpu.py start           # leave a leaking PyTorch process and the daemon running
     python gpu_checks/real_gpu.py check [--expect-leak]   # what the daemon reports about them
     python gpu_checks/real_gpu.py probe           # the allocator probe's components, end to end
+    python gpu_checks/real_gpu.py nvml-cost       # the NVML source's CPU per tick, real beside simulated
 
 `start` detaches both processes (setsid) so they outlive the command; the leak detector needs
 its settling period (10 min after the start-up allocation) plus its shortest window (8 min), so
@@ -119,6 +120,54 @@ def check(expect_leak: bool, watch_seconds: float) -> dict:
         assert leaks, f"no leak finding for pid {pid} after {time.time() - state['started']:.0f} s"
     return {"elapsed_seconds": time.time() - state["started"], "leaker_series": mine, "watched": watched,
             "leak_findings": leaks, "all_findings": findings}
+
+
+def nvml_cost(processes: int, ticks: int) -> dict:
+    """CPU per tick of the NVML source on this GPU with `processes` PyTorch processes on it, beside
+    the simulator's pynvml module serving the same GPU and PIDs (what bench/overhead.py measures
+    with): whether the simulated ticks cost what real ones do."""
+    import statistics
+
+    import pynvml
+
+    from exporter.clock import FixedClock
+    from exporter.model import Snapshot
+    from exporter.sim import fake_nvml
+    from exporter.sim.scenario import from_dict
+    from exporter.sources.host import LocalHost
+    from exporter.sources.nvml import NvmlSource
+
+    holders = [subprocess.Popen([sys.executable, "-c", "import sys, torch; x = torch.ones(1 << 30, "
+                                 "dtype=torch.uint8, device='cuda'); print('ready', flush=True); sys.stdin.read()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    try:
+        for h in holders:
+            assert h.stdout is not None and h.stdout.readline().strip() == "ready", "a PyTorch process did not start"
+        clock = FixedClock(float(int(time.time())), at=600.0)
+        fake_nvml.configure(from_dict({
+            "name": "nvml-cost", "description": "the real GPU's processes", "duration": "1h",
+            "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory": "81559MiB", "reserved": "527MiB"}],
+            "host": {"memory": "128GiB"},
+            "processes": [{"pid": h.pid, "name": "python3", "gpu": 0, "memory": "1GiB"} for h in holders]}), clock)
+        out = {}
+        for name, module in (("real", pynvml), ("simulated", fake_nvml), ("real again", pynvml)):
+            host = LocalHost()
+            source = NvmlSource(module, host.memory)
+            seen = len(source.collect(Snapshot(timestamp=time.time())).snapshot.gpus[0].processes)
+            cpu = []
+            for _ in range(ticks):
+                time.sleep(0.05)  # a tick finds cold caches, as one every 5 s does
+                clock.advance(5)
+                c0 = time.process_time()
+                source.collect(Snapshot(timestamp=time.time()))
+                cpu.append(time.process_time() - c0)
+            out[name] = {"processes_seen": seen, "median_cpu_ms": 1000 * statistics.median(cpu),
+                         "p90_cpu_ms": 1000 * sorted(cpu)[int(0.9 * len(cpu))]}
+        return out
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
 
 
 # -- the allocator probe, end to end -------------------------------------------------------------
@@ -370,7 +419,7 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", choices=["nvml", "start", "check", "probe"], default="nvml")
+    ap.add_argument("what", nargs="?", choices=["nvml", "start", "check", "probe", "nvml-cost"], default="nvml")
     ap.add_argument("--expect-leak", action="store_true", help="check: fail without a leak finding")
     ap.add_argument("--watch", type=float, default=0, metavar="SECONDS",
                     help="check: first record the leaker's exported series every 5 s for this long")
@@ -386,7 +435,8 @@ def main() -> None:
         ap.error(f"no {STATE}: run `start` first")
     what = args.what
     result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak, args.watch),
-              "probe": lambda: probe(args.steps, args.step_mib, args.pause, args.port, args.daemon_arg)}[what]()
+              "probe": lambda: probe(args.steps, args.step_mib, args.pause, args.port, args.daemon_arg),
+              "nvml-cost": lambda: nvml_cost(4, 200)}[what]()
     (OUT / f"gpu-check-{what}.json").write_text(json.dumps(result, indent=1, default=str))
     if what == "probe":
         _print_probe(result)
