@@ -82,7 +82,9 @@ def healthy(url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=(
+        "GPUMEM_VLLM_VENV names another vLLM environment (default: .venv-vllm beside this script's "
+        "repository); the model is built into it and its log goes there unless --log says otherwise."))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log", type=Path, default=venv() / "vllm.log", help="vLLM's output (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -39,7 +39,8 @@ URL = one_of("http://127.0.0.1:1/metrics", "http://[::1]:2/metrics", "https://ex
 FILE = one_of("", "@token")
 ENDPOINT = st.one_of(URL, st.fixed_dictionaries({"url": URL}, optional=dict(
     name=one_of("", "a"), bearer_token_file=FILE, timeout_seconds=NUM, max_response_bytes=SIZE,
-    process_pattern=one_of("", "vllm"), container_id=one_of("", "abc"), pid_file=FILE, log_file=FILE)))
+    process_pattern=one_of("", "vllm"), container_id=one_of("", "abc"), pid_file=FILE, log_file=FILE,
+    by_name=st.booleans())))
 WELL_FORMED = section(
     interval_seconds=NUM, stale_after_seconds=NUM, health_listen=one_of("", "127.0.0.1:0", "[::1]:0"),
     web_config_file=one_of("", "@web", "@tls_web"),
@@ -176,7 +177,7 @@ COMPLETE = {
     "vllm": {"endpoints": ["http://127.0.0.1:1/metrics", {
         "url": "http://127.0.0.1:2/metrics", "name": "a", "bearer_token_file": "@token", "timeout_seconds": 2,
         "max_response_bytes": "8MiB", "pid_file": "@token", "container_id": "abc", "process_pattern": "vllm",
-        "log_file": "@token"}]},
+        "log_file": "@token", "by_name": False}]},
 }
 
 

@@ -70,11 +70,15 @@ class Served:
     def __init__(self, registry: CollectorRegistry,
                  route: Callable[[dict, Callable], list[bytes]] | None = None):
         self.seen: list[tuple[str, dict[str, list[str]]]] = []
+        self.failing = False  # every path answers 500 while set
         filtered = route or make_wsgi_app(registry)
 
         def app(environ: dict, start_response: Callable) -> list[bytes]:
             path, query = environ["PATH_INFO"], parse_qs(environ.get("QUERY_STRING", ""))
             self.seen.append((path, query))
+            if self.failing:
+                start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
+                return [b"boom\n"]
             if path == "/metrics":
                 start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4")])
                 return [generate_latest(registry)]
@@ -104,8 +108,16 @@ def serve() -> Iterator[Callable[..., Served]]:
         server.close()
 
 
-def reader(server: Served) -> PageReader:
-    return PageReader(VllmEndpoint(server.url, name="llm", timeout_seconds=10), new_session())
+def reader(server: Served, by_name: bool = True) -> PageReader:
+    return PageReader(VllmEndpoint(server.url, name="llm", timeout_seconds=10, by_name=by_name), new_session())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def engine_values(sample) -> tuple[float | None, float | None]:
@@ -139,17 +151,20 @@ def test_a_server_that_filters_by_name_is_asked_for_the_families_read_only(serve
     assert "vllm:e2e_request_latency_seconds" not in only and len(only) * 4 < len(whole)
 
 
-def test_several_api_servers_whose_registry_cannot_filter_are_read_whole_after_the_first_ask(
+def test_several_api_servers_whose_registry_cannot_filter_are_read_whole_and_asked_again_an_hour_later(
         serve, tmp_path, caplog):
     server = serve(multiprocess_registry(tmp_path))
-    page = reader(server)
+    page, clock = reader(server), Clock()
     with caplog.at_level(logging.INFO, logger="exporter.sources.vllm"):
-        assert engine_values(page.read()) == (3, 5)  # the empty answer, then the whole page
-        assert engine_values(page.read()) == (3, 5)
-    assert server.paths() == ["/metrics/?name[]", "/metrics", "/metrics"]
+        assert engine_values(page.read(clock)) == (3, 5)  # the empty answer, then the whole page
+        clock.now += PageReader.BY_NAME_RETRY_SECONDS - 1
+        assert engine_values(page.read(clock)) == (3, 5)
+        clock.now += 1
+        assert engine_values(page.read(clock)) == (3, 5)  # by name again: still empty, whole page
+    assert server.paths() == ["/metrics/?name[]", "/metrics", "/metrics", "/metrics/?name[]", "/metrics"]
     said = [r.getMessage() for r in caplog.records if "by family" in r.getMessage()]
-    assert said == ["vLLM endpoint llm does not serve its page by family (no vllm: metrics in the "
-                    "response): reading it whole from now on"]
+    assert said == ["vLLM endpoint llm: its page by family failed (no vllm: metrics in the response) while the "
+                    "whole page reads: reading the whole page, by family again in an hour"]
 
 
 def not_found(environ, start_response):
@@ -157,33 +172,58 @@ def not_found(environ, start_response):
     return [b'{"detail":"Not Found"}']
 
 
+def bad_gateway(environ, start_response):
+    start_response("502 Bad Gateway", [("Content-Type", "text/plain")])
+    return [b"bad gateway\n"]
+
+
+def html(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/html")])
+    return [b"<!doctype html><title>sign in</title>\n"]
+
+
 def redirect_to_metrics(environ, start_response):
     start_response("307 Temporary Redirect", [("Location", "/metrics?" + environ["QUERY_STRING"])])
     return [b""]
 
 
-@pytest.mark.parametrize("route", [not_found, redirect_to_metrics], ids=["404", "redirect"])
-def test_a_server_that_serves_only_metrics_itself_is_read_whole_and_no_redirect_is_followed(serve, route):
+@pytest.mark.parametrize("route", [not_found, bad_gateway, html, redirect_to_metrics])
+def test_a_server_whose_page_by_family_fails_while_its_whole_page_answers_is_read_whole(serve, route):
+    """A proxy in front that allows /metrics alone, answers anything else with an error or its
+    own HTML page, or sends it back to /metrics."""
     server = serve(described_registry(), route)
     page = reader(server)
     assert engine_values(page.read()) == (3, 5)
     assert engine_values(page.read()) == (3, 5)
-    # The redirect back to /metrics is not followed (it would read the whole page at every scrape
-    # through two exchanges): the whole page is asked for by its own URL.
+    # A redirect back to /metrics is not followed (it would take two exchanges at every scrape):
+    # the whole page is asked for by its own URL.
     assert server.paths() == ["/metrics/?name[]", "/metrics", "/metrics"]
-    assert page.only_read_url is None
 
 
-def test_a_server_failing_both_ways_is_asked_for_the_families_again(serve):
-    def broken(environ, start_response):
-        start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
-        return [b"boom\n"]
-    server = serve(described_registry(), broken)
+def test_a_server_failing_both_ways_is_reported_by_its_whole_page_and_asked_by_family_again(serve):
+    server = serve(described_registry())
+    server.failing = True
     page = reader(server)
     first = page.read()
-    assert (first.up, first.error_kind) == (False, "http_status")
-    assert "500" in first.error
+    assert (first.up, first.error_kind, first.error) == (False, "http_status", "llm: HTTP 500 Internal Server Error")
     page.read()
-    # A 5xx is the server's fault, not a sign that it does not filter: no whole page is read.
-    assert server.paths() == ["/metrics/?name[]"] * 2
-    assert page.only_read_url is not None
+    assert server.paths() == ["/metrics/?name[]", "/metrics"] * 2
+    server.failing = False  # the server is back: asked by family at once
+    assert engine_values(page.read()) == (3, 5)
+    assert server.paths()[4:] == ["/metrics/?name[]"]
+
+
+def test_an_endpoint_with_by_name_off_is_read_whole(serve):
+    server = serve(described_registry())
+    page = reader(server, by_name=False)
+    assert engine_values(page.read()) == (3, 5)
+    assert server.paths() == ["/metrics"]
+
+
+def test_by_name_in_the_configuration_reaches_the_endpoint():
+    from exporter.config import build
+    from exporter.runtime import _endpoint
+
+    config = build({"vllm": {"endpoints": ["http://h:8000/metrics", {"url": "http://h:8001/metrics",
+                                                                      "by_name": False}]}})
+    assert [_endpoint(ep, "e").by_name for ep in config.vllm.endpoints] == [True, False]

@@ -265,7 +265,9 @@ def problems_of(exc: ValidationError, model: type[BaseModel], show_input: bool =
             continue
         if kind == "config":
             for key, message in [(ctx["key"], ctx["message"]), *ctx["more"]]:
-                out.append(f"{path_text(loc + tuple(key.split('.') if key else ())) or 'config'}: {message}")
+                # "endpoints.1": list items by their index, as pydantic's own paths give them.
+                path = tuple(int(part) if part.isdigit() else part for part in key.split(".")) if key else ()
+                out.append(f"{path_text(loc + path) or 'config'}: {message}")
             continue
         if kind == "greater_than":
             message = "must be positive" if ctx["gt"] == 0 else f"must be more than {_bound(ctx['gt'], loc)}"

@@ -32,7 +32,7 @@ from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
-from .vllm_normalise import SAMPLE_NAMES, NoVllmSeries, ParseError, normalise
+from .vllm_normalise import SAMPLE_NAMES, ParseError, normalise
 from .vllm_procs import ServerPids, ServerProcesses, StickyRoles, assign_roles
 
 __all__ = [
@@ -72,8 +72,8 @@ def scrape(endpoint: VllmEndpoint, session: requests.Session,
 
 def _scrape(endpoint: VllmEndpoint, session: requests.Session, request: requests.PreparedRequest | None,
             clock: Callable[[], float], max_redirects: int) -> tuple[VllmSample, bool]:
-    """scrape(), and whether it failed as a server does that does not serve the URL's page as
-    asked: a redirect, a 4xx, or valid text without any vllm: series."""
+    """scrape(), and whether the server answered, but not with a page we read (an HTTP status or
+    redirect, a page that is not vLLM's): another URL of the same server may do."""
     started = clock()
     secrets = endpoint.secrets()
     try:
@@ -83,11 +83,10 @@ def _scrape(endpoint: VllmEndpoint, session: requests.Session, request: requests
             raise HttpFailure("http_status", f"HTTP {answer.status} {answer.reason}".rstrip())
         metrics = normalise(answer.body.decode("utf-8", errors="replace"))
     except HttpFailure as failure:
-        not_served = failure.kind == "http_status" and not failure.message.startswith("HTTP 5")
-        return _failed(endpoint, failure.kind, f"{endpoint.label}: {failure.message}", started, clock), not_served
+        return (_failed(endpoint, failure.kind, f"{endpoint.label}: {failure.message}", started, clock),
+                failure.kind == "http_status")
     except ParseError as exc:
-        return (_failed(endpoint, "parse", f"{endpoint.label}: {exc}", started, clock),
-                isinstance(exc, NoVllmSeries))
+        return _failed(endpoint, "parse", f"{endpoint.label}: {exc}", started, clock), True
     except Exception as exc:  # a bug or an exotic library error must not stop sampling
         return (_failed(endpoint, "connection", f"{endpoint.label}: {type(exc).__name__}: {exc}", started, clock),
                 False)
@@ -141,28 +140,39 @@ def only_read_url(metrics_url: str) -> str | None:
 
 class PageReader:
     """Reads one endpoint's page through its own session, one read at a time (VllmSource's
-    in-flight guard). It asks for only the families it reads (only_read_url). A server that does
-    not serve that page as asked, where its whole page answers (a proxy that allows /metrics
-    alone, several API servers whose shared multiprocess registry cannot filter by name), is
-    read whole from then on; a server that fails both ways (down, an HTTP 5xx) is asked again."""
+    in-flight guard). It asks for only the families it reads (only_read_url, unless the endpoint
+    says `by_name` false). Where that page fails though the server answered (a status, a
+    redirect, a page that is not vLLM's) and the whole page then reads, the whole page is read
+    from then on (a proxy that allows /metrics alone; several API servers, whose multiprocess
+    registry cannot filter by name), and asked by name again after BY_NAME_RETRY_SECONDS (a
+    gateway's error while vLLM restarted). A server that fails both ways is reported by its
+    whole page's error, the URL configured."""
+
+    BY_NAME_RETRY_SECONDS = 3600.0
 
     def __init__(self, endpoint: VllmEndpoint, session: requests.Session):
         self.endpoint = endpoint
         self.session = session
-        self.only_read_url = only_read_url(endpoint.metrics_url)
+        self.only_read_url = only_read_url(endpoint.metrics_url) if endpoint.by_name else None
+        self._whole_until: float | None = None  # reading the whole page until then (monotonic)
         self._prepared: dict[str | None, requests.PreparedRequest] = {}
 
     def read(self, clock: Callable[[], float] = time.monotonic) -> VllmSample:
-        if self.only_read_url is not None:
+        by_name = self.only_read_url is not None and (self._whole_until is None or clock() >= self._whole_until)
+        if by_name:
             # No redirect followed: one to /metrics would read the whole page at every scrape.
-            sample, not_served = _scrape(self.endpoint, self.session, self._request(self.only_read_url), clock, 0)
-            if not not_served:
+            sample, other_url_may_do = _scrape(self.endpoint, self.session, self._request(self.only_read_url),
+                                               clock, 0)
+            if sample.up or not other_url_may_do:
+                self._whole_until = None
                 return sample
         whole = _scrape(self.endpoint, self.session, self._request(None), clock, MAX_REDIRECTS)[0]
-        if self.only_read_url is not None and whole.up:
-            log.info("vLLM endpoint %s does not serve its page by family (%s): reading it whole from now on",
-                     self.endpoint.label, sample.error.removeprefix(f"{self.endpoint.label}: "))
-            self.only_read_url = None
+        if by_name and whole.up:
+            if self._whole_until is None:  # said once, not at each hourly try
+                log.info("vLLM endpoint %s: its page by family failed (%s) while the whole page reads: "
+                         "reading the whole page, by family again in an hour", self.endpoint.label,
+                         sample.error.removeprefix(f"{self.endpoint.label}: "))
+            self._whole_until = clock() + self.BY_NAME_RETRY_SECONDS
         return whole
 
     def _request(self, url: str | None) -> requests.PreparedRequest | None:

@@ -26,6 +26,7 @@ class VllmEndpoint:
     container_id: str | None = None
     process_pattern: str | None = None  # regex searched in the process name (comm)
     log_file: str | None = None
+    by_name: bool = True  # ask for the families read alone (vllm.only_read_url)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)

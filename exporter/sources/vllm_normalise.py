@@ -107,11 +107,6 @@ class ParseError(ValueError):
     """The body is not Prometheus text exposition, or holds no vLLM metrics."""
 
 
-class NoVllmSeries(ParseError):
-    """Valid text format without any vllm: sample (a server that does not filter by `name[]`
-    the way asked answers an empty page)."""
-
-
 @dataclass(frozen=True)
 class NormalisedMetrics:
     engines: tuple[VllmEngineStats, ...]
@@ -310,7 +305,7 @@ def _raise_why_no_vllm(text: str) -> None:
     except Exception as exc:
         raise ParseError(f"not Prometheus text format: {_short(exc)}") from None
     if not _ANY_VLLM_LINE.search(text):
-        raise NoVllmSeries("no vllm: metrics in the response")
+        raise ParseError("no vllm: metrics in the response")
 
 
 def _merge(fields: dict[str, tuple[int, float]], field: str, rank: int, value: float) -> None:
