@@ -8,7 +8,7 @@
 
 `start` detaches both processes (setsid) so they outlive the command; the leak detector needs
 its settling period (10 min after the start-up allocation) plus its shortest window (8 min), so
-run `check --expect-leak` about 20 minutes after `start`. Results go to $OUT (or /tmp) as JSON.
+run `check --expect-leak` about 20 minutes after `start`. Results go to $OUT (or /tmp/gpu-checks) as JSON.
 
 `probe` (about half a minute) needs gpu-memory-probe installed (`pip install ./probe`): it starts
 the daemon and three PyTorch processes that load the probe the way vLLM's plugin loader does
@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-OUT = Path(os.environ.get("OUT", "/tmp"))
+OUT = Path(os.environ.get("OUT", "/tmp/gpu-checks"))
 PORT = 9842
 STATE = Path("/tmp/gpumem-gpu-check.json")
 
@@ -434,6 +434,7 @@ def main() -> None:
     if args.what == "check" and not STATE.exists():
         ap.error(f"no {STATE}: run `start` first")
     what = args.what
+    OUT.mkdir(parents=True, exist_ok=True)
     result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak, args.watch),
               "probe": lambda: probe(args.steps, args.step_mib, args.pause, args.port, args.daemon_arg),
               "nvml-cost": lambda: nvml_cost(4, 200)}[what]()
