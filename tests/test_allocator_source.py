@@ -246,7 +246,9 @@ torch.cuda.init()
 torch.cuda.set_stats(0, reserved=int(sys.argv[1]), device_allocs=1)
 gpumem_probe.register()
 deadline = time.monotonic() + 120
-while not any(n.endswith(f"-{os.getpid()}.json") for n in os.listdir(os.environ["GPUMEM_PROBE_DIR"])):
+# Its own file, by its PID namespace too: the other container's probe is PID 1 as well.
+own = f"gpumem-{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}.json"
+while own not in os.listdir(os.environ["GPUMEM_PROBE_DIR"]):
     if time.monotonic() > deadline:
         raise SystemExit("no probe file")
     time.sleep(0.02)

@@ -156,6 +156,12 @@ class PageReader:
         self.only_read_url = only_read_url(endpoint.metrics_url) if endpoint.by_name else None
         self._whole_until: float | None = None  # reading the whole page until then (monotonic)
         self._prepared: dict[str | None, requests.PreparedRequest] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """Cut a read still running short (new_session's adapter); no other URL is tried after."""
+        self._closed = True
+        self.session.close()
 
     def read(self, clock: Callable[[], float] = time.monotonic) -> VllmSample:
         by_name = self.only_read_url is not None and (self._whole_until is None or clock() >= self._whole_until)
@@ -163,7 +169,7 @@ class PageReader:
             # No redirect followed: one to /metrics would read the whole page at every scrape.
             sample, other_url_may_do = _scrape(self.endpoint, self.session, self._request(self.only_read_url),
                                                clock, 0)
-            if sample.up or not other_url_may_do:
+            if sample.up or not other_url_may_do or self._closed:
                 self._whole_until = None
                 return sample
         whole = _scrape(self.endpoint, self.session, self._request(None), clock, MAX_REDIRECTS)[0]
@@ -349,4 +355,4 @@ class VllmSource:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for reader in self._readers:
-            reader.session.close()  # a scrape still running is cut short (new_session's adapter)
+            reader.close()
