@@ -95,7 +95,7 @@ def test_a_leak_is_found_at_the_phases_that_fooled_the_detector(family, seed, wi
 
 # A young series' first sawtooth tooth, after the flat minutes that follow settling: 66fad3c and
 # 1a0cac6 raised each 70-90 minutes before its leak began, at minute 19.5-20 (young bar 7.8): a
-# free line over 4 flat minutes and a 12-minute ramp of 1-1.4 GiB passed at z 26-33 as soon as
+# free line over 4 flat minutes and a 12-minute ramp of 0.95-1.35 GiB passed at z 26-33 as soon as
 # the two together were a first tooth long (15 min). The rise is now timed from its onset.
 FIRST_TOOTH = [("leak_under_sawtooth", 1, "GPU-test", 19.5), ("leak_under_sawtooth", 3, "GPU-b", 19.8),
                ("leak_under_sawtooth", 3, "GPU-c", 20.0)]
@@ -111,13 +111,14 @@ def test_a_young_series_first_tooth_after_flat_minutes_is_no_leak(family, seed, 
     assert onset <= found[0] <= onset + 60, (trace.name, uuid, onset, found, f"1a0cac6: minute {minute}")
 
 
-def _first_teeth(tooth_minutes: float, seed: int = 0, minutes: int = 60) -> tuple[list[float], list[int]]:
-    """A start-up (a large step at 1 min), 4 flat minutes after the settling period, then
+def _first_teeth(tooth_minutes: float, flat_minutes: float = 4, seed: int = 0,
+                 minutes: int = 60) -> tuple[list[float], list[int]]:
+    """A start-up (a large step at 1 min), `flat_minutes` flat after the settling period, then
     sawtooth teeth of `tooth_minutes` and 1.4 GiB (in 20 MiB segments) in 3 MiB noise, whole 2 MiB
     pages, every 5 s."""
     rng = random.Random(seed)
     times, values = [], []
-    traffic, amp = 7 * 60.0, 1.4 * GiB
+    traffic, amp = (3 + flat_minutes) * 60.0, 1.4 * GiB
     for k in range(minutes * 12):
         t = 5.0 * k
         v = 512 * MiB if t < 60 else 60 * GiB
@@ -135,5 +136,18 @@ def test_first_teeth_shorter_than_the_longest_tooth_raise_nothing_at_any_phase(t
     # 1a0cac6 raised these at every phase, at minute 19-20: 4 flat minutes and the first tooth's
     # 12-13 ramp minutes read as one 15-minute line.
     times, values = _first_teeth(tooth)
+    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+        assert episodes(times, values, gpu) == [], gpu
+
+
+@pytest.mark.xfail(strict=True, reason="the second tooth, just after the series stops being young, climbs back to "
+                                       "the first one's peak, which the earlier levels (block means a quarter of the "
+                                       "window long) average down with its ramp: an 11-minute line at z 55; not fixed")
+def test_a_second_tooth_just_after_the_young_period_raises_nothing():
+    # 7 flat minutes, 13-minute teeth: at +50 s and +0 s a false alert at minute 35.8-36 (the
+    # young period ends at minute 33). The levels before falls in the half hour before the
+    # window, taken as earlier levels, clear it, but cost leak_under_sawtooth_slow#2 30 min at
+    # +30 s (its block floor's falls are noise): not kept.
+    times, values = _first_teeth(13, flat_minutes=7, minutes=75)
     for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
         assert episodes(times, values, gpu) == [], gpu

@@ -14,7 +14,7 @@ What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
     young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
-    a sawtooth's first tooth;
+    a sawtooth's first tooth (timed from where it begins, not from the window's start);
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step (or, over a leak's
@@ -522,7 +522,7 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
         # The same, for the rise the window holds rather than the window: a free line over the
         # flat minutes after settling and a first tooth's ramp spans both, and passes as soon as
         # the two together are a tooth long (leak_under_sawtooth#1, #3 at three bucket phases:
-        # 4 flat minutes and a 12-minute ramp of 1-1.4 GiB, read as a 15-minute line at z 26-33).
+        # 4 flat minutes and a 12-minute ramp of 0.95-1.35 GiB, read as a 15-minute line at z 26-33).
         return "maybe_first_tooth"
     # The line's end must stand above every earlier level of the last earlier_level_seconds
     # before the window (since the last large step; levels read as block means a quarter of the
