@@ -33,6 +33,8 @@ The first three are not fixed in this round: their tests are strict xfails, so f
 its test into a failure that asks for the mark to go. What must hold meanwhile: the same traces
 stay clean at the bench's phase, and a leak is still found at the phase that fooled the detector.
 """
+import math
+import random
 import sys
 from pathlib import Path
 
@@ -41,7 +43,7 @@ import pytest
 from helpers.leak_replay import episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from leak_corpus import T0, make_trace
+from leak_corpus import T0, GiB, MiB, make_trace
 
 # (family, seed, GPU UUID, the minute 66fad3c raised its false alert, why it is not fixed)
 FOOLED = [
@@ -89,3 +91,63 @@ def test_a_leak_is_found_at_the_phases_that_fooled_the_detector(family, seed, wi
         found = episodes(trace.times, trace.values, gpu)
         assert found, f"{trace.name}: not found at {gpu}'s phase"
         assert onset <= found[0] <= onset + within, (trace.name, gpu, onset, found)
+
+
+# A young series' first sawtooth tooth, after the flat minutes that follow settling: 66fad3c and
+# 1a0cac6 raised each 70-90 minutes before its leak began, at minute 19.5-20 (young bar 7.8): a
+# free line over 4 flat minutes and a 12-minute ramp of 0.95-1.35 GiB passed at z 26-33 as soon as
+# the two together were a first tooth long (15 min). The rise is now timed from its onset.
+FIRST_TOOTH = [("leak_under_sawtooth", 1, "GPU-test", 19.5), ("leak_under_sawtooth", 3, "GPU-b", 19.8),
+               ("leak_under_sawtooth", 3, "GPU-c", 20.0)]
+
+
+@pytest.mark.parametrize("family,seed,uuid,minute", FIRST_TOOTH,
+                         ids=[f"{f}#{s}-{u}" for f, s, u, _ in FIRST_TOOTH])
+def test_a_young_series_first_tooth_after_flat_minutes_is_no_leak(family, seed, uuid, minute):
+    trace = make_trace(family, seed)
+    onset = (trace.leak_start - T0) / 60
+    found = episodes(trace.times, trace.values, uuid)
+    assert found, f"{trace.name}: its leak was not found at {uuid}'s phase"
+    assert onset <= found[0] <= onset + 60, (trace.name, uuid, onset, found, f"1a0cac6: minute {minute}")
+
+
+def _first_teeth(tooth_minutes: float, flat_minutes: float = 4, seed: int = 0,
+                 minutes: int = 60) -> tuple[list[float], list[int]]:
+    """A start-up (a large step at 1 min), `flat_minutes` flat after the settling period, then
+    sawtooth teeth of `tooth_minutes` and 1.4 GiB (in 20 MiB segments) in 3 MiB noise, whole 2 MiB
+    pages, every 5 s."""
+    rng = random.Random(seed)
+    times, values = [], []
+    traffic, amp = (3 + flat_minutes) * 60.0, 1.4 * GiB
+    for k in range(minutes * 12):
+        t = 5.0 * k
+        v = 512 * MiB if t < 60 else 60 * GiB
+        if t >= traffic:
+            into = (t - traffic) % (tooth_minutes * 60)
+            v += math.floor(amp * into / (tooth_minutes * 60) / (20 * MiB)) * 20 * MiB
+        v += round(rng.gauss(0, 3 * MiB) / (2 * MiB)) * 2 * MiB
+        times.append(T0 + t)
+        values.append(int(v))
+    return times, values
+
+
+@pytest.mark.parametrize("tooth", [13, 14])
+def test_first_teeth_shorter_than_the_longest_tooth_raise_nothing_at_any_phase(tooth):
+    # 1a0cac6 raised these at every phase, at minute 19-20: 4 flat minutes and the first tooth's
+    # 12-13 ramp minutes read as one 15-minute line.
+    times, values = _first_teeth(tooth)
+    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+        assert episodes(times, values, gpu) == [], gpu
+
+
+@pytest.mark.xfail(strict=True, reason="the second tooth, just after the series stops being young, climbs back to "
+                                       "the first one's peak, which the earlier levels (block means a quarter of the "
+                                       "window long) average down with its ramp: an 11-minute line at z 55; not fixed")
+def test_a_second_tooth_just_after_the_young_period_raises_nothing():
+    # 7 flat minutes, 13-minute teeth: at +50 s and +0 s a false alert at minute 35.8-36 (the
+    # young period ends at minute 33). The levels before falls in the half hour before the
+    # window, taken as earlier levels, clear it, but cost leak_under_sawtooth_slow#2 30 min at
+    # +30 s (its block floor's falls are noise): not kept.
+    times, values = _first_teeth(13, flat_minutes=7, minutes=75)
+    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+        assert episodes(times, values, gpu) == [], gpu

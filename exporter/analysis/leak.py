@@ -14,7 +14,7 @@ What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
     young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
-    a sawtooth's first tooth;
+    a sawtooth's first tooth (timed from where it begins, not from the window's start);
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step (or, over a leak's
@@ -518,6 +518,12 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
         # Soon after start-up, before any cycle was seen: a rise shorter than the longest tooth
         # may be the first tooth of an allocator's sawtooth.
         return "maybe_first_tooth"
+    if young and (prefix.u[-1] - _rise_onset(prefix, w, sigma, config)) * 60 < config.first_tooth_seconds:
+        # The same, for the rise the window holds rather than the window: a free line over the
+        # flat minutes after settling and a first tooth's ramp spans both, and passes as soon as
+        # the two together are a tooth long (leak_under_sawtooth#1, #3 at three bucket phases:
+        # 4 flat minutes and a 12-minute ramp of 0.95-1.35 GiB, read as a 15-minute line at z 26-33).
+        return "maybe_first_tooth"
     # The line's end must stand above every earlier level of the last earlier_level_seconds
     # before the window (since the last large step; levels read as block means a quarter of the
     # window long), by a quarter of the window's growth: a cache filling up again after being
@@ -557,6 +563,24 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     if shape.curvature < -config.max_concavity_z:
         return "decelerating"
     return ""
+
+
+def _rise_onset(prefix: Prefix, w: WindowResult, sigma: float, config: LeakConfig) -> float:
+    """Where the growth in window `w` begins (minutes, as prefix.u): the onset of the best joined
+    line (flat, then growing) over the window's points, where it fits them better than `w` by
+    two_step_penalty x log(points) noise variances (the price of its change point, as the step
+    models pay it); else `w`'s own onset."""
+    u = prefix.u
+    own = u[w.onset] if w.kink is None else w.kink
+    best, at = w.rss, -1
+    for i in range(max(w.onset + 1, w.start + 2), w.end - 2):
+        h = hinge(prefix, w.start, i, sigma, lambda points: 1.0, 2)
+        if h is not None and h.rss < best:
+            best, at = h.rss, i
+    noise = sigma * sigma * min(w.kappa, 2.0)
+    if at < 0 or (w.rss - best) / noise < config.two_step_penalty * math.log(w.end - w.start):
+        return own
+    return u[at]
 
 
 def _raw_climb(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
