@@ -101,7 +101,7 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int) -> dict:
+def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int, by_name: bool = True) -> dict:
     from exporter.cli import make_analyzer
     from exporter.clock import FixedClock
     from exporter.config import build as build_config
@@ -120,7 +120,8 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int) -> dict
     nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
     sources = [nvml, HostSource(host)]
     if endpoints:  # as the daemon: no endpoint configured, no vLLM source
-        sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}") for i, u in enumerate(endpoints)], host=host))
+        sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}", **({} if by_name else {"by_name": False}))
+                                   for i, u in enumerate(endpoints)], host=host))
     sampler = Sampler(sources, now=clock.now)
     analyzer = make_analyzer(build_config())
     logging.getLogger("exporter.findings").propagate = False  # logged, not printed over the table
@@ -180,7 +181,8 @@ def worker_nvitop(spec: dict, site: str, ticks: int, warm: int) -> dict:
 
 def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, ticks: int, warm: int) -> None:
     spec = json.loads(Path(spec_file).read_text())
-    result = worker_ours(spec, endpoints, ticks, warm) if kind == "ours" else worker_nvitop(spec, site, ticks, warm)
+    result = (worker_nvitop(spec, site, ticks, warm) if kind == "nvitop"
+              else worker_ours(spec, endpoints, ticks, warm, by_name=kind != "ours-whole"))
     print(json.dumps(result), flush=True)
     sys.stdin.read()  # serve /metrics until the parent closes stdin
 
@@ -296,7 +298,9 @@ def main() -> int:
     ap.add_argument("--vllm-page", help="serve this page (a real one) from the 4 vLLM endpoints, not the simulator's")
     default_site = next(iter(sorted(glob.glob("/tmp/nvitop-venv/lib/python3*/site-packages"))), "")
     ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
-    ap.add_argument("--worker", choices=["ours", "nvitop"], help=argparse.SUPPRESS)
+    ap.add_argument("--whole-pages", action="store_true",
+                    help="also run ours reading the vLLM pages whole (vllm.endpoints[].by_name false)")
+    ap.add_argument("--worker", choices=["ours", "ours-whole", "nvitop"], help=argparse.SUPPRESS)
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)
@@ -322,6 +326,8 @@ def main() -> int:
                 # Exactly the host's GPU processes exist: the cost of walking /proc grows with them.
                 with host_processes(gpus, per_gpu, args.vllm_page, spec_file) as urls:
                     workers = {"ours": ("ours", urls, ""), "ours, no vLLM": ("ours", [], "")}
+                    if args.whole_pages:
+                        workers["ours, whole pages"] = ("ours-whole", urls, "")
                     if have_nvitop:
                         workers["nvitop"] = ("nvitop", [], args.nvitop_site)
                     row = {"gpus": gpus, "procs": per_gpu}
@@ -332,7 +338,7 @@ def main() -> int:
                             row[name] = merged(row.get(name), result)
                 rows.append(row)
                 print(f"  {gpus} GPUs x {per_gpu} processes done", file=sys.stderr)
-    print_table(rows, have_nvitop)
+    print_table(rows, have_nvitop, args.whole_pages)
     return 0
 
 
@@ -343,13 +349,15 @@ def summarise(r: dict) -> dict:
             "kib": r["bytes"] / 1024, "seen": r["gpu_processes"]}
 
 
-def print_table(rows: list[dict], have_nvitop: bool) -> None:
+def print_table(rows: list[dict], have_nvitop: bool, whole_pages: bool = False) -> None:
     head = ("| GPUs | procs/GPU | exporter | CPU s/h | % of a core | RSS MiB | scrape p50 ms | scrape p99 ms "
             "| /metrics KiB | GPU procs seen |")
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
     for row in rows:
-        for kind in ("ours", "ours, no vLLM", "nvitop") if have_nvitop else ("ours", "ours, no vLLM"):
+        kinds = ("ours", *(("ours, whole pages",) if whole_pages else ()), "ours, no vLLM",
+                 *(("nvitop",) if have_nvitop else ()))
+        for kind in kinds:
             s = summarise(row[kind])
             print(f"| {row['gpus']} | {row['procs']} | {kind} | {s['cpu_s_per_h']:.1f} | {s['core_pct']:.2f} "
                   f"| {s['rss_mib']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['kib']:.0f} | {s['seen']} |")
