@@ -92,3 +92,4 @@ def test_backend_none_reads_no_gpu_and_is_never_down(simulate, caplog):
     assert 'gpumem_exporter_source_up{source="none"} 1.0' in text and "gpumem_gpu_memory_used_bytes{" not in text
     page = status.render(state, "host", 1.0, 15.0)
     assert "No GPU is read on this host (gpu.backend none)" in page and "Is the driver installed" not in page
+    assert "<td>gpu: none (gpu.backend)</td><td>" in page and "<td>none</td>" not in page

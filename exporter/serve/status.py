@@ -254,7 +254,9 @@ def render(state: State, host: str, sample_age: float | None, stale_after: float
     findings: list[tuple[object, ...]] = [(escape(f.severity), escape(f.kind), escape(f.gpu or ""),
                                            escape(_named_processes(f)), escape(f.summary), _advice(f.advice))
                                           for f in active]
-    sources: list[tuple[object, ...]] = [(escape(s.source), _updown(s.up, s.error) + (
+    # `gpu.backend: none`'s source is named "none": "none up" would read as nothing working.
+    sources: list[tuple[object, ...]] = [(escape("gpu: none (gpu.backend)" if s.source == gpu_backends.NoGpuSource.name
+                                                 else s.source), _updown(s.up, s.error) + (
         f' <span class="bad">{escape(s.error)}</span>' if s.up and s.error else ""))
                                          for s in (snap.sources if snap else ())]
     sources += [(escape(f"vllm {v.endpoint}"), _updown(v.up, v.error_kind)) for v in (snap.vllm if snap else ())]
