@@ -84,7 +84,8 @@ def healthy(url: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=(
         "GPUMEM_VLLM_VENV names another vLLM environment (default: .venv-vllm beside this script's "
-        "repository); the model is built into it and its log goes there unless --log says otherwise."))
+        "repository); the model is built into it and its log goes there unless --log says otherwise. "
+        "VLLM_CPU_* variables (VLLM_CPU_OMP_THREADS_BIND, say) are passed to vLLM; no other VLLM_* one is."))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log", type=Path, default=venv() / "vllm.log", help="vLLM's output (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(args.log, "wb") as log:
         server = subprocess.Popen(command(str(python), model, args.port), stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, env=environment(), start_new_session=True)
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  # The CPU backend's own settings pass (VLLM_CPU_OMP_THREADS_BIND: which
+                                  # cores; left alone it may take one that other work is pinned to).
+                                  env=environment({k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}))
     print(f"starting vLLM (pid {server.pid}; its log: {args.log}); this takes one to two minutes ...", flush=True)
     started = time.monotonic()
     try:
