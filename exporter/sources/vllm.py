@@ -175,9 +175,9 @@ class PageReader:
         whole = _scrape(self.endpoint, self.session, self._request(None), clock, MAX_REDIRECTS)[0]
         if by_name and whole.up:
             if self._whole_until is None:  # said once, not at each hourly try
-                log.info("vLLM endpoint %s: its page by family failed (%s) while the whole page reads: "
-                         "reading the whole page, by family again in an hour", self.endpoint.label,
-                         sample.error.removeprefix(f"{self.endpoint.label}: "))
+                log.info("vLLM endpoint %s: its page by name failed (%s) while the whole page reads: "
+                         "reading the whole page, by name again in an hour (by_name: false reads it whole "
+                         "always)", self.endpoint.label, sample.error.removeprefix(f"{self.endpoint.label}: "))
             self._whole_until = clock() + self.BY_NAME_RETRY_SECONDS
         return whole
 

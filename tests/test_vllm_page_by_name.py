@@ -1,4 +1,4 @@
-"""The `vllm` source asks a server for only the families it reads (`/metrics/?name[]=...`, served
+"""The `vllm` source asks a server by name for only the families it reads (`/metrics/?name[]=...`, served
 by prometheus_client's own app, as vLLM mounts it) and reads the whole page where the server does
 not serve that. Real HTTP on loopback; the filtering is prometheus_client's, multiprocess mode
 included (a real MultiProcessCollector over files a real child process wrote)."""
@@ -162,9 +162,10 @@ def test_several_api_servers_whose_registry_cannot_filter_are_read_whole_and_ask
         clock.now += 1
         assert engine_values(page.read(clock)) == (3, 5)  # by name again: still empty, whole page
     assert server.paths() == ["/metrics/?name[]", "/metrics", "/metrics", "/metrics/?name[]", "/metrics"]
-    said = [r.getMessage() for r in caplog.records if "by family" in r.getMessage()]
-    assert said == ["vLLM endpoint llm: its page by family failed (no vllm: metrics in the response) while the "
-                    "whole page reads: reading the whole page, by family again in an hour"]
+    said = [r.getMessage() for r in caplog.records if "by name" in r.getMessage()]
+    assert said == ["vLLM endpoint llm: its page by name failed (no vllm: metrics in the response) while the "
+                    "whole page reads: reading the whole page, by name again in an hour (by_name: false reads "
+                    "it whole always)"]
 
 
 def not_found(environ, start_response):
@@ -208,7 +209,7 @@ def test_a_server_failing_both_ways_is_reported_by_its_whole_page_and_asked_by_f
     assert (first.up, first.error_kind, first.error) == (False, "http_status", "llm: HTTP 500 Internal Server Error")
     page.read()
     assert server.paths() == ["/metrics/?name[]", "/metrics"] * 2
-    server.failing = False  # the server is back: asked by family at once
+    server.failing = False  # the server is back: asked by name at once
     assert engine_values(page.read()) == (3, 5)
     assert server.paths()[4:] == ["/metrics/?name[]"]
 
