@@ -315,7 +315,8 @@ class FakeVllmServer:
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
             self._python.register(collector)  # the Python families every vLLM page ends with
         self._render_lock = threading.Lock()
-        self._traffic: tuple[tuple[str, float, float], bytes] | None = None  # (what it shows, its exposition)
+        # (what it shows, its families, their exposition)
+        self._traffic: tuple[tuple[str, float, float], list[Metric], bytes] | None = None
         self._connections: set[socket.socket] = set()  # open keep-alive connections
         self.log_file = log_file
         self._logged: int | None = None  # the server whose start the log ends with
@@ -351,17 +352,16 @@ class FakeVllmServer:
             # The bulk's counters move once a minute: rendering its ~400 samples is most of a
             # page's cost, and a scraper only needs it to be there, real-sized and growing.
             uptime = math.floor(max(self.clock.now() - created, 0.0) / TRAFFIC_STEP_SECONDS) * TRAFFIC_STEP_SECONDS
-            if names:
-                registry = CollectorRegistry(auto_describe=True)  # described, as vLLM's own metrics are
-                registry.register(_Families([*_serving(s, created), *_traffic([s.model, "0"], created, uptime),
-                                             *_api_server(uptime)]))
-                return (generate_latest(registry.restricted_registry(names))
-                        + generate_latest(self._python.restricted_registry(names)))
             key = (s.model, created, uptime)
             if self._traffic is None or self._traffic[0] != key:
                 bulk = [*_traffic([s.model, "0"], created, uptime), *_api_server(uptime)]
-                self._traffic = (key, _exposition(bulk))
-            return _exposition(_serving(s, created)) + self._traffic[1] + generate_latest(self._python)
+                self._traffic = (key, bulk, _exposition(bulk))
+            if names:
+                registry = CollectorRegistry(auto_describe=True)  # described, as vLLM's own metrics are
+                registry.register(_Families([*_serving(s, created), *self._traffic[1]]))
+                return (generate_latest(registry.restricted_registry(names))
+                        + generate_latest(self._python.restricted_registry(names)))
+            return _exposition(_serving(s, created)) + self._traffic[2] + generate_latest(self._python)
 
     def start(self) -> FakeVllmServer:
         if self._httpd is not None:
