@@ -68,8 +68,8 @@ from .trend_test import (
     Prefix,
     Wander,
     WindowResult,
+    best_hinge,
     best_split,
-    hinge,
     kappas,
     refine,
     robust_sigma,
@@ -570,17 +570,11 @@ def _rise_onset(prefix: Prefix, w: WindowResult, sigma: float, config: LeakConfi
     line (flat, then growing) over the window's points, where it fits them better than `w` by
     two_step_penalty x log(points) noise variances (the price of its change point, as the step
     models pay it); else `w`'s own onset."""
-    u = prefix.u
-    own = u[w.onset] if w.kink is None else w.kink
-    best, at = w.rss, -1
-    for i in range(max(w.onset + 1, w.start + 2), w.end - 2):
-        h = hinge(prefix, w.start, i, sigma, lambda points: 1.0, 2)
-        if h is not None and h.rss < best:
-            best, at = h.rss, i
+    h = best_hinge(prefix, w.start, range(max(w.onset + 1, w.start + 2), w.end - 2), sigma, lambda points: 1.0, 2)
     noise = sigma * sigma * min(w.kappa, 2.0)
-    if at < 0 or (w.rss - best) / noise < config.two_step_penalty * math.log(w.end - w.start):
-        return own
-    return u[at]
+    if h is None or (w.rss - h.rss) / noise < config.two_step_penalty * math.log(w.end - w.start):
+        return prefix.u[w.onset] if w.kink is None else w.kink
+    return prefix.u[h.onset]
 
 
 def _raw_climb(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
@@ -597,11 +591,8 @@ def _raw_climb(raw: SeriesView, start: float, onset: float, config: LeakConfig) 
     sigma = robust_sigma(values[a:], config.min_noise_bytes)
     one, _ = best_split(prefix, 0, n - a)
     first = max(2, bisect.bisect_left(times, onset - 90.0) - a)
-    best = math.inf
-    for i in range(first, n - a - 3):
-        h = hinge(prefix, 0, i, sigma, lambda points: 1.0, 5)
-        if h is not None:
-            best = min(best, h.rss)
+    h = best_hinge(prefix, 0, range(first, n - a - 3), sigma, lambda points: 1.0, 5)
+    best = math.inf if h is None else h.rss
     return (one - best) / (sigma * sigma) >= max(config.min_step_margin, 2.0 * math.log(n - a))
 
 

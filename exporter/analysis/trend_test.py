@@ -475,20 +475,27 @@ def hinge(prefix: Prefix, b: int, i: int, sigma1: float, kappa_of: Callable[[int
     return WindowResult(b, i, n, True, slope, se, slope / se, kappa, level_end, rss, kink)
 
 
+def best_hinge(prefix: Prefix, b: int, onsets: range, sigma1: float, kappa_of: Callable[[int], float],
+               min_points: int) -> WindowResult | None:
+    """The joined line over [b, n) (hinge()) with the least residual among those growing from
+    each point of `onsets` (the first of equals); None where none can be fitted."""
+    best = None
+    for i in onsets:
+        h = hinge(prefix, b, i, sigma1, kappa_of, min_points)
+        if h is not None and (best is None or h.rss < best.rss):
+            best = h
+    return best
+
+
 def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
            min_points: int, wander: Wander | None = None) -> WindowResult:
     """The growth `w` found, its onset read to the point: over the same points, the joined
     line (flat, then growing) with the least residual, where it fits better than `w` (a free
     line over a window that began before the onset dilutes the rate with the flat stretch it
     holds). For the rate and its interval; the decision stays `w`'s."""
-    best = w
-    n = len(prefix.u)
-    for i in range(w.start + 2, n - 1):
-        h = hinge(prefix, w.start, i, sigma1, lambda points: kappa_for(points, table, wander, sigma1),
-                   min_points)
-        if h is not None and h.rss < best.rss:
-            best = h
-    return best
+    h = best_hinge(prefix, w.start, range(w.start + 2, len(prefix.u) - 1), sigma1,
+                   lambda points: kappa_for(points, table, wander, sigma1), min_points)
+    return h if h is not None and h.rss < w.rss else w
 
 
 # The models of a warm-up's several steps (steps_fit, O(points^2)) are fitted over windows of at
