@@ -691,7 +691,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump([{"name": o.name, "family": o.family, "leak_rate": o.leak_rate, "leak_start": o.leak_start,
                         "limit": o.limit, **{names[c]: o.episodes[c] for c in codes},
-                        "phases": {u: {names[c]: per_phase[u][c].get(k) for c in codes} for u in uuids}}
+                        "phases": {u: {names[c]: per_phase.get(u, {}).get(c, {}).get(k) for c in codes} for u in uuids}}
                        for k, o in enumerate(outcomes)], f, indent=1)
     return 0
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from exporter.analysis.history import SeriesView
-from exporter.analysis.leak import LeakConfig, _raw_climb
+from exporter.analysis.leak import LeakConfig, _climbs, _raw_margin
 
 MiB = 1024 * 1024
 T0 = 1_700_000_000
@@ -25,5 +25,6 @@ def test_samples_that_climb_are_a_climb_and_samples_that_jump_are_not(seed):
     config = LeakConfig()
     climb = _samples(lambda s: max(0.0, s - 120) / 60 * 16 * MiB, seed=seed)  # 16 MiB/min from 2 min
     jump = _samples(lambda s: 40 * MiB if s >= 200 else 0.0, seed=seed)  # 40 MiB at 3 min 20 s
-    assert _raw_climb(climb, T0, T0 + 120, config)
-    assert not _raw_climb(jump, T0, T0 + 180, config)
+    assert _climbs(climb, T0, T0 + 120, config)
+    assert not _climbs(jump, T0, T0 + 180, config)
+    assert _raw_margin(jump, T0, T0 + 180, config)[0] < 0

@@ -127,6 +127,9 @@ class LeakConfig:
     # Windows up to this long also try a joined line whose onset falls half way between two
     # points (a fast leak begun inside a minute bucket); each such window counts as a third test.
     half_kink_minutes: float = 6.0
+    # Growth up to this long (from its onset), read through the medians, is no leak where its 5 s
+    # samples clearly jump rather than climb (read over twice this long at most).
+    raw_step_minutes: float = 15.0
     # A window whose quadratic term has z below minus this decelerates: warm-up, not a leak.
     max_concavity_z: float = 2.5
     # A staircase: this many up-shifts in a row, gaps at most staircase_max_gap_seconds and
@@ -490,9 +493,18 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # climb.
         if why == "a_step" and raw is not None and len(prefix.pieces(w.start, w.end)) == 1 and \
                 prefix.u[-1] - prefix.u[w.onset] <= config.half_kink_minutes and \
-                _raw_climb(raw(), times[w.start], times[w.onset], config):
+                _climbs(raw(), times[w.start], times[w.onset], config):
             why = _reject(prefix, w, settled, sigma, config, young, bar, stepped, trough_steps, raw_climb=True,
                           warm_sigma=warm)
+        # Short growth's medians can pass for a line where one step straddles a bucket (its
+        # median lands between the levels) and the noise on either side leans with it
+        # (warmup#3008 at +30 s: a warm-up's last step of 12 MiB read as a 7-minute line at z 7.3,
+        # the step model 4 noise variances worse). The samples inside say it jumped. They are
+        # read from a minute after the last level shift taken out (a jump the medians' fits skip).
+        elif not why and raw is not None and prefix.u[-1] - prefix.u[w.onset] <= config.raw_step_minutes and \
+                _jumps(raw(), max(times[prefix.pieces(w.start, w.end)[-1][0]] + 60.0,
+                                  times[-1] - 120 * config.raw_step_minutes), times[w.onset], config):
+            why = "a_step"
         if not why:
             best = w
             threshold = bar
@@ -577,23 +589,36 @@ def _rise_onset(prefix: Prefix, w: WindowResult, sigma: float, config: LeakConfi
     return prefix.u[h.onset]
 
 
-def _raw_climb(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
-    """Whether the raw samples since `start` (the window's first bucket) climb from a level
-    rather than jump to another: the joined line (flat, then growing from its best onset at or
-    after the bucket before `onset`) beats the best single step by min_step_margin noise
-    variances and 2 log(points), the noise read from the samples' second differences."""
+def _raw_margin(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> tuple[float, float]:
+    """How much better the raw samples since `start` (the window's first bucket) are fitted by a
+    climb from a level (the joined line, flat then growing from its best onset at or after the
+    bucket before `onset`) than by a jump to another (the best single step), in noise variances
+    read from the samples' second differences (negative where the jump fits better); and what a
+    climb must win by to be told from a jump: min_step_margin and 2 log(points), the price of a
+    change point. (0, inf) where too few samples tell."""
     times, values = raw.times, raw.values
     a = bisect.bisect_left(times, start - 30.0)
     n = len(times)
     if n - a < 12:
-        return False
+        return 0.0, math.inf
     prefix = Prefix(times[a:], values[a:])
     sigma = robust_sigma(values[a:], config.min_noise_bytes)
     one, _ = best_split(prefix, 0, n - a)
     first = max(2, bisect.bisect_left(times, onset - 90.0) - a)
     h = best_hinge(prefix, 0, range(first, n - a - 3), sigma, lambda points: 1.0, 5)
-    best = math.inf if h is None else h.rss
-    return (one - best) / (sigma * sigma) >= max(config.min_step_margin, 2.0 * math.log(n - a))
+    if h is None:
+        return 0.0, math.inf
+    return (one - h.rss) / (sigma * sigma), max(config.min_step_margin, 2.0 * math.log(n - a))
+
+
+def _climbs(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
+    margin, price = _raw_margin(raw, start, onset, config)
+    return margin >= price
+
+
+def _jumps(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
+    margin, price = _raw_margin(raw, start, onset, config)
+    return margin <= -price
 
 
 def _step_sigma(values: Sequence[float]) -> float:
