@@ -149,3 +149,21 @@ def test_check_config_reports_duplicate_keys_with_every_other_problem(tmp_path):
     with pytest.raises(ConfigError) as err:  # run and a reload read the file the same way
         load(path)
     assert len(err.value.problems) == 4
+
+
+def test_check_config_takes_the_file_as_config_like_run_or_as_file_but_not_both(tmp_path):
+    """`run --config FILE` and `check-config FILE` named the same file two ways; check-config
+    takes either spelling, with the same answer, and refuses being given it twice."""
+    good = write(tmp_path, {"interval_seconds": 2})
+    positional = CliRunner().invoke(main, ["check-config", good])
+    as_option = CliRunner().invoke(main, ["check-config", "--config", good])
+    assert positional.exit_code == as_option.exit_code == 0, (positional.output, as_option.output)
+    assert as_option.stdout == positional.stdout and "interval_seconds: 2" in as_option.stdout
+    bad = tmp_path / "bad.yml"
+    bad.write_text("interval_secs: 2\n")
+    refused = CliRunner().invoke(main, ["check-config", "--config", str(bad)])
+    assert refused.exit_code == 1 and "did you mean 'interval_seconds'" in refused.output
+    both = CliRunner().invoke(main, ["check-config", good, "--config", good])
+    assert both.exit_code == 2 and "not both" in both.output
+    neither = CliRunner().invoke(main, ["check-config"])
+    assert neither.exit_code == 2 and "--config FILE" in neither.output
