@@ -113,6 +113,7 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
         while not stopping.wait(0.5):
             pass
     finally:
+        service.daemon.request_stop()  # first: a tick still running announces no recovery after the line
         log.info("stopping")
         service.close()
 
