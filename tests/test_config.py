@@ -76,9 +76,18 @@ def test_overrides_beat_the_file(tmp_path):
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "process_pattern": "("}]}},
      "vllm.endpoints[0].process_pattern: not a valid regex"),
     ({"vllm": {"endpoints": ["http://x:1/metrics?a=1", {"url": "http://x:1/metrics?a=2"}]}},
-     "vllm.endpoints[1]: its `endpoint` label 'http://x:1/metrics' is endpoints[0]'s too"),
+     "vllm.endpoints[1]: its `endpoint` label 'http://x:1/metrics' is endpoints[0]'s too (the URLs differ in "
+     "their query, which the label leaves out): give each a distinct `name`"),
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "name": "a"}, {"url": "http://x:2/m", "name": "a"}]}},
-     "vllm.endpoints[1]: its `endpoint` label 'a' is endpoints[0]'s too"),
+     "vllm.endpoints[1]: its `endpoint` label 'a' is endpoints[0]'s too (both are named so)"),
+    # Two URLs apart only in the fragment, never sent, are one page: the query is not to blame.
+    ({"vllm": {"endpoints": ["http://h:8000/metrics?t=1#a", "http://h:8000/metrics?t=1#b"]}},
+     "vllm.endpoints[1]: its `endpoint` label 'http://h:8000/metrics' is endpoints[0]'s too (the URLs differ "
+     "only in the fragment (after #), which is never sent): they read one page, list it once"),
+    ({"vllm": {"endpoints": ["http://h:8000/metrics", "http://h:8000/metrics"]}},
+     "is endpoints[0]'s too (the URLs are the same): they read one page, list it once"),
+    ({"vllm": {"endpoints": ["http://u:p@h:8000/metrics#a", "http://h:8000/metrics#b"]}},
+     "(the URLs differ in their user or password, which the label leaves out)"),
     ({"admission": {"close_above": 0.7, "open_below": 0.8}}, "admission: need 0 < open_below < close_above"),
     ({"history": {"raw_seconds": 9000, "retention_seconds": 60}}, "history.raw_seconds: must not exceed"),
     ({"logs": {"files": "one.log"}}, "logs.files: expected a list"),
