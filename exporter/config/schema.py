@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
