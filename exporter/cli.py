@@ -113,6 +113,7 @@ def run(config_file: str | None, listen: str | None, interval: float | None, sim
         while not stopping.wait(0.5):
             pass
     finally:
+        service.daemon.request_stop()  # first: a tick still running announces no recovery after the line
         log.info("stopping")
         service.close()
 
@@ -245,9 +246,17 @@ def scenarios() -> None:
 
 
 @main.command("check-config")
-@click.argument("file", type=click.Path(dir_okay=False))
-def check_config(file: str) -> None:
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="The YAML configuration file, named as `run --config` names it (or give it as FILE).")
+def check_config(file: str | None, config_file: str | None) -> None:
     """Validate a configuration file, and the files it names, as `run` would; print every
     problem, or the configuration as understood (a file `check-config` accepts again)."""
+    # FILE came first; --config is the spelling `run` and `snapshot` use, so one works for all.
+    if file is not None and config_file is not None:
+        raise click.UsageError("give the configuration file once: FILE or --config FILE, not both")
+    file = file if file is not None else config_file
+    if file is None:
+        raise click.UsageError("name the configuration file: check-config FILE (or --config FILE)")
     config = _load(file)
     click.echo(f"# {file}: OK\n" + yaml.safe_dump(file_form(config), sort_keys=False), nl=False)

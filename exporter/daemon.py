@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .clock import Clock
 from .model import BUDGETS, Snapshot, State
-from .sources.source import Source, collect, in_order
+from .sources.source import Source, collect, in_order, request_stop, ticks_until
 
 if TYPE_CHECKING:
     from .analysis.engine import Analyzer
@@ -152,18 +152,23 @@ class Daemon:
 
     def run(self) -> None:
         """Tick every interval (clock time) until stop(); a slow tick delays, never overlaps."""
-        while not self._stop.is_set():
-            began = self.clock.now()
-            self.tick()
-            if self.clock.wait(self.interval - (self.clock.now() - began), self._stop):
-                break
+        with ticks_until(self._stop):
+            while not self._stop.is_set():
+                began = self.clock.now()
+                self.tick()
+                if self.clock.wait(self.interval - (self.clock.now() - began), self._stop):
+                    break
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="sampler", daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Start no tick from now on, and let the one running announce no recovery."""
+        request_stop(self._stop)
+
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._pending is not None:  # a reload that no tick picked up

@@ -121,8 +121,9 @@ def format_bytes(n: float | None) -> str:
 
 def format_duration(seconds: float, hours_from: float = 3600) -> str:
     """A duration as people say it: '12 min', or from `hours_from` seconds on '1.5 h' (a finding
-    that tells how long something has lasted passes 5400: '79 min' reads better than '1.3 h')."""
-    return f"{seconds / 3600:.1f} h" if seconds >= hours_from else f"{seconds / 60:.0f} min"
+    that tells how long something has lasted passes 5400: '79 min' reads better than '1.3 h');
+    thousands separated, as a gap between traces months apart is: '1,799.9 h'."""
+    return f"{seconds / 3600:,.1f} h" if seconds >= hours_from else f"{seconds / 60:,.0f} min"
 
 
 def counted(n: float, noun: str, plural: str = "") -> str:

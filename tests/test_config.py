@@ -76,9 +76,18 @@ def test_overrides_beat_the_file(tmp_path):
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "process_pattern": "("}]}},
      "vllm.endpoints[0].process_pattern: not a valid regex"),
     ({"vllm": {"endpoints": ["http://x:1/metrics?a=1", {"url": "http://x:1/metrics?a=2"}]}},
-     "vllm.endpoints[1]: its `endpoint` label 'http://x:1/metrics' is endpoints[0]'s too"),
+     "vllm.endpoints[1]: its `endpoint` label 'http://x:1/metrics' is endpoints[0]'s too (the URLs differ in "
+     "their query, which the label leaves out): give each a distinct `name`"),
     ({"vllm": {"endpoints": [{"url": "http://x:1/m", "name": "a"}, {"url": "http://x:2/m", "name": "a"}]}},
-     "vllm.endpoints[1]: its `endpoint` label 'a' is endpoints[0]'s too"),
+     "vllm.endpoints[1]: its `endpoint` label 'a' is endpoints[0]'s too (both are named so)"),
+    # Two URLs apart only in the fragment, never sent, are one page: the query is not to blame.
+    ({"vllm": {"endpoints": ["http://h:8000/metrics?t=1#a", "http://h:8000/metrics?t=1#b"]}},
+     "vllm.endpoints[1]: its `endpoint` label 'http://h:8000/metrics' is endpoints[0]'s too (the URLs differ "
+     "only in the fragment (after #), which is never sent): they read one page, list it once"),
+    ({"vllm": {"endpoints": ["http://h:8000/metrics", "http://h:8000/metrics"]}},
+     "is endpoints[0]'s too (the URLs are the same): they read one page, list it once"),
+    ({"vllm": {"endpoints": ["http://u:p@h:8000/metrics#a", "http://h:8000/metrics#b"]}},
+     "(the URLs differ in their user or password, which the label leaves out)"),
     ({"admission": {"close_above": 0.7, "open_below": 0.8}}, "admission: need 0 < open_below < close_above"),
     ({"history": {"raw_seconds": 9000, "retention_seconds": 60}}, "history.raw_seconds: must not exceed"),
     ({"logs": {"files": "one.log"}}, "logs.files: expected a list"),
@@ -149,3 +158,21 @@ def test_check_config_reports_duplicate_keys_with_every_other_problem(tmp_path):
     with pytest.raises(ConfigError) as err:  # run and a reload read the file the same way
         load(path)
     assert len(err.value.problems) == 4
+
+
+def test_check_config_takes_the_file_as_config_like_run_or_as_file_but_not_both(tmp_path):
+    """`run --config FILE` and `check-config FILE` named the same file two ways; check-config
+    takes either spelling, with the same answer, and refuses being given it twice."""
+    good = write(tmp_path, {"interval_seconds": 2})
+    positional = CliRunner().invoke(main, ["check-config", good])
+    as_option = CliRunner().invoke(main, ["check-config", "--config", good])
+    assert positional.exit_code == as_option.exit_code == 0, (positional.output, as_option.output)
+    assert as_option.stdout == positional.stdout and "interval_seconds: 2" in as_option.stdout
+    bad = tmp_path / "bad.yml"
+    bad.write_text("interval_secs: 2\n")
+    refused = CliRunner().invoke(main, ["check-config", "--config", str(bad)])
+    assert refused.exit_code == 1 and "did you mean 'interval_seconds'" in refused.output
+    both = CliRunner().invoke(main, ["check-config", good, "--config", good])
+    assert both.exit_code == 2 and "not both" in both.output
+    neither = CliRunner().invoke(main, ["check-config"])
+    assert neither.exit_code == 2 and "--config FILE" in neither.output

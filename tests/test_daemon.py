@@ -168,3 +168,65 @@ def test_a_sampler_superseded_before_any_tick_is_closed():
     daemon.tick()
     assert (first.closed, second.closed, third.closed) == (1, 1, 0)
     assert daemon.sampler.sources == (third,)
+
+
+def test_a_tick_running_when_stop_is_requested_announces_no_recovery_and_none_follows(tmp_path, caplog):
+    """SIGTERM during the tick in which a lost GPU answers again: the daemon logs "stopping" as
+    the signal arrives, so a recovery that tick then logged read as if sampling went on. The
+    tick ends quietly and no tick follows; the same tick without a stop logs the recovery."""
+    from exporter.clock import FixedClock
+    from exporter.daemon import Sampler
+    from exporter.model import HostMemory
+    from exporter.sim import fake_nvml
+    from exporter.sim.scenario import load
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.source import Reading
+
+    scenario = tmp_path / "lost.yaml"
+    scenario.write_text("name: t\ndescription: one GPU lost for 20 s\nduration: 1h\n"
+                        "gpus:\n  - {name: NVIDIA H100 80GB HBM3, memory: 80GiB, count: 2}\n"
+                        "host: {memory: 512GiB, available: 400GiB}\n"
+                        "processes:\n  - {pid: 100, name: vllm, gpu: 1, memory: 30GiB, rss: 2GiB}\n"
+                        "faults:\n  - {kind: gpu_lost, gpu: 1, at: 10, until: 30}\n")
+
+    class Signal:
+        """Runs first in each tick; at `at` (scenario seconds) the stop arrives, as SIGTERM's."""
+        name, needs, gives = "signal", (), ()
+
+        def __init__(self, at):
+            self.at, self.daemon = at, None
+
+        def collect(self, snapshot):
+            if clock.elapsed() == self.at and self.daemon is not None:
+                self.daemon.request_stop()
+            elif clock.elapsed() > self.at + 60 and self.daemon is not None:
+                self.daemon._stop.set()  # the loop never outlives a stop that failed to end it
+            return Reading(snapshot)
+
+        def close(self):
+            pass
+
+    def play(stop_at):
+        signal = Signal(stop_at)
+        source = NvmlSource(fake_nvml, lambda: HostMemory(total_bytes=1 << 40, available_bytes=1 << 39),
+                            now=clock.now, retry_initial_seconds=5, retry_max_seconds=40)
+        daemon = signal.daemon = Daemon(Sampler([signal, source], now=clock.now), clock, 10.0)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="exporter"):
+            daemon.run()  # on this thread: FixedClock.wait advances the clock, never sleeps
+        source.close()
+        return daemon.state.samples_total, [r.getMessage() for r in caplog.records]
+
+    try:
+        clock = FixedClock(1_700_000_000.0)
+        fake_nvml.configure(load(str(scenario)), clock)
+        ticks, lines = play(stop_at=30)  # GPU 1 answers again at 30 s: the tick the stop arrives in
+        assert ticks == 4  # 0, 10, 20, 30 s: none after the stop
+        assert any("GPU 1" in line and "does not answer" in line for line in lines)
+        assert not any("answers again" in line for line in lines), lines
+        clock = FixedClock(1_700_000_000.0)
+        fake_nvml.configure(load(str(scenario)), clock)
+        ticks, lines = play(stop_at=40)  # the stop a tick later: the recovery is logged, once
+        assert ticks == 5 and sum("GPU 1 answers again" in line for line in lines) == 1
+    finally:
+        fake_nvml.configure(None, None)

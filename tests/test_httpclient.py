@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import requests
 
 from exporter.sources import httpclient
 from exporter.sources.httpclient import HttpFailure, Watchdog, get, new_session
+from helpers.httpserver import QuietOnHangUp
 from helpers.tools import HANG
 
 PAGE = b"vllm:num_requests_running 1\n" * 2000  # about 56 KiB: more than one read of the body
@@ -41,7 +42,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = QuietOnHangUp(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     httpd.lock = threading.Lock()
     httpd.connections = 0

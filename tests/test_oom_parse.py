@@ -23,7 +23,7 @@ from exporter.sources.oom_messages import (
 )
 from exporter.sources.oom_messages import parse_lines as parse_messages
 from exporter.units import bytes_in_message as parse_size
-from exporter.units import format_bytes
+from exporter.units import format_bytes, format_duration
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 GiB, MiB = 1024**3, 1024**2
@@ -62,6 +62,15 @@ def test_format_bytes_matches_pytorch_style():
     assert format_bytes(612 * MiB) == "612.00 MiB"
     assert format_bytes(100) == "100 bytes"
     assert format_bytes(None) == "?"
+
+
+def test_format_duration_is_the_one_for_findings_status_and_trace_gaps():
+    """One duration formatter (post-mortem's gap between runs had its own): minutes, then hours,
+    thousands separated as a gap between traces months apart needs."""
+    assert [format_duration(s) for s in (59, 600, 3599, 3600, 5400)] == ["1 min", "10 min", "60 min", "1.0 h",
+                                                                         "1.5 h"]
+    assert format_duration(5399, hours_from=5400) == "90 min"
+    assert format_duration(6_479_640) == "1,799.9 h" and format_duration(3_600_000) == "1,000.0 h"
 
 
 @pytest.mark.parametrize("line", [

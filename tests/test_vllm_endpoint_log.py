@@ -49,3 +49,30 @@ def test_an_endpoint_going_down_and_coming_back_is_logged_once_each(caplog):
     # Down at the first scrape (a server still starting): its first answer is no "again".
     assert "answers for the first time" in lines[1][1] and "again" not in lines[1][1]
     assert "is down (http_status)" in lines[2][1] and "answers again" in lines[3][1]
+
+
+def test_an_endpoint_answering_again_in_a_tick_of_a_stopping_loop_is_not_announced(caplog):
+    """Shutdown (the daemon's "stopping" line) during the tick in which the endpoint answers
+    again: no recovery line after it (daemon.Daemon.run runs its ticks under ticks_until)."""
+    from exporter.sources.source import request_stop, ticks_until
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    source = VllmSource([VllmEndpoint(url=f"http://127.0.0.1:{server.server_port}/metrics", name="busy",
+                                      timeout_seconds=30)])
+    stop = threading.Event()
+    try:
+        with caplog.at_level(logging.INFO, logger="exporter.sources.vllm"), ticks_until(stop):
+            for status in (200, 503):
+                _Page.status = status
+                source.collect(Snapshot(0.0))
+            request_stop(stop)
+            _Page.status = 200
+            assert source.collect(Snapshot(0.0)).snapshot.vllm[0].up
+    finally:
+        _Page.status = 200
+        source.close()
+        server.shutdown()
+        server.server_close()
+    lines = [r.getMessage() for r in caplog.records if "vLLM endpoint busy" in r.getMessage()]
+    assert len(lines) == 1 and "is down" in lines[0], lines

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import requests
 from exporter.sources import httpclient
 from exporter.sources.vllm import MAX_REDIRECTS, VllmEndpoint, VllmSource, public_url, scrape
 from helpers.clocks import ServerClock
+from helpers.httpserver import QuietOnHangUp
 from helpers.tools import HANG
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm" / "current_v1_engines.prom").read_bytes()
@@ -204,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = QuietOnHangUp(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     httpd.block_on_close = False
     httpd.release = threading.Event()

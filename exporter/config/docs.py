@@ -30,10 +30,11 @@ exporter/analysis/registry.py); edit those, not this file. -->
 `gpu-memory-exporter run --config FILE` reads a YAML (or JSON) file. Flags override environment
 variables (`GPUMEM_RUN_LISTEN`, `GPUMEM_RUN_INTERVAL`, `GPUMEM_RUN_CONFIG`,
 `GPUMEM_RUN_VLLM_ENDPOINT` (space-separated), `GPUMEM_RUN_WEB_CONFIG`), which override the file.
-`gpu-memory-exporter check-config FILE` checks a file exactly as `run` does, the files it names
-included (web config, tokens, TLS certificate and key, the kubelet's token and CA where the kubelet
-is used, the allocator's probe directory), reports every problem at once with its key path, and
-prints the configuration as understood: a file `check-config` accepts again.
+`gpu-memory-exporter check-config FILE` (or `check-config --config FILE`, as `run` takes it)
+checks a file exactly as `run` does, the files it names included (web config, tokens, TLS
+certificate and key, the kubelet's token and CA where the kubelet is used, the allocator's probe
+directory), reports every problem at once with its key path, and prints the configuration as
+understood: a file `check-config` accepts again.
 
 Rules for every file: unknown keys are errors; nothing is coerced (`"5"` is not a number, `1` is
 not `true`); anchors and aliases (`&name`, `*name`) and duplicate keys are refused; at most 1 MiB.

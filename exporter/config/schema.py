@@ -11,6 +11,7 @@ import os
 import ssl
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
@@ -202,9 +203,29 @@ class VllmConfig(Section):
         for i, ep in enumerate(self.endpoints):
             label = ep.name or public_url(ep.url)
             if label in first:
-                yield f"endpoints.{i}", (f"its `endpoint` label {label!r} is endpoints[{first[label]}]'s too (the "
-                                          "URL's query is not part of it): give each a distinct `name`")
+                yield f"endpoints.{i}", (f"its `endpoint` label {label!r} is endpoints[{first[label]}]'s too "
+                                         + _why_one_label(self.endpoints[first[label]], ep))
             first.setdefault(label, i)
+
+
+def _why_one_label(a: EndpointConfig, b: EndpointConfig) -> str:
+    """What two endpoints of one `endpoint` label have in common, and what to do about it."""
+    if a.name and b.name:
+        return "(both are named so): give each a distinct `name`"
+    if a.name or b.name:
+        return "(one's `name` is the other's URL): give each a distinct `name`"
+    one, other = urlsplit(a.url), urlsplit(b.url)
+    if one._replace(fragment="") == other._replace(fragment=""):
+        # The fragment never leaves the client: both read the very same page.
+        what = "differ only in the fragment (after #), which is never sent" if a.url != b.url else "are the same"
+        return f"(the URLs {what}): they read one page, list it once"
+    # The label is scheme://host[:port]/path: what else differs is what it leaves out.
+    left_out = [part for part, differs in (
+        ("user or password", (one.username, one.password) != (other.username, other.password)),
+        ("host name's letter case", one.netloc.rpartition("@")[2] != other.netloc.rpartition("@")[2]),
+        ("query", one.query != other.query)) if differs]
+    return f"(the URLs differ in their {' and '.join(left_out) or 'spelling'}, which the label leaves out): " \
+        "give each a distinct `name`"
 
 
 class AdmissionConfig(Section):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cache
 
+from ..units import format_duration
 from .tracerow import TraceError, clean_text
 
 # The flight recorder's default window (recorder.window_seconds): traces of one incident that
@@ -117,16 +118,12 @@ def _gap(spans: Iterable[FileSpan], max_gap: float) -> str:
     last = ordered[0]
     for span in ordered[1:]:
         if span.start - last.end > max_gap:
-            return (f"{span.path} starts {_hours(span.start - last.end)} after {last.path} ends "
+            return (f"{span.path} starts {format_duration(span.start - last.end)} after {last.path} ends "
                     f"({_when(last.end)} to {_when(span.start)}), more than the "
-                    f"{_hours(max_gap)} the flight recorder keeps before a trigger")
+                    f"{format_duration(max_gap)} the flight recorder keeps before a trigger")
         if span.end > last.end:
             last = span
     return ""
-
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.0f} min"
 
 
 def _when(ts: float) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..model import GpuSample, GpuTools, HostMemory, ProcessSample, Snapshot, SourceError
-from .source import GPUS, Reading
+from .source import GPUS, Reading, announce_recovery
 
 log = logging.getLogger("exporter.nvml")
 
@@ -96,7 +96,7 @@ class NvmlSource:
         except Exception:  # the version is a nicety, not a reason to stay down
             self._driver_version = ""
         if self._last_error:
-            log.info("%s available again (driver %s)", self.label, self._driver_version or "unknown")
+            announce_recovery(log, "%s available again (driver %s)", self.label, self._driver_version or "unknown")
         else:
             log.info("%s initialised (driver %s)", self.label, self._driver_version or "unknown")
         self._last_error = ""
@@ -150,7 +150,7 @@ class NvmlSource:
                 log.error("%s: GPU %d (%s) does not answer (%s); its memory is not read until it does",
                           self.label, index, uuid or "uuid unknown", why)
         for index in self._gpus_down.keys() - down.keys():
-            log.info("%s: GPU %d answers again", self.label, index)
+            announce_recovery(log, "%s: GPU %d answers again", self.label, index)
         self._gpus_down = down
 
     def _device(self, index: int, errors: list[SourceError]) -> list[GpuSample]:

@@ -13,14 +13,49 @@ declarations, so adding a source never means finding its place by hand.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..model import Snapshot, SourceError, SourceStatus
 
 log = logging.getLogger("exporter.sources")
+
+# The stop request of the sampling loop running this thread's tick (daemon.Daemon.run sets it).
+# A tick still running when shutdown begins does not announce that something answers again:
+# after the daemon's "stopping" line, a recovery reads as if sampling went on.
+_loop_stop: ContextVar[threading.Event | None] = ContextVar("sampling_loop_stop", default=None)
+# Held while a recovery is announced and while a stop is requested, so that no announcement
+# slips in between a stop being requested and its "stopping" line.
+_announcing = threading.Lock()
+
+
+@contextmanager
+def ticks_until(stop: threading.Event) -> Iterator[None]:
+    """Within: the ticks this thread runs belong to a loop that `stop` ends."""
+    token = _loop_stop.set(stop)
+    try:
+        yield
+    finally:
+        _loop_stop.reset(token)
+
+
+def request_stop(stop: threading.Event) -> None:
+    """Set `stop`; from its return on, no tick of its loop announces a recovery."""
+    with _announcing:
+        stop.set()
+
+
+def announce_recovery(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log that something answers again (at INFO), unless this tick's loop is stopping."""
+    with _announcing:
+        stop = _loop_stop.get()
+        if stop is None or not stop.is_set():
+            logger.info(message, *args)
 
 
 # The parts of a Snapshot that sources fill and read (a source's `gives` and `needs`).

@@ -29,7 +29,7 @@ import requests
 from ..model import GpuSample, ProcessSample, Snapshot, VllmSample
 from .hostview import HostView
 from .httpclient import HttpFailure, get, new_session, public_url
-from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading
+from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading, announce_recovery
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
 from .vllm_log import ProfileCache
 from .vllm_normalise import SAMPLE_NAMES, ParseError, normalise
@@ -322,7 +322,7 @@ class VllmSource:
             was = self._was_up.get(sample.endpoint)
             if sample.up and was is False:
                 again = "again" if sample.endpoint in self._answered else "for the first time"
-                log.info("vLLM endpoint %s answers %s", sample.endpoint, again)
+                announce_recovery(log, "vLLM endpoint %s answers %s", sample.endpoint, again)
             elif not sample.up and was is not False:
                 log.warning("vLLM endpoint %s is down (%s): %s", sample.endpoint, sample.error_kind or "error",
                             sample.error)
