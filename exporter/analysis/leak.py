@@ -19,7 +19,8 @@ What is not a leak is modelled explicitly rather than waited out:
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step (or, over a leak's
     first few minutes, where one step straddling a bucket fits its buckets as well, its 5 s
-    samples must climb rather than jump), and two steps must not fit clearly better than it
+    samples must climb rather than jump; growth of up to a quarter hour whose samples clearly
+    jump is a step straddling a bucket), and two steps must not fit clearly better than it
     (small steps below the shift size);
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
     up to a plateau; a staircase that shrinks or slows is one too (the step before its run
@@ -589,20 +590,24 @@ def _rise_onset(prefix: Prefix, w: WindowResult, sigma: float, config: LeakConfi
     return prefix.u[h.onset]
 
 
-def _raw_margin(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> tuple[float, float]:
+def _raw_margin(raw: SeriesView, start: float, onset: float, config: LeakConfig,
+                despike: bool = False) -> tuple[float, float]:
     """How much better the raw samples since `start` (the window's first bucket) are fitted by a
     climb from a level (the joined line, flat then growing from its best onset at or after the
     bucket before `onset`) than by a jump to another (the best single step), in noise variances
     read from the samples' second differences (negative where the jump fits better); and what a
     climb must win by to be told from a jump: min_step_margin and 2 log(points), the price of a
-    change point. (0, inf) where too few samples tell."""
+    change point. (0, inf) where too few samples tell. With `despike`, a sample far from its
+    neighbours is read as their median (_despiked): a step placed to take in a one-sample spike
+    at the edge (hundreds of MiB for 5 s) would pass for a jump. (Not where a climb is looked for:
+    noise that wanders, clipped, climbs more smoothly; correlated#3 at +0 s.)"""
     times, values = raw.times, raw.values
     a = bisect.bisect_left(times, start - 30.0)
     n = len(times)
     if n - a < 12:
         return 0.0, math.inf
-    prefix = Prefix(times[a:], values[a:])
     sigma = robust_sigma(values[a:], config.min_noise_bytes)
+    prefix = Prefix(times[a:], _despiked(values[a:], 6.0 * sigma) if despike else values[a:])
     one, _ = best_split(prefix, 0, n - a)
     first = max(2, bisect.bisect_left(times, onset - 90.0) - a)
     h = best_hinge(prefix, 0, range(first, n - a - 3), sigma, lambda points: 1.0, 5)
@@ -617,8 +622,19 @@ def _climbs(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> 
 
 
 def _jumps(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
-    margin, price = _raw_margin(raw, start, onset, config)
+    margin, price = _raw_margin(raw, start, onset, config, despike=True)
     return margin <= -price
+
+
+def _despiked(values: Sequence[float], limit: float, half: int = 3) -> list[float]:
+    """`values`, each one further than `limit` from the median of the 2 half + 1 around it
+    replaced by that median."""
+    out = list(values)
+    for i, v in enumerate(values):
+        around = median(values[max(0, i - half):i + half + 1])
+        if abs(v - around) > limit:
+            out[i] = around
+    return out
 
 
 def _step_sigma(values: Sequence[float]) -> float:
