@@ -82,10 +82,19 @@ def test_overrides_beat_the_file(tmp_path):
      "vllm.endpoints[1]: its `endpoint` label 'a' is endpoints[0]'s too (both are named so)"),
     # Two URLs apart only in the fragment, never sent, are one page: the query is not to blame.
     ({"vllm": {"endpoints": ["http://h:8000/metrics?t=1#a", "http://h:8000/metrics?t=1#b"]}},
-     "vllm.endpoints[1]: its `endpoint` label 'http://h:8000/metrics' is endpoints[0]'s too (the URLs differ "
-     "only in the fragment (after #), which is never sent): they read one page, list it once"),
+     "vllm.endpoints[1]: reads the page endpoints[0] reads (the URLs differ only in the fragment (after #), "
+     "which is never sent): list it once"),
     ({"vllm": {"endpoints": ["http://h:8000/metrics", "http://h:8000/metrics"]}},
-     "is endpoints[0]'s too (the URLs are the same): they read one page, list it once"),
+     "vllm.endpoints[1]: reads the page endpoints[0] reads (the same URL): list it once"),
+    # One page under two names is still one server, counted twice (the trial of 5d3e341).
+    ({"vllm": {"endpoints": [{"url": "http://h:8000/metrics#a", "name": "a"},
+                             {"url": "http://h:8000/metrics#b", "name": "b"}]}},
+     "vllm.endpoints[1]: reads the page endpoints[0] reads (the URLs differ only in the fragment"),
+    ({"vllm": {"endpoints": [{"url": "http://h:8000", "name": "a"}, {"url": "HTTP://H:8000/metrics", "name": "b"}]}},
+     "vllm.endpoints[1]: reads the page endpoints[0] reads (the same scheme, host, port, path and query"),
+    ({"vllm": {"endpoints": [{"url": "http://127.0.0.1:8000/", "name": "a"},
+                             {"url": "http://127.0.0.1:8000/metrics", "name": "b"}]}},
+     "vllm.endpoints[1]: reads the page endpoints[0] reads"),
     ({"vllm": {"endpoints": ["http://u:p@h:8000/metrics#a", "http://h:8000/metrics#b"]}},
      "(the URLs differ in their user or password, which the label leaves out)"),
     ({"admission": {"close_above": 0.7, "open_below": 0.8}}, "admission: need 0 < open_below < close_above"),

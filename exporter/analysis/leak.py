@@ -988,3 +988,6 @@ class LeakLatch:
 
     def __len__(self) -> int:
         return len(self._last_suspected)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._last_suspected

@@ -19,6 +19,7 @@ its advice follows the component; without probe data it is as it always was, plu
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from ..model import Budget, Finding, GpuSample, Identity, ProcessSample, ProcessTrend, Snapshot
@@ -60,6 +61,10 @@ class LeakDetector:
 
     def __init__(self) -> None:
         self._latch = LeakLatch()
+        # The verdict that raised each latched finding (and the probed part it came from): while
+        # the latch holds a finding through quiet minutes, it tells that verdict's rate, not a
+        # quiet minute's (which may be flat or falling: "grows -0.2 MiB/min", and its severity).
+        self._raised: dict[Hashable, tuple[LeakAssessment, str]] = {}
         self._assess = LeakAssessor()
         self.process_trends: tuple[ProcessTrend, ...] = ()  # of the last tick judged
 
@@ -87,11 +92,11 @@ class LeakDetector:
                 mem, via = self._gpu_memory(history, gpu, p, now, config)
                 # assess() can pass and fail on consecutive minutes (between staircase steps,
                 # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
-                leaking = self._latch.update(key, mem.suspected and p.endpoint not in asleep, now)
+                leaking = self._latched(key, mem, via, p.endpoint not in asleep, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
                     a = self._assess(("rss", p.identity), history.process_rss(p.identity),
                                      host_total, now, config, SIGNALS_PER_SERIES)
-                    rss[p.identity] = (a, self._latch.update(("rss", p.identity), a.suspected, now))
+                    rss[p.identity] = (a, self._latched(("rss", p.identity), a, "", True, now))
                 host, host_leaking = rss.get(p.identity, (None, False))
                 rss_leak = p.role == "vllm" and host_leaking
                 trends.append(ProcessTrend(
@@ -101,14 +106,15 @@ class LeakDetector:
                     host_rss_growth_bytes_per_second=host.slope_bytes_per_second if host else None))
                 tp = p.endpoint in tensor_parallel
                 if leaking:
-                    window = dict(mem.evidence).get("window_seconds", config.slope_window_seconds)
+                    found, via = self._raised[key]
+                    window = dict(found.evidence).get("window_seconds", config.slope_window_seconds)
                     why = attribute(history, gpu.uuid, p, float(window), now, config)
                     if via:  # found in that part: it is the one that grows
                         why = Attribution(via, why.rates)
-                    findings.append(_gpu_leak(gpu, p, mem, now, tp, critical_seconds, why))
-                if rss_leak and host is not None and \
-                        not any(f.pid == p.pid and f.gpu is None for f in findings):
-                    findings.append(_rss_leak(p, host, snapshot, tp, critical_seconds, gpu.unified))
+                    findings.append(_gpu_leak(gpu, p, found, now, tp, critical_seconds, why))
+                if rss_leak and not any(f.pid == p.pid and f.gpu is None for f in findings):
+                    findings.append(_rss_leak(p, self._raised[("rss", p.identity)][0], snapshot, tp,
+                                              critical_seconds, gpu.unified))
         # A vLLM server's own processes on no GPU (vLLM's CPU backend: the model and its KV cache
         # are host memory, as on unified memory): their host memory is all there is to judge.
         for server in snapshot.vllm:
@@ -117,13 +123,23 @@ class LeakDetector:
                     continue
                 a = self._assess(("rss", p.identity), history.process_rss(p.identity), host_total, now, config,
                                  SIGNALS_PER_SERIES)
-                leaking = self._latch.update(("rss", p.identity), a.suspected and p.endpoint not in asleep, now)
+                leaking = self._latched(("rss", p.identity), a, "", p.endpoint not in asleep, now)
                 rss[p.identity] = (a, leaking)
                 if leaking:
-                    findings.append(_rss_leak(p, a, snapshot, False, critical_seconds, True, cpu=True))
+                    findings.append(_rss_leak(p, self._raised[("rss", p.identity)][0], snapshot, False,
+                                              critical_seconds, True, cpu=True))
         self._latch.prune(now)
+        self._raised = {k: v for k, v in self._raised.items() if k in self._latch}
         self._assess.prune()  # only the series of live processes are kept
         return LeakResult(tuple(trends), tuple(findings))
+
+    def _latched(self, key: Hashable, a: LeakAssessment, via: str, judged: bool, now: float) -> bool:
+        """The latch updated with this tick's verdict (counted only where `judged`); the verdict
+        kept as the one the finding tells while it suspects a leak."""
+        suspected = a.suspected and judged
+        if suspected:
+            self._raised[key] = (a, via)
+        return self._latch.update(key, suspected, now)
 
     def _gpu_memory(self, history: History, gpu: GpuSample, p: ProcessSample, now: float,
                     config: LeakConfig) -> tuple[LeakAssessment, str]:

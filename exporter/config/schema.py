@@ -124,7 +124,8 @@ class EndpointConfig(Section):
 
     url: MetricsUrl = Field(
         description="The server's /metrics URL (a bare http://host:port gets /metrics).")
-    name: Text = Field("", description="The `endpoint` label (default: the URL without credentials or query).")
+    name: Text = Field("", description=(
+        "The `endpoint` label (default: the URL without credentials, query or fragment). Each page is listed once."))
     bearer_token_file: TokenFile = Field("", description=(
         "A file holding a token sent as `Authorization: Bearer`; read at start and on reload, never "
         "logged. HTTP_PROXY and ~/.netrc are not used: they would see it."))
@@ -198,9 +199,23 @@ class VllmConfig(Section):
         (), description="vLLM servers to scrape (keys below).")
 
     def problems(self) -> Iterator[tuple[str, str]]:
-        # Two endpoints of one label would export every series twice, which Prometheus refuses.
+        # One page listed twice, whatever the names, would count its server's memory and counters
+        # twice; two endpoints of one label would export every series twice, which Prometheus
+        # refuses.
+        pages: dict[tuple[str, ...], int] = {}
         first: dict[str, int] = {}
         for i, ep in enumerate(self.endpoints):
+            page = _page(ep.url)
+            if page in pages:
+                other = self.endpoints[pages[page]].url
+                what = ("the same URL" if ep.url == other else
+                        "the URLs differ only in the fragment (after #), which is never sent"
+                        if urlsplit(ep.url)._replace(fragment="") == urlsplit(other)._replace(fragment="")
+                        else "the same scheme, host, port, path and query, as a scrape asks for them")
+                yield f"endpoints.{i}", (f"reads the page endpoints[{pages[page]}] reads ({what}): list it once; "
+                                         "twice, its server's memory and counters would count twice")
+                continue
+            pages[page] = i
             label = ep.name or public_url(ep.url)
             if label in first:
                 yield f"endpoints.{i}", (f"its `endpoint` label {label!r} is endpoints[{first[label]}]'s too "
@@ -208,21 +223,29 @@ class VllmConfig(Section):
             first.setdefault(label, i)
 
 
+def _page(url: str) -> tuple[str, ...]:
+    """The page a scrape of `url` reads: the fragment never leaves the client, a host name has
+    no letter case, the scheme's port may be left out, and a URL without a path reads /metrics."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
+    except ValueError:  # refused with its own message by the URL's check
+        port = 0
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return (parts.scheme.lower(), (parts.hostname or "").lower(), str(port), path, parts.query,
+            parts.username or "", parts.password or "")
+
+
 def _why_one_label(a: EndpointConfig, b: EndpointConfig) -> str:
-    """What two endpoints of one `endpoint` label have in common, and what to do about it."""
+    """What two endpoints of one `endpoint` label (and two pages) have in common, and what to do."""
     if a.name and b.name:
         return "(both are named so): give each a distinct `name`"
     if a.name or b.name:
         return "(one's `name` is the other's URL): give each a distinct `name`"
     one, other = urlsplit(a.url), urlsplit(b.url)
-    if one._replace(fragment="") == other._replace(fragment=""):
-        # The fragment never leaves the client: both read the very same page.
-        what = "differ only in the fragment (after #), which is never sent" if a.url != b.url else "are the same"
-        return f"(the URLs {what}): they read one page, list it once"
     # The label is scheme://host[:port]/path: what else differs is what it leaves out.
     left_out = [part for part, differs in (
         ("user or password", (one.username, one.password) != (other.username, other.password)),
-        ("host name's letter case", one.netloc.rpartition("@")[2] != other.netloc.rpartition("@")[2]),
         ("query", one.query != other.query)) if differs]
     return f"(the URLs differ in their {' and '.join(left_out) or 'spelling'}, which the label leaves out): " \
         "give each a distinct `name`"

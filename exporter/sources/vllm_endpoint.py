@@ -51,7 +51,7 @@ class VllmEndpoint:
 
     @property
     def label(self) -> str:
-        """The `endpoint` label: the name, else the URL without credentials or query."""
+        """The `endpoint` label: the name, else the URL without credentials, query or fragment."""
         return self.name or public_url(self.url)
 
     @property
