@@ -195,9 +195,12 @@ def explain(logfiles: tuple[str, ...], fmt: str) -> None:
 @click.option("--merge-runs", is_flag=True,
               help="Merge traces of different runs (another host or boot, another exporter run, "
               "or more than an hour apart), which are refused otherwise.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="The daemon's configuration file: the replay uses its detector, history and admission "
+              "settings, as the live daemon did (default: the built-in ones).")
 def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start: str | None, end: str,
             step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...],
-            merge_runs: bool) -> None:
+            merge_runs: bool, config_file: str | None) -> None:
     """Replay recorded samples (trace CSV or Prometheus range-query JSON) through the detectors."""
     from .postmortem.analyze import analyze_trace, read_log_events
     from .postmortem.explain import ExplainError
@@ -205,6 +208,8 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
 
     if bool(traces) == bool(prometheus_url):
         raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
+    # A replay with other thresholds than the daemon's raises other findings, or at other times.
+    settings = _load(config_file).analysis() if config_file else None
     try:
         if prometheus_url:
             from .postmortem.promquery import fetch, parse_time
@@ -224,7 +229,7 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
             # The command that fits the Python running this, whatever installed it (.venv, pipx).
             click.echo("The report's plots are left out: matplotlib is not installed. To draw them: "
                        f"{sys.executable} -m pip install 'matplotlib>=3.7'", err=True)
-        click.echo(analyze_trace(trace, fmt, report_path=report_path, oom_events=events,
+        click.echo(analyze_trace(trace, fmt, settings, report_path=report_path, oom_events=events,
                                  logs=log_files), nl=False)
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
         _fail(str(exc))

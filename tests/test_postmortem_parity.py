@@ -48,8 +48,10 @@ OOM_LINE = ("(EngineCore_DP0 pid=3150) ERROR 11-22 10:05:14 [core.py:710] torch.
 class Live:
     """A scenario played through Daemon.tick with a virtual clock, the flight recorder on."""
 
-    def __init__(self, name, directory, tail_seconds=300.0, log_file=None, **recorder):
+    def __init__(self, name, directory, tail_seconds=300.0, log_file=None, detectors=None, **recorder):
         overrides: dict = {"recorder": {"directory": str(directory), "tail_seconds": tail_seconds, **recorder}}
+        if detectors:
+            overrides["detectors"] = detectors
         if recorder.get("window_seconds", 0) > 3600:
             overrides["history"] = {"raw_seconds": recorder["window_seconds"]}
         if log_file:
@@ -122,6 +124,26 @@ def test_stale_memory_trace_holds_the_aftermath_and_replays_the_live_finding(tmp
     servers = [v for s in trace.snapshots for v in s.vllm if v.up]
     assert servers and servers[0].cache_config.gpu_memory_utilization == 0.9
     assert servers[0].engines[0].kv_cache_usage_ratio is not None
+
+
+def test_analyze_replays_with_the_daemons_detector_settings_given_its_config(tmp_path):
+    # The daemon ran with stale memory judged after 240 s, not 120: a replay with the built-in
+    # settings would date the finding two minutes early (the trial of 5d3e341: a leak critical
+    # live, only a warning in the replay).
+    config = tmp_path / "exporter.yml"
+    config.write_text("detectors:\n  stale_memory: {seconds: 240}\n")
+    live = Live("stale-memory", tmp_path / "rec", detectors={"stale_memory": {"seconds": 240}})
+    try:
+        live.run_until(1200)
+    finally:
+        live.stop()
+    [path] = live.files()
+    start = live.clock.start
+    assert [(f.kind, f.first_detected_at) for f, _ in live.analyzer.episodes()] == [("stale_memory", start + 840)]
+    assert [(f["kind"], f["first_detected_at"]) for f in analyze_json(path, "--config", str(config))["findings"]] \
+        == [("stale_memory", start + 840)]
+    assert [(f["kind"], f["first_detected_at"]) for f in analyze_json(path)["findings"]] == \
+        [("stale_memory", start + 720)]
 
 
 def test_without_a_tail_the_trace_ends_at_the_exit_and_misses_the_stale_memory(tmp_path):
