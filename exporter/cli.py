@@ -65,7 +65,13 @@ def _load(config_file: str | None, **flags: object) -> Config:
     try:
         return load(config_file, flags)
     except ConfigError as exc:
-        raise _invalid(config_file, exc) from None
+        error = _invalid(config_file, exc)
+        if flags.get("vllm_endpoints") and any(p.startswith("vllm.endpoints[") for p in exc.problems):
+            # The key path names a file the user never wrote, and a flag takes no `name`.
+            raise click.ClickException(error.message + "\n  (vllm.endpoints[0] is the first --vllm-endpoint "
+                                       "given, and so on; to name endpoints, list them under vllm.endpoints "
+                                       "in a --config file)") from None
+        raise error from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], **_COMMON_ENV})

@@ -254,3 +254,13 @@ def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
     assert header.startswith("timestamp,gpu,pid,process,used_bytes")
     out = json.loads(cli("analyze", str(files[0]), "--format", "json").stdout)
     assert "findings" in out
+
+
+def test_an_endpoint_problem_from_the_command_line_says_which_flag_and_where_names_go():
+    # The trial of 5d3e341: "vllm.endpoints[1]: ... give each a distinct `name`", and no flag names one.
+    proc = cli("snapshot", "--simulate", "steady", "--vllm-endpoint", "http://127.0.0.1:1/metrics?a=1",
+               "--vllm-endpoint", "http://127.0.0.1:1/metrics?a=2", check=False)
+    assert proc.returncode == 1
+    assert "vllm.endpoints[1]: its `endpoint` label" in proc.stderr
+    assert "vllm.endpoints[0] is the first --vllm-endpoint given" in proc.stderr
+    assert "under vllm.endpoints in a --config file" in proc.stderr
