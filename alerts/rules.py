@@ -172,7 +172,11 @@ max by (instance, job, gpu, uuid) (
                        '{{ with printf "gpumem_host_memory_pressure_some_ratio{instance=%q}" '
                        "$labels.instance | query }}{{ . | first | value | humanizePercentage }}{{ else }}(PSI not "
                        "available){{ end }} of the last 10 seconds, for 5 minutes. GPU allocations and the host "
-                       "now compete; the kernel OOM killer is next.")),
+                       "now compete; the kernel OOM killer is next. Largest processes by host memory (any of "
+                       'them takes GPU memory here):{{ range printf "sort_desc(topk(3, '
+                       'gpumem_process_host_rss_bytes{instance=%q}))" $labels.instance | query }} '
+                       "{{ .Labels.process }} (pid {{ .Labels.pid }}, {{ .Labels.role }}) {{ .Value | humanize1024 "
+                       "}}B;{{ end }}")),
 )
 
 VLLM = (

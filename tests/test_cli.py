@@ -264,3 +264,18 @@ def test_an_endpoint_problem_from_the_command_line_says_which_flag_and_where_nam
     assert "vllm.endpoints[1]: its `endpoint` label" in proc.stderr
     assert "vllm.endpoints[0] is the first --vllm-endpoint given" in proc.stderr
     assert "under vllm.endpoints in a --config file" in proc.stderr
+
+
+def test_a_unified_memory_host_exports_the_largest_host_processes_a_browser_among_them():
+    # The trial of 2c6ec9c: chrome held 45 GiB of a GB10's memory and was named only on the status
+    # page; GpuUnifiedMemoryHostPressure named no process and /metrics had no chrome series.
+    out = series(cli("snapshot", "--simulate", "unified-memory", "--at", "9500", "--format", "prometheus").stdout)
+    rss = {dict(labels)["process"]: (dict(labels)["role"], value) for (name, labels), value in out.items()
+           if name == "gpumem_process_host_rss_bytes"}
+    role, held = rss["chrome"]
+    assert role == "other" and held > 40 * 2**30
+    assert rss["VLLM::EngineCore"][0] == "vllm"
+    # A host whose GPUs have memory of their own lists only the processes that use them.
+    steady = series(cli("snapshot", "--simulate", "steady", "--format", "prometheus").stdout)
+    assert {dict(labels)["role"] for (name, labels), _ in steady.items()
+            if name == "gpumem_process_host_rss_bytes"} == {"vllm"}

@@ -160,12 +160,16 @@ PROCESS_MEMORY_USED_BYTES = gauge(
         'available".'))
 PROCESS_HOST_RSS_BYTES = gauge(
     "gpumem_process_host_rss_bytes",
-    "Host resident memory of a process using a GPU, or of a vLLM server on no GPU.",
+    "Host resident memory of a process using a GPU, of a vLLM server on no GPU, and on unified memory of the "
+    "host's largest processes.",
     ("pid", "process", "role", "container", "pod", "namespace"),
     section=PROCESSES, unit="bytes", doc=(
         "Host resident memory of each process that uses a GPU (vLLM leaks host memory too; on unified memory "
         "it is GPU memory), and of each process of a vLLM server that no GPU lists (vLLM's CPU backend: the API "
-        "server, `VLLM::EngineCore` and `VLLM::Worker`, whose host memory holds the model and its KV cache)."))
+        "server, `VLLM::EngineCore` and `VLLM::Worker`, whose host memory holds the model and its KV cache). "
+        "On a unified-memory host, or one with no GPU, also the host's largest processes by resident memory "
+        "(`role=\"other\"`, a few of them), whatever they are: a browser there eats the memory the model runs in, "
+        "and `GpuUnifiedMemoryHostPressure` names them."))
 PROCESS_MEMORY_GROWTH_BYTES_PER_SECOND = gauge(
     "gpumem_process_memory_growth_bytes_per_second",
     "Robust trend of the process's GPU memory.", TREND,

@@ -123,12 +123,12 @@ class StateCollector(Collector):
                     seen_rss.add(p.pid)
                     rss.add_metric([str(p.pid), p.name, p.role, p.container, p.pod, p.namespace],
                                    p.host_rss_bytes)
-        for v in snap.vllm:  # a server on no GPU (vLLM's CPU backend): its own processes
-            for p in v.processes:
-                if p.host_rss_bytes is not None and p.pid not in seen_rss:
-                    seen_rss.add(p.pid)
-                    rss.add_metric([str(p.pid), p.name, p.role, p.container, p.pod, p.namespace],
-                                   p.host_rss_bytes)
+        # A server on no GPU (vLLM's CPU backend): its own processes; on unified memory (or with no
+        # GPU), the host's largest, whichever they are: any of them eats the memory the model runs in.
+        for p in (*(p for v in snap.vllm for p in v.processes), *snap.host_processes):
+            if p.host_rss_bytes is not None and p.pid not in seen_rss:
+                seen_rss.add(p.pid)
+                rss.add_metric([str(p.pid), p.name, p.role, p.container, p.pod, p.namespace], p.host_rss_bytes)
         yield used
         yield rss
         yield from self._allocator(snap)
