@@ -13,6 +13,7 @@ deploy/kubernetes/generate.py turns the rules file into the PrometheusRule.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -228,12 +229,15 @@ def outputs() -> dict[Path, str]:
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a file is out of date, writing nothing")
+    check = ap.parse_args(argv).check
     stale = []
     for path, text in outputs().items():
         if path.exists() and path.read_text() == text:
             continue
         shown = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-        if "--check" in argv:
+        if check:
             stale.append(shown)
         else:
             path.write_text(text)

@@ -14,6 +14,7 @@ still need helpers of the same size as ours. Not clearly better: kept this build
 """
 from __future__ import annotations
 
+import argparse
 import json
 import string
 import sys
@@ -542,7 +543,8 @@ def render() -> dict[str, str]:
     return {name: json.dumps(build(), indent=2, sort_keys=True) + "\n" for name, build in DASHBOARDS.items()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args(argv)  # --help writes nothing
     OUT.mkdir(parents=True, exist_ok=True)
     for name, text in render().items():
         (OUT / name).write_text(text)

@@ -349,3 +349,13 @@ def test_servicemonitor_keeps_the_exporters_own_pod_and_endpoint_labels(rendered
     assert not re.fullmatch(drops[0]["regex"], "instance")
     targets = {r["targetLabel"]: r["sourceLabels"] for r in relabel if r.get("action") == "replace"}
     assert targets == {"instance": ["__meta_kubernetes_pod_node_name"], "node": ["__meta_kubernetes_pod_node_name"]}
+
+
+def test_the_generators_answer_help_without_writing():
+    # A newcomer's `generate.py --help` rewrote prometheusrule.yaml instead of printing its usage.
+    repo = Path(__file__).resolve().parent.parent
+    for script in ("deploy/kubernetes/generate.py", "grafana/generate.py", "alerts/generate.py"):
+        proc = subprocess.run([sys.executable, str(repo / script), "--help"], capture_output=True, text=True,
+                              cwd=repo, env={"PYTHONPATH": str(repo)}, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (script, proc.stderr)
+        assert "wrote" not in proc.stdout, script

@@ -8,6 +8,7 @@ tests/test_kubernetes_manifests.py fails when the file differs from what this sc
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -52,8 +53,11 @@ def render(rules_path: Path = RULES) -> str:
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date, writing nothing")
+    args = ap.parse_args(argv)
     text = render()
-    if "--check" in argv:
+    if args.check:
         if not OUT.exists() or OUT.read_text() != text:
             print(f"{OUT} is out of date: run python deploy/kubernetes/generate.py", file=sys.stderr)
             return 1
