@@ -451,7 +451,11 @@ DETECTOR = DetectorSpec(
                          '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | "
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
-                         "run.{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
+                         "run. Largest outside vLLM:"
+                         '{{ range printf "sort_desc(topk(3, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,'
+                         'role!=\\"vllm\\"}))" $labels.instance $labels.gpu | query }} {{ .Labels.process }} (pid '
+                         "{{ .Labels.pid }}) {{ .Value | humanize1024 }}B;{{ end }}"
+                         "{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
                          "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
                          "held by processes outside vLLM; MemAvailable is "
                          '{{ with printf "gpumem_host_memory_available_bytes{instance=%q}" $labels.instance | query }}'
