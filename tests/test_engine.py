@@ -247,6 +247,27 @@ def test_unified_memory_utilisation_comes_from_the_host():
     assert [f.severity for f in r.findings if f.kind == "pressure"] == ["critical"]
 
 
+def test_a_unified_gpu_takes_no_work_while_its_host_stalls_on_memory_and_until_it_recovers():
+    # A newcomer's trial of the unified-memory scenario: memory PSI at 49 %, the pressure finding
+    # critical and GpuUnifiedMemoryHostPressure paging, and /admission open (the GPU's share was
+    # under 90 %) until use passed it ten minutes later.
+    analyzer = Analyzer(log_findings=False, detectors=PRESSURE_ONLY)
+    g = GpuSample(index="0", uuid="GPU-gb10", unified=True)
+    hosts = [HostMemory(128 * GiB, 40 * GiB, psi_some_avg10=2.0),   # 69 % in use, calm: open
+             HostMemory(128 * GiB, 40 * GiB, psi_some_avg10=49.0),  # stalling: closed at once
+             HostMemory(128 * GiB, 40 * GiB, psi_some_avg10=15.0),  # under the page, not yet out of it
+             HostMemory(128 * GiB, 16 * GiB, psi_some_avg10=2.0),   # calm, 12.5 % available: not yet
+             HostMemory(128 * GiB, 40 * GiB, psi_some_avg10=2.0)]   # out of it: open again
+    gates = [analyzer.update(snap(T0 + 10 * k, [g], host=h)).gpus[0] for k, h in enumerate(hosts)]
+    assert [a.admission_open for a in gates] == [True, False, False, False, True]
+    assert "memory PSI 49 %" in gates[1].closed_because
+    assert "has not recovered yet" in gates[2].closed_because and gates[4].closed_because == ""
+    # A GPU with memory of its own does not close for its host's.
+    own = GpuSample(index="0", uuid="GPU-h100", total_bytes=80 * GiB, used_bytes=40 * GiB)
+    assert Analyzer(log_findings=False, detectors=PRESSURE_ONLY).update(
+        snap(T0, [own], host=hosts[1])).gpus[0].admission_open is True
+
+
 
 @dataclass(frozen=True)
 class _EveryTenthConfig:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from ..model import Budget, GpuAnalysis, GpuSample, Snapshot
+from .. import thresholds
+from ..model import Budget, GpuAnalysis, GpuSample, HostMemory, Snapshot
 from .history import History, SeriesView
 from .leak import LeakConfig, time_to_full
-from .pressure import admission_open, beyond_budget_bytes, memory_ratio
+from .pressure import admission_open, beyond_budget_bytes, memory_ratio, unified_host_short
 from .stale import unattributed_bytes
 from .trend import median, theil_sen_interval
 
@@ -22,6 +23,7 @@ def _servers_on(gpu: GpuSample) -> tuple[str, ...]:
 class GpuVerdicts:
     def __init__(self) -> None:
         self._admission: dict[str, bool] = {}  # GPU uuid -> open
+        self._host_short: set[str] = set()  # unified GPUs closed for their host's memory, until it recovers
         self._servers: dict[str, tuple[str, ...]] = {}  # GPU uuid -> vLLM servers on it when last up
 
     def update(self, snapshot: Snapshot, budgets: tuple[Budget, ...], history: History,
@@ -54,16 +56,39 @@ class GpuVerdicts:
             if len(self._admission) > MAX_GPUS_REMEMBERED:
                 self._admission.pop(next(iter(self._admission)))
             servers = self._servers.get(gpu.uuid, ())
-            spanned = [f"vLLM {s} also spans GPU {lost[s]}, which does not answer" for s in servers
-                       if gpu.up and s in lost]
+            closed = [f"vLLM {s} also spans GPU {lost[s]}, which does not answer" for s in servers
+                      if gpu.up and s in lost]
+            if gpu.up and gpu.unified:
+                short = self._unified_host(gpu.uuid, snapshot.host)
+                closed += [short] if short else []
             out.append(GpuAnalysis(
-                gpu=gpu.index, uuid=gpu.uuid, utilization_ratio=ratio, admission_open=is_open and not spanned,
-                servers=servers, closed_because="; ".join(spanned),
+                gpu=gpu.index, uuid=gpu.uuid, utilization_ratio=ratio, admission_open=is_open and not closed,
+                servers=servers, closed_because="; ".join(closed),
                 beyond_budget_bytes=beyond,
                 time_to_full_seconds=_time_to_full(gpu, snapshot.timestamp, history,
                                                    forecast_window_seconds, leak),
                 unattributed_bytes=unattributed_bytes(gpu) if gpu.up else None))
         return tuple(out)
+
+    def _unified_host(self, uuid: str, host: HostMemory | None) -> str:
+        """Why a unified GPU takes no work for its host's memory ("" when it may): closed where
+        GpuUnifiedMemoryHostPressure pages, the host short of memory (a GPU allocation there takes
+        host memory the host has not got, whatever the GPU's share in use), and kept closed until
+        the host is clearly out of it (MemAvailable 1.5x that threshold, PSI half of its): memory
+        PSI is a 10-second average, and a gate on it alone would flap."""
+        short = unified_host_short(host)
+        if short:
+            self._host_short.add(uuid)
+            while len(self._host_short) > MAX_GPUS_REMEMBERED:
+                self._host_short.pop()
+            return f"the host it shares memory with is short: {short}"
+        if uuid in self._host_short and host is not None and host.total_bytes > 0:
+            available = host.available_bytes / host.total_bytes
+            if available < 1.5 * thresholds.UNIFIED_HOST_AVAILABLE.value or \
+                    (host.psi_some_avg10 or 0.0) / 100.0 > 0.5 * thresholds.UNIFIED_HOST_PRESSURE.value:
+                return f"the host it shares memory with has not recovered yet (MemAvailable {available:.0%})"
+        self._host_short.discard(uuid)
+        return ""
 
 
 STEP_NOISE_FACTOR = 8.0  # a jump this many times the series' minute-to-minute noise is a step

@@ -16,7 +16,9 @@ unified-memory GPU a host short of memory at its level is critical pressure (`un
 
 Admission is a gate a router or autoscaler can read (`/admission`, `gpumem_admission_open`):
 it closes when a GPU goes above the close threshold (0.90) and reopens only below the open
-threshold (0.80), so a GPU hovering at the threshold does not flap.
+threshold (0.80), so a GPU hovering at the threshold does not flap. A unified GPU's gate also
+closes while its host is short of memory, as GpuUnifiedMemoryHostPressure pages
+(gpu_verdicts.py).
 """
 from __future__ import annotations
 
@@ -181,11 +183,11 @@ def _advice(gpu: GpuSample | None, admission_open: bool) -> tuple[str, ...]:
     advice = [
         "The processes named hold the most; see whether one is growing "
         "(gpumem_process_memory_growth_bytes_per_second) and whether it belongs on this GPU.",
-        # The gate closes on use alone; say which way it stands, so no one trusts a closed gate
-        # that is open (host pressure on unified memory raises this finding below that line).
+        # The gate closes on use (and, on unified memory, where the host is short), with its
+        # hysteresis; say which way it stands, so no one trusts a closed gate that is open.
         "Stop routing new work to this GPU until it drains: its admission (/admission, "
         "gpumem_admission_open) is " + ("closed, so routers that read it already do." if not admission_open else
-                                        "still open (it closes on the GPU's use alone): route away from it by hand."),
+                                        "still open (it closes on the GPU's use): route away from it by hand."),
         "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
         "spread the model over more GPUs (tensor parallelism).",
     ]

@@ -148,7 +148,9 @@ ADMISSION_OPEN = gauge(
     section=GPUS, doc=(
         "1 while the GPU has headroom. Closes above `admission.close_above` (0.90) utilisation when more than"
         " 2 % of the GPU is beyond the vLLM budgets; reopens below `admission.open_below` (0.80), or once the"
-        " memory beyond budget is back under 1 %. Also served as `/admission` (200/503)."))
+        " memory beyond budget is back under 1 %. A unified-memory GPU also closes while its host is short of"
+        " memory where `GpuUnifiedMemoryHostPressure` pages (MemAvailable under 10 %, memory PSI over 20 %), and"
+        " reopens once the host is clearly out of it (15 % and 10 %). Also served as `/admission` (200/503)."))
 
 
 # -- Processes --------------------------------------------------------------------------------------
