@@ -119,7 +119,10 @@ GPU_MEMORY_UTILIZATION_RATIO = gauge(
     "gpumem_gpu_memory_utilization_ratio",
     "Used over total GPU memory (0-1).", GPU,
     section=GPUS, unit="ratio", doc=(
-        "used / total. The 85 % page is built on this."))
+        "used / total, the daemon's figure (on unified memory: the host's, read from MemAvailable). The 85 % page"
+        " (`GpuMemoryHigh`) computes used / total from the GPU series in Prometheus "
+        "(`instance_gpu:gpumem_memory_utilization:ratio`), and pages only where more than 2 % of the GPU is beyond"
+        " the vLLM budgets: a GPU a vLLM server fills to its own `gpu_memory_utilization` is as planned."))
 GPU_MEMORY_BEYOND_BUDGET_BYTES = gauge(
     "gpumem_gpu_memory_beyond_budget_bytes",
     "Used memory the vLLM servers did not budget for (all of it on a GPU without vLLM).", GPU,
