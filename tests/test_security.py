@@ -312,8 +312,9 @@ def test_require_and_verify_client_cert(serve, pki, tmp_path, capfd):
     for cert in (None, rogue):  # no certificate, or one our CA did not sign
         with pytest.raises(requests.exceptions.ConnectionError):
             requests.get(url, cert=cert, verify=ca, auth=("prom", PASSWORD), timeout=HANG_BOUND)
-    with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP on the TLS port
-        requests.get(url.replace("https", "http"), timeout=HANG_BOUND)
+    # Plain HTTP on the TLS port is told so (a scraper set to the wrong scheme), and gets nothing else.
+    plain = requests.get(url.replace("https", "http"), auth=("prom", PASSWORD), timeout=HANG_BOUND)
+    assert plain.status_code == 400 and plain.text == "Client sent an HTTP request to an HTTPS server.\n"
     # A good certificate still needs the password: the two checks add up.
     assert requests.get(url, cert=good, verify=ca, timeout=HANG_BOUND).status_code == 401
     r = requests.get(url, cert=good, verify=ca, auth=("prom", PASSWORD), timeout=HANG_BOUND)

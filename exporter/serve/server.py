@@ -69,6 +69,8 @@ READ_BYTES = 16 << 10  # one read of a request head
 # One read of a TLS stream, taken only when OpenSSL wants more. Small: OpenSSL's memory buffer
 # keeps the largest size it was ever given (its record buffer, 18 KiB, is OpenSSL's own).
 TLS_READ_BYTES = 4 << 10
+PLAIN_HTTP_TO_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+                     b"\r\nClient sent an HTTP request to an HTTPS server.\n")
 ACCEPT_BATCH = 256  # connections accepted in a row before the others run
 BACKLOG = 1024
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset, no TIME_WAIT left
@@ -205,6 +207,19 @@ class _Tls(_Plain):
         self._tls: ssl.SSLObject | None = context.wrap_bio(incoming, outgoing, server_side=True)
 
     async def handshake(self) -> None:
+        # A TLS client opens with a handshake record (0x16); a request line in plain text is a
+        # scraper set to http:// (Prometheus' `scheme`), told so in plain text as Go's servers do,
+        # where a dropped connection would leave it guessing.
+        first = await super().recv(TLS_READ_BYTES)
+        if first[:1].isalpha():
+            await super().send(PLAIN_HTTP_TO_TLS)
+            raise ssl.SSLError("a plain HTTP request on the TLS listener")
+        if self._buffers is None:
+            raise ssl.SSLZeroReturnError("connection closed")
+        if first:
+            self._buffers[0].write(first)
+        else:
+            self._buffers[0].write_eof()
         await self._until_done(lambda: self._open().do_handshake())
 
     async def recv(self, max_bytes: int) -> bytes:
