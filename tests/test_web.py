@@ -134,8 +134,9 @@ def test_tls_and_auth_from_web_config(serve, tls_cert, tmp_path):
     assert url.startswith("https://")
     r = requests.get(url + "/metrics", auth=("prom", "s3cret"), verify=cert, timeout=HANG)
     assert r.status_code == 200 and "gpumem_gpu_info" in r.text
-    with pytest.raises(requests.exceptions.ConnectionError):
-        requests.get(url.replace("https", "http") + "/metrics", timeout=HANG)
+    # Plain HTTP on the TLS port: told so, and served nothing, credentials or not.
+    plain = requests.get(url.replace("https", "http") + "/metrics", auth=("prom", "s3cret"), timeout=HANG)
+    assert plain.status_code == 400 and "gpumem" not in plain.text and "HTTPS server" in plain.text
 
 
 @pytest.mark.parametrize("text, message", [

@@ -214,12 +214,7 @@ class _Tls(_Plain):
         if first[:1].isalpha():
             await super().send(PLAIN_HTTP_TO_TLS)
             raise ssl.SSLError("a plain HTTP request on the TLS listener")
-        if self._buffers is None:
-            raise ssl.SSLZeroReturnError("connection closed")
-        if first:
-            self._buffers[0].write(first)
-        else:
-            self._buffers[0].write_eof()
+        self._feed(first)
         await self._until_done(lambda: self._open().do_handshake())
 
     async def recv(self, max_bytes: int) -> bytes:
@@ -274,13 +269,16 @@ class _Tls(_Plain):
                 raise failure
             if not more:
                 return result
-            data = await super().recv(TLS_READ_BYTES)
-            if self._buffers is None:
-                raise ssl.SSLZeroReturnError("connection closed")
-            if data:
-                self._buffers[0].write(data)
-            else:
-                self._buffers[0].write_eof()
+            self._feed(await super().recv(TLS_READ_BYTES))
+
+    def _feed(self, data: bytes) -> None:
+        """What the socket gave, to OpenSSL (nothing: the client closed its side)."""
+        if self._buffers is None:
+            raise ssl.SSLZeroReturnError("connection closed")
+        if data:
+            self._buffers[0].write(data)
+        else:
+            self._buffers[0].write_eof()
 
     async def _flush(self) -> None:
         if self._buffers is not None and self._buffers[1].pending:
