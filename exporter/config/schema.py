@@ -20,6 +20,7 @@ from ..analysis.registry import DETECTORS
 from ..boundedio import read_head
 from ..sources import gpu as gpu_backends
 from ..sources.httpclient import public_url
+from ..sources.vllm_endpoint import metrics_url
 from ..tlsfiles import ca_context
 from .detectors import DetectorsConfig, detector_settings
 from .fields import (
@@ -226,13 +227,12 @@ class VllmConfig(Section):
 def _page(url: str) -> tuple[str, ...]:
     """The page a scrape of `url` reads: the fragment never leaves the client, a host name has
     no letter case, the scheme's port may be left out, and a URL without a path reads /metrics."""
-    parts = urlsplit(url)
+    parts = urlsplit(metrics_url(url))
     try:
         port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
     except ValueError:  # refused with its own message by the URL's check
         port = 0
-    path = parts.path if parts.path not in ("", "/") else "/metrics"
-    return (parts.scheme.lower(), (parts.hostname or "").lower(), str(port), path, parts.query,
+    return (parts.scheme.lower(), (parts.hostname or "").lower(), str(port), parts.path, parts.query,
             parts.username or "", parts.password or "")
 
 

@@ -13,6 +13,14 @@ from .httpclient import Secrets, public_url
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 
 
+def metrics_url(url: str) -> str:
+    """The page a server's URL reads: a bare http://host:port (or its /) reads /metrics."""
+    parts = urlsplit(url)
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/metrics")
+    return urlunsplit(parts)
+
+
 @dataclass(frozen=True)
 class VllmEndpoint:
     """One vLLM server to scrape, and how to find its processes."""
@@ -56,10 +64,7 @@ class VllmEndpoint:
 
     @property
     def metrics_url(self) -> str:
-        parts = urlsplit(self.url)
-        if parts.path in ("", "/"):
-            parts = parts._replace(path="/metrics")
-        return urlunsplit(parts)
+        return metrics_url(self.url)
 
     @property
     def hostname(self) -> str:
