@@ -14,6 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exporter.analysis.alert_text import (
+    GPU_PROCESSES,
+    HOST_PROCESSES_OUTSIDE_VLLM,
+    IF_UNIFIED_GPU,
+    OTHER_GPU_PROCESSES_NONZERO_QUERY,
+    OTHER_GPU_PROCESSES_QUERY,
+)
+
 
 @dataclass(frozen=True)
 class Record:
@@ -88,15 +96,17 @@ instance_gpu:gpumem_memory_beyond_vllm_budget:ratio
                        '{{ with query "gpumem:threshold_memory_high:ratio" }}{{ . | first '
                        "| value | humanizePercentage }}{{ end }}). Beyond the vLLM servers' budget: "
                        '{{ with printf "instance_gpu:gpumem_memory_beyond_vllm_budget:bytes{instance=%q,gpu=%q}" '
-                       "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }}, "
-                       "of which non-vLLM processes hold "
-                       '{{ with printf "instance_gpu:gpumem_other_process_memory:bytes{instance=%q,gpu=%q}" '
-                       "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }}. "
-                       "Largest "
-                       'processes:{{ range printf "sort_desc(topk(3, '
-                       'gpumem_process_memory_used_bytes{instance=%q,gpu=%q}))" '
-                       "$labels.instance $labels.gpu | query }} {{ .Labels.process }} (pid {{ .Labels.pid }}, "
-                       "{{ .Labels.role }}) {{ .Value | humanize1024 }}B;{{ end }}")),
+                       "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }}"
+                       # Unified memory: a host process's memory is the GPU's but no GPU process's, so
+                       # "non-vLLM processes hold 0B" would be false; name the host's largest instead.
+                       f"{IF_UNIFIED_GPU}{{{{ with {OTHER_GPU_PROCESSES_NONZERO_QUERY} }}}}, of which non-vLLM "
+                       "processes on the GPU hold {{ . | first | value | humanize1024 }}B{{ end }}. GPU "
+                       "{{ $labels.gpu }} takes its memory from the host (unified memory), where any process "
+                       f"takes from it; the host's largest outside vLLM:{HOST_PROCESSES_OUTSIDE_VLLM} Largest "
+                       f"processes on the GPU:{GPU_PROCESSES}"
+                       "{{ else }}, of which non-vLLM processes hold "
+                       f"{{{{ with {OTHER_GPU_PROCESSES_QUERY} }}}}{{{{ . | first | value | humanize1024 }}}}B"
+                       f"{{{{ end }}}}. Largest processes:{GPU_PROCESSES}{{{{ end }}}}")),
     Alert("GpuMemoryNearFull", severity="page", for_="2m",
           comment=("Absolute: at this level any new allocation (activations, CUDA graphs, NCCL buffers, a restart, "
                    "another process) can fail, whoever owns the memory, vLLM included."),
@@ -112,11 +122,11 @@ instance_gpu:gpumem_memory_utilization:ratio
                        "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} of "
                        '{{ with printf "gpumem_gpu_memory_total_bytes{instance=%q,gpu=%q}" '
                        "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
-                       "are free. The next allocation may fail with out-of-memory. Largest "
-                       'processes:{{ range printf "sort_desc(topk(3, '
-                       'gpumem_process_memory_used_bytes{instance=%q,gpu=%q}))" '
-                       "$labels.instance $labels.gpu | query }} {{ .Labels.process }} (pid {{ .Labels.pid }}, "
-                       "{{ .Labels.role }}) {{ .Value | humanize1024 }}B;{{ end }}")),
+                       "are free. The next allocation may fail with out-of-memory. "
+                       f"{IF_UNIFIED_GPU}GPU {{{{ $labels.gpu }}}} takes its memory from the host (unified "
+                       "memory), where any process takes from it; the host's largest outside "
+                       f"vLLM:{HOST_PROCESSES_OUTSIDE_VLLM} Largest processes on the GPU:{GPU_PROCESSES}"
+                       f"{{{{ else }}}}Largest processes:{GPU_PROCESSES}{{{{ end }}}}")),
     Alert("GpuAdmissionClosed", severity="ticket", for_="15m",
           comment=("Admission closes above 90 % by design, which a vLLM GPU always is; only a closure that memory "
                    "beyond the vLLM budget causes is worth a look."),

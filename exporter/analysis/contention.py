@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 from ..units import GiB, counted, format_bytes, format_duration
+from .alert_text import HOST_PROCESSES_OUTSIDE_VLLM, IF_UNIFIED_GPU, OTHER_GPU_PROCESSES_NONZERO_QUERY
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
@@ -444,7 +445,20 @@ DETECTOR = DetectorSpec(
             description=("{{ if $labels.gpu }}The exporter's contention detector finds memory on GPU {{ $labels.gpu }} "
                          "of {{ $labels.instance }} taken by a process outside the vLLM "
                          "server{{ with $labels.endpoint }} {{ . }}{{ end }}{{ with $labels.pid }}: "
-                         "{{ $labels.process }} (pid {{ . }}){{ end }}. Non-vLLM processes hold "
+                         "{{ $labels.process }} (pid {{ . }}){{ end }}. "
+                         # Unified memory: the contenders hold host memory, which no GPU process figure
+                         # shows ("non-vLLM processes hold 0B" would be false); name the host's largest.
+                         f"{IF_UNIFIED_GPU}GPU {{{{ $labels.gpu }}}} takes its memory from the host (unified "
+                         "memory), which has "
+                         '{{ with printf "gpumem_host_memory_available_bytes{instance=%q}" $labels.instance | query }}'
+                         "{{ . | first | value | humanize1024 }}B{{ end }} available"
+                         f"{{{{ with {OTHER_GPU_PROCESSES_NONZERO_QUERY} }}}}; non-vLLM processes on the GPU "
+                         "hold {{ . | first | value | humanize1024 }}B{{ end }}; the GPU is at "
+                         '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ . | first | value | "
+                         "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
+                         f"run. Largest outside vLLM by host memory:{HOST_PROCESSES_OUTSIDE_VLLM}"
+                         "{{ else }}Non-vLLM processes hold "
                          '{{ with printf "instance_gpu:gpumem_other_process_memory:bytes{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
                          "of the GPU, which is at "
@@ -454,7 +468,7 @@ DETECTOR = DetectorSpec(
                          "run. Largest outside vLLM:"
                          '{{ range printf "sort_desc(topk(3, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,'
                          'role!=\\"vllm\\"}))" $labels.instance $labels.gpu | query }} {{ .Labels.process }} (pid '
-                         "{{ .Labels.pid }}) {{ .Value | humanize1024 }}B;{{ end }}"
+                         "{{ .Labels.pid }}) {{ .Value | humanize1024 }}B;{{ end }}{{ end }}"
                          "{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
                          "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
                          "held by processes outside vLLM; MemAvailable is "
