@@ -216,6 +216,23 @@ def test_alert_has_a_firing_and_a_silent_unit_test(name):
             assert set(expected["exp_annotations"]) == {"summary", "description", "runbook_url"}
 
 
+GPU_PROCESS_LIST = re.compile(
+    r"topk\(\d+,\s*gpumem_process_memory_used_bytes|instance_gpu:gpumem_other_process_memory:bytes")
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=ALERT_NAMES)
+def test_text_on_other_processes_gpu_memory_names_host_processes_on_unified_memory(rule):
+    """On a unified-memory GPU (DGX Spark / GB10) a browser's host memory is GPU memory that no GPU
+    process figure shows: a description that lists the GPU's processes, or quotes what non-vLLM
+    processes hold on it, must also branch on gpumem_gpu_info{unified="true"} and name the host's
+    largest processes there (it said "non-vLLM processes hold 0B" while chrome held 45 GiB).
+    alerts/tests/gpu-memory.test.yml renders those texts."""
+    text = rule["annotations"]["description"]
+    if GPU_PROCESS_LIST.search(text):
+        assert 'gpumem_gpu_info{instance=%q,gpu=%q,unified=\\"true\\"}' in text, rule["alert"]
+        assert "gpumem_process_host_rss_bytes{instance=%q," in text, rule["alert"]
+
+
 def test_every_runbook_belongs_to_an_alert():
     pages = {p.stem for p in RUNBOOKS.glob("*.md")} - {"README"}
     assert pages == set(ALERT_NAMES)
