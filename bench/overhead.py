@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 INTERVAL = 5.0
 VLLM_ENDPOINTS = 4
 TICKS_PER_HOUR = 3600 / INTERVAL
+WINDOW_TICKS = 6  # CPU is summarised over this many ticks: one idle page read each (30 s)
 
 
 def server_positions(gpus: int, procs_per_gpu: int) -> list[int]:
@@ -101,7 +102,8 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int, by_name: bool = True) -> dict:
+def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int, by_name: bool = True,
+                working: bool = False) -> dict:
     from exporter.cli import make_analyzer
     from exporter.clock import FixedClock
     from exporter.config import build as build_config
@@ -120,8 +122,11 @@ def worker_ours(spec: dict, endpoints: list[str], ticks: int, warm: int, by_name
     nvml = NvmlSource(fake_nvml, host.memory, now=clock.now)
     sources = [nvml, HostSource(host)]
     if endpoints:  # as the daemon: no endpoint configured, no vLLM source
-        sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}", **({} if by_name else {"by_name": False}))
-                                   for i, u in enumerate(endpoints)], host=host))
+        # Working servers' pages are read every tick; idle ones' every 30 s (vllm_idle.py): these
+        # servers' processes are idle, so `working` reads every tick as a working server is read.
+        options = {"by_name": by_name, **({"idle_read_seconds": 0} if working else {})}
+        sources.append(VllmSource([VllmEndpoint(url=u, name=f"ep{i}", **options) for i, u in enumerate(endpoints)],
+                                  host=host))
     sampler = Sampler(sources, now=clock.now)
     analyzer = make_analyzer(build_config())
     logging.getLogger("exporter.findings").propagate = False  # logged, not printed over the table
@@ -182,7 +187,8 @@ def worker_nvitop(spec: dict, site: str, ticks: int, warm: int) -> dict:
 def worker_main(kind: str, spec_file: str, endpoints: list[str], site: str, ticks: int, warm: int) -> None:
     spec = json.loads(Path(spec_file).read_text())
     result = (worker_nvitop(spec, site, ticks, warm) if kind == "nvitop"
-              else worker_ours(spec, endpoints, ticks, warm, by_name=kind != "ours-whole"))
+              else worker_ours(spec, endpoints, ticks, warm, by_name=kind != "ours-whole",
+                               working=kind == "ours-working"))
     print(json.dumps(result), flush=True)
     sys.stdin.read()  # serve /metrics until the parent closes stdin
 
@@ -300,12 +306,16 @@ def main() -> int:
     ap.add_argument("--nvitop-site", default=default_site, help="site-packages holding nvitop-exporter")
     ap.add_argument("--whole-pages", action="store_true",
                     help="also run ours reading the vLLM pages whole (vllm.endpoints[].by_name false)")
-    ap.add_argument("--worker", choices=["ours", "ours-whole", "nvitop"], help=argparse.SUPPRESS)
+    ap.add_argument("--working", action="store_true",
+                    help="also run ours reading every page every tick, as while the servers work")
+    ap.add_argument("--worker", choices=["ours", "ours-whole", "ours-working", "nvitop"], help=argparse.SUPPRESS)
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ticks % WINDOW_TICKS:
+        ap.error(f"--ticks must be a multiple of {WINDOW_TICKS} (CPU is summarised over {WINDOW_TICKS}-tick windows)")
     if args.worker:
         worker_main(args.worker, args.spec, args.endpoint, args.site, args.ticks, args.warm_ticks)
         return 0
@@ -328,6 +338,8 @@ def main() -> int:
                     workers = {"ours": ("ours", urls, ""), "ours, no vLLM": ("ours", [], "")}
                     if args.whole_pages:
                         workers["ours, whole pages"] = ("ours-whole", urls, "")
+                    if args.working:
+                        workers["ours, servers working"] = ("ours-working", urls, "")
                     if have_nvitop:
                         workers["nvitop"] = ("nvitop", [], args.nvitop_site)
                     row = {"gpus": gpus, "procs": per_gpu}
@@ -338,24 +350,29 @@ def main() -> int:
                             row[name] = merged(row.get(name), result)
                 rows.append(row)
                 print(f"  {gpus} GPUs x {per_gpu} processes done", file=sys.stderr)
-    print_table(rows, have_nvitop, args.whole_pages)
+    print_table(rows, have_nvitop, args.whole_pages, args.working)
     return 0
 
 
 def summarise(r: dict) -> dict:
-    tick = statistics.median(r["cpu_per_tick"])
+    # An idle server's page is read one tick in six (every 30 s): the median of single ticks
+    # would be a tick that reads nothing. The median of 6-tick windows' means counts the reads.
+    per_tick = r["cpu_per_tick"]
+    tick = statistics.median(statistics.fmean(per_tick[i:i + WINDOW_TICKS])
+                             for i in range(0, len(per_tick) - WINDOW_TICKS + 1, WINDOW_TICKS))
     return {"cpu_s_per_h": tick * TICKS_PER_HOUR, "core_pct": 100 * tick / INTERVAL, "rss_mib": r["rss"] / 2**20,
             "p50_ms": 1000 * statistics.median(r["scrape"]), "p99_ms": 1000 * pct(r["scrape"], 0.99),
             "kib": r["bytes"] / 1024, "seen": r["gpu_processes"]}
 
 
-def print_table(rows: list[dict], have_nvitop: bool, whole_pages: bool = False) -> None:
+def print_table(rows: list[dict], have_nvitop: bool, whole_pages: bool = False, working: bool = False) -> None:
     head = ("| GPUs | procs/GPU | exporter | CPU s/h | % of a core | RSS MiB | scrape p50 ms | scrape p99 ms "
             "| /metrics KiB | GPU procs seen |")
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
     for row in rows:
-        kinds = ("ours", *(("ours, whole pages",) if whole_pages else ()), "ours, no vLLM",
+        kinds = ("ours", *(("ours, whole pages",) if whole_pages else ()),
+                 *(("ours, servers working",) if working else ()), "ours, no vLLM",
                  *(("nvitop",) if have_nvitop else ()))
         for kind in kinds:
             s = summarise(row[kind])
@@ -363,12 +380,14 @@ def print_table(rows: list[dict], have_nvitop: bool, whole_pages: bool = False) 
                   f"| {s['rss_mib']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['kib']:.0f} | {s['seen']} |")
     if have_nvitop:
         print()
-        print("| GPUs | procs/GPU | CPU ours/nvitop | CPU ours, no vLLM/nvitop | RSS ours/nvitop "
-              "| scrape p50 ours/nvitop | scrape p99 ours/nvitop |")
-        print("|---|---|---|---|---|---|---|")
+        print("| GPUs | procs/GPU | CPU ours/nvitop |" + (" CPU ours, servers working/nvitop |" if working else "")
+              + " CPU ours, no vLLM/nvitop | RSS ours/nvitop | scrape p50 ours/nvitop | scrape p99 ours/nvitop |")
+        print("|---|---|---|---|---|---|---|" + ("---|" if working else ""))
         for row in rows:
             o, b, n = summarise(row["ours"]), summarise(row["ours, no vLLM"]), summarise(row["nvitop"])
-            print(f"| {row['gpus']} | {row['procs']} | {o['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} "
+            w = (f"| {summarise(row['ours, servers working'])['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} "
+                 if working else "")
+            print(f"| {row['gpus']} | {row['procs']} | {o['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} {w}"
                   f"| {b['cpu_s_per_h'] / n['cpu_s_per_h']:.2f} | {o['rss_mib'] / n['rss_mib']:.2f} "
                   f"| {o['p50_ms'] / n['p50_ms']:.2f} | {o['p99_ms'] / n['p99_ms']:.2f} |")
 

@@ -274,6 +274,9 @@ class VllmSample:
     # vllm:admission_rejections_total (per model, no engine): (model, reason, rejections), the
     # requests refused by a queue limit (max_num_queued_reqs, max_num_queued_tokens).
     admission_rejections: tuple[tuple[str, str, float], ...] = ()
+    # Seconds since this page was read: 0 when read this tick; an idle server's is read less often
+    # (sources/vllm_idle.py), and shown again meanwhile.
+    page_age_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ def _endpoint(ep: EndpointConfig, where: str) -> VllmEndpoint:
     return VllmEndpoint(url=ep.url, name=ep.name, bearer_token=token, timeout_seconds=ep.timeout_seconds,
                         max_response_bytes=ep.max_response_bytes, pid_file=ep.pid_file or None,
                         container_id=ep.container_id or None, process_pattern=ep.process_pattern or None,
-                        log_file=ep.log_file or None, by_name=ep.by_name)
+                        log_file=ep.log_file or None, by_name=ep.by_name,
+                        idle_read_seconds=ep.idle_read_seconds)
 
 
 def kubelet_pods(config: Config, env: Mapping[str, str] | None = None) -> KubeletPods | None:

@@ -39,6 +39,10 @@ class Host:
         return ProcessInfo(pid=pid, name=NAMES[pid], rss_bytes=self.rss[pid], start_time=T0 - 600,
                            ppid=PARENTS[pid])
 
+    def parent(self, pid):
+        info = self.process(pid)
+        return info.ppid if info else None
+
     def children(self, pid):
         self.children_calls += 1
         found, todo = [], [pid]

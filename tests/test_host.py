@@ -136,13 +136,15 @@ class FakeProc:
         self.root = root
         (root / "stat").write_text("cpu  1 2 3 4\nbtime 1700000000\n")
 
-    def put(self, pid, name, starttime, ppid=1, cgroup="0::/system.slice/a.service\n", rss_pages=256):
+    def put(self, pid, name, starttime, ppid=1, cgroup="0::/system.slice/a.service\n", rss_pages=256, utime=1,
+            stime=1):
         d = self.root / str(pid)
         d.mkdir(exist_ok=True)
         rest = " ".join(["0"] * 40)
         # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
         # cutime cstime priority nice threads itrealvalue starttime ...
-        (d / "stat").write_text(f"{pid} ({name}) S {ppid} 1 1 0 -1 0 0 0 0 0 1 1 0 0 20 0 1 0 {starttime} {rest}\n")
+        (d / "stat").write_text(f"{pid} ({name}) S {ppid} 1 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0 "
+                                f"{starttime} {rest}\n")
         (d / "statm").write_text(f"1000 {rss_pages} 10 1 0 100 0\n")
         (d / "cgroup").write_text(cgroup)
         (d / "status").write_text(f"Name:\t{name}\nNSpid:\t{pid}\t7\n")
@@ -156,6 +158,27 @@ def fake_proc(tmp_path, monkeypatch):
     clock = [0.0]
     proc = FakeProc(tmp_path)
     return proc, LocalHost(monotonic=lambda: clock[0]), clock
+
+
+def test_cpu_seconds_sums_the_processes_and_is_none_once_one_is_gone(fake_proc):
+    proc, host, _ = fake_proc
+    ticks = os.sysconf("SC_CLK_TCK")
+    proc.put(6000, "python", starttime=100, utime=3 * ticks, stime=ticks)
+    proc.put(6001, "VLLM::Worker", starttime=100, ppid=6000, utime=10 * ticks, stime=2 * ticks)
+    assert host.cpu_seconds([6000, 6001]) == pytest.approx(16.0)
+    proc.put(6001, "VLLM::Worker", starttime=100, ppid=6000, utime=11 * ticks, stime=2 * ticks)
+    assert host.cpu_seconds([6000, 6001]) == pytest.approx(17.0)  # read afresh each time
+    shutil.rmtree(proc.root / "6001")
+    assert host.cpu_seconds([6000, 6001]) is None
+
+
+def test_a_known_process_s_parent_is_answered_without_a_read(child):
+    host = LocalHost()
+    assert host.process(child.pid).ppid == os.getpid()
+    assert _opens_during(lambda: host.parent(child.pid)) == []
+    assert host.parent(child.pid) == os.getpid()
+    unknown = LocalHost()
+    assert unknown.parent(child.pid) == os.getpid()  # read, then known
 
 
 def test_a_reused_pid_is_read_afresh(fake_proc):

@@ -33,6 +33,10 @@ class FakeHost:
         name, ppid, cgroup = self.processes[pid]
         return ProcessInfo(pid=pid, name=name, rss_bytes=None, start_time=None, ppid=ppid, cgroup=cgroup)
 
+    def parent(self, pid):
+        info = self.process(pid)
+        return info.ppid if info else None
+
     def pid_listening_on(self, port):
         return self.listeners.get(port)
 

@@ -393,6 +393,9 @@ class FakeHost:
     def process(self, pid, with_cmdline=False):
         return None
 
+    def parent(self, pid):
+        return None
+
     def pid_listening_on(self, port):
         return self.listeners.get(port)
 

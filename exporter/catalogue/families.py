@@ -284,6 +284,13 @@ VLLM_SCRAPE_DURATION_SECONDS = gauge(
     "Time taken to scrape the vLLM endpoint.", ("endpoint",),
     section=VLLM, unit="seconds", doc=(
         "Duration of the last scrape."))
+VLLM_PAGE_AGE_SECONDS = gauge(
+    "gpumem_vllm_page_age_seconds",
+    "Age of the vLLM page the endpoint's values come from.", ("endpoint",),
+    section=VLLM, unit="seconds", doc=(
+        "Seconds between the tick that last read the page and the last tick: 0 while the server works; "
+        "an idle server's page is read every `idle_read_seconds` (30 by default), and as soon as its "
+        "processes use CPU."),)
 VLLM_SCRAPE_ERRORS_TOTAL = counter(
     "gpumem_vllm_scrape_errors_total",
     "Failed scrapes of a vLLM endpoint, by kind.", ("endpoint", "kind"),

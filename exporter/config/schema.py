@@ -20,7 +20,7 @@ from ..analysis.registry import DETECTORS
 from ..boundedio import read_head
 from ..sources import gpu as gpu_backends
 from ..sources.httpclient import public_url
-from ..sources.vllm_endpoint import metrics_url
+from ..sources.vllm_endpoint import DEFAULT_IDLE_READ_SECONDS, metrics_url
 from ..tlsfiles import ca_context
 from .detectors import DetectorsConfig, detector_settings
 from .fields import (
@@ -138,6 +138,12 @@ class EndpointConfig(Section):
         "each data-parallel engine), on its API server's event loop. Each scrape's line in the server's "
         "access log is then about 700 bytes, not 60. Where that page fails and the whole page answers, "
         "the whole page is read, and asked by name again an hour later."))
+    idle_read_seconds: Seconds = Field(DEFAULT_IDLE_READ_SECONDS, description=(
+        "While the server is idle (nothing running or waiting at its last read, and its processes using "
+        "no more CPU than at rest), its page is read this often instead of every tick: a request costs "
+        "its processes CPU at once, and the page is then read at the next tick. Works where the server's "
+        "processes are found on this host; 0 reads the page every tick. `gpumem_vllm_page_age_seconds` "
+        "says how old the page shown is."))
     pid_file: Path = Field("", description=(
         "Which GPU processes belong to this server. Default: the process listening on the URL's port "
         "and its descendants (V1's EngineCore and Worker_TP* children). This overrides it: a file "

@@ -172,6 +172,7 @@ class StateCollector(Collector):
     def _vllm(self, state: State) -> Iterator[Metric]:
         up = m.VLLM_UP.new()
         dur = m.VLLM_SCRAPE_DURATION_SECONDS.new()
+        age = m.VLLM_PAGE_AGE_SECONDS.new()
         kv = m.VLLM_KV_CACHE_USAGE_RATIO.new()
         running = m.VLLM_REQUESTS_RUNNING.new()
         waiting = m.VLLM_REQUESTS_WAITING.new()
@@ -196,6 +197,7 @@ class StateCollector(Collector):
         for v in state.snapshot.vllm if state.snapshot is not None else ():
             up.add_metric([v.endpoint], 1 if v.up else 0)
             dur.add_metric([v.endpoint], v.scrape_duration_seconds)
+            age.add_metric([v.endpoint], v.page_age_seconds)
             for e in v.engines:
                 labels = [v.endpoint, e.model, e.engine]
                 for fam, value in ((kv, e.kv_cache_usage_ratio), (running, e.requests_running),
@@ -229,7 +231,7 @@ class StateCollector(Collector):
                     engine_levels[e.engine] = max(levels[e.sleep_state], engine_levels.get(e.engine, 0))
             for engine, level in sorted(engine_levels.items()):
                 sleep.add_metric([v.endpoint, engine], level)
-        yield from (up, dur, kv, running, waiting, by_reason, *counters.values(), rejections, cfg, budget,
+        yield from (up, dur, age, kv, running, waiting, by_reason, *counters.values(), rejections, cfg, budget,
                     budget_used, profile, sleep, *self._kv_caches(state.analysis), errors)
 
     def _kv_caches(self, analysis: Analysis | None) -> Iterator[Metric]:

@@ -11,6 +11,8 @@ server on 8000 too) is never taken for the simulated one, and never given its pr
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..model import HostMemory
 from ..sources.hostview import ProcessInfo
 from .scenario import Scenario, ScenarioClock
@@ -74,6 +76,10 @@ class SimulatedHost:
         parent = self._state().process(pid)
         return parent.name if parent is not None else ""
 
+    def parent(self, pid: int) -> int | None:
+        info = self.process(pid)
+        return info.ppid if info is not None else None
+
     def children(self, pid: int) -> tuple[int, ...]:
         kids: dict[int | None, list[int]] = {}
         for proc in self._state().processes:
@@ -85,6 +91,9 @@ class SimulatedHost:
             out.append(child)
             todo += kids.get(child, ())
         return tuple(sorted(out))
+
+    def cpu_seconds(self, pids: Sequence[int]) -> float | None:
+        return None  # a scenario plays no CPU time: its servers' pages are read every tick
 
     def pid_listening_on(self, port: int) -> int | None:
         scenario_port = self._ports.get(port)

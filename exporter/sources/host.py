@@ -13,7 +13,7 @@ import dataclasses
 import heapq
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -85,6 +85,7 @@ class LocalHost(HostView):
         # confirmation is then one readlink, not a parse of the host's socket tables.
         self._listener_sockets: dict[int, tuple[int, str, str]] = {}
         self._tracked: dict[int, _Tracked] = {}
+        self._cpu_handles: dict[int, psutil.Process] = {}  # cpu_seconds()'s
         self._swept_at = monotonic()
         self._top: tuple[int, ...] = ()  # PIDs of the largest processes at the last walk
         self._top_at = float("-inf")
@@ -154,6 +155,33 @@ class LocalHost(HostView):
             return tuple(sorted(c.pid for c in psutil.Process(pid).children(recursive=True)))
         except _PROCESS_ERRORS:
             return ()
+
+    def parent(self, pid: int) -> int | None:
+        # The ancestors of every GPU process are asked for each tick (vllm_procs.assign_roles):
+        # a known one's answer costs no read until its identity is read again.
+        tracked = self._tracked.get(pid)
+        now = self._monotonic()
+        if tracked is not None and now - tracked.named_at < IDENTITY_REFRESH_SECONDS:
+            tracked.seen_at = now
+            return tracked.ppid
+        info = self.process(pid)
+        return info.ppid if info is not None else None
+
+    def cpu_seconds(self, pids: Sequence[int]) -> float | None:
+        # A handle kept per PID: one read of stat each, where a new psutil.Process reads it twice.
+        # A PID reused meanwhile reads another process's time, which the caller sees as a change.
+        if len(self._cpu_handles) > MAX_TRACKED:
+            self._cpu_handles.clear()
+        total = 0.0
+        for pid in pids:
+            try:
+                handle = self._cpu_handles.get(pid) or self._cpu_handles.setdefault(pid, psutil.Process(pid))
+                times = handle.cpu_times()
+            except _PROCESS_ERRORS:
+                self._cpu_handles.pop(pid, None)
+                return None
+            total += times.user + times.system
+        return total
 
     def pid_listening_on(self, port: int) -> int | None:
         # Listing every socket walks every process's fds (5 us each; a GPU host has tens of

@@ -6,6 +6,7 @@ else takes a HostView and never knows which one it has.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
@@ -54,8 +55,16 @@ class HostView(Protocol):
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
         """The process's identity, or None when it no longer exists (a normal race)."""
 
+    def parent(self, pid: int) -> int | None:
+        """The parent's PID, as `process` last read it (a process is re-parented rarely: an
+        implementation may answer from what it read up to 30 s ago); None when gone or unknown."""
+
     def children(self, pid: int) -> tuple[int, ...]:
         """Every descendant of `pid` (children, theirs, ...); () when it has none or is gone."""
+
+    def cpu_seconds(self, pids: Sequence[int]) -> float | None:
+        """The CPU time (user and system) the processes have used, summed; None when one of
+        them is gone or unreadable, or when the view cannot tell."""
 
     def pid_listening_on(self, port: int) -> int | None:
         """The PID of the process with a TCP socket listening on `port`, if any is visible."""

@@ -10,7 +10,8 @@ dropped and named in the sample, never passed on.
 A `PageReader` asks each server for only the few families it reads, where the server honours
 `name[]` as vLLM does, and for the whole page where it does not.
 
-`VllmSource` is the `vllm` source: each tick it scrapes every endpoint, attaches each server's
+`VllmSource` is the `vllm` source: each tick it scrapes every endpoint (an idle server's less
+often: vllm_idle.py), attaches each server's
 start-up memory profile (vllm_log.ProfileCache, from the endpoint's log file) and marks the GPU
 processes that serve it (role "vllm", its endpoint; vllm_procs.assign_roles).
 """
@@ -31,6 +32,7 @@ from .hostview import HostView
 from .httpclient import HttpFailure, get, new_session, public_url
 from .source import GPUS, HOST_MEMORY, PROCESS_IDENTITY, VLLM, Reading, announce_recovery
 from .vllm_endpoint import DEFAULT_MAX_RESPONSE_BYTES, VllmEndpoint
+from .vllm_idle import IdleReads
 from .vllm_log import ProfileCache
 from .vllm_normalise import SAMPLE_NAMES, ParseError, normalise
 from .vllm_procs import ServerPids, ServerProcesses, StickyRoles, assign_roles
@@ -248,14 +250,16 @@ class VllmSource:
         self.profiles = ProfileCache(logs) if logs else None
         self._roles = StickyRoles()
         self._server_processes = ServerProcesses(time.monotonic)
+        self._idle = IdleReads(host)
 
     def collect(self, snapshot: Snapshot) -> Reading:
-        samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes])
+        samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes], now=snapshot.timestamp)
         if self.profiles is not None:
             samples = self.profiles.attach(samples)
         gpus = snapshot.gpus if self.host is None else self._roles.apply(assign_roles(snapshot.gpus, samples,
                                                                                       self.host))
         samples = self._with_processes(samples, gpus)
+        self._idle.tick_done(samples, gpus)
         self._log_changes(samples)
         down = [s for s in samples if not s.up]
         cut = sum(s.truncated for s in samples)  # pages past their budget: counted, the rest unread
@@ -264,10 +268,13 @@ class VllmSource:
                        up=not down, error=down[0].error if down else "",
                        dropped=(("vllm_pages", cut),) if cut else ())
 
-    def sample(self, candidates: Sequence[int] = ()) -> tuple[VllmSample, ...]:
+    def sample(self, candidates: Sequence[int] = (), now: float | None = None) -> tuple[VllmSample, ...]:
         """Scrape every endpoint; `candidates` (the GPU processes' PIDs) feed the
-        container_id / process_pattern look-ups. Returns one sample per endpoint, in order."""
+        container_id / process_pattern look-ups. With `now`, the tick's time, an idle server's
+        last page may stand for this tick's (vllm_idle.py). One sample per endpoint, in order."""
         started = self.clock()
+        # Resolved even when the scrape fails: a hung server still holds GPU memory.
+        roots = [self._roots(endpoint, candidates) for endpoint in self.endpoints]
         results: dict[int, VllmSample] = {}
         waiting: dict[concurrent.futures.Future[VllmSample], int] = {}
         with self._lock:
@@ -277,6 +284,9 @@ class VllmSource:
                     # An earlier scrape is still stuck: do not pile up threads on it.
                     results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: previous scrape "
                                          "still running", started, self.clock)
+                    continue
+                if now is not None and not self._idle.due(endpoint, roots[i], now):
+                    results[i] = self._idle.last_page(endpoint, now)
                     continue
                 future = self._pool.submit(self._readers[i].read, self.clock)
                 self._inflight[i] = future
@@ -291,10 +301,14 @@ class VllmSource:
             else:
                 results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: no complete response "
                                      f"within {endpoint.timeout_seconds:g}s", started, self.clock)
-        for sample in results.values():
-            self._warn_rejected(sample)
-        return tuple(self._with_pids(self.endpoints[i], results[i], candidates)
-                     for i in range(len(self.endpoints)))
+        for i, root_pids in enumerate(roots):
+            if root_pids is not None:
+                results[i] = replace(results[i], pids=root_pids)
+        for i in waiting.values():
+            self._warn_rejected(results[i])
+            if now is not None:
+                self._idle.read(self.endpoints[i], results[i], now)
+        return tuple(results[i] for i in range(len(self.endpoints)))
 
     def _with_processes(self, samples: tuple[VllmSample, ...], gpus: tuple[GpuSample, ...]) -> tuple[VllmSample, ...]:
         """A server none of whose processes a GPU lists (vLLM's CPU backend, or one still
@@ -339,18 +353,16 @@ class VllmSource:
                 log.warning("vLLM endpoint %s: impossible values of %s dropped (negative, not "
                             "finite or out of range)", sample.endpoint, name)
 
-    def _with_pids(self, endpoint: VllmEndpoint, sample: VllmSample,
-                   candidates: Sequence[int]) -> VllmSample:
-        # Resolved even when the scrape failed: a hung server still holds GPU memory.
+    def _roots(self, endpoint: VllmEndpoint, candidates: Sequence[int]) -> tuple[int, ...] | None:
+        """The server's root PIDs; None when they cannot be looked up."""
         if self.host is None:
-            return sample
+            return None
         try:
-            pids = self._resolve_pids(endpoint, self.host, candidates)
+            return tuple(self._resolve_pids(endpoint, self.host, candidates))
         except Exception as exc:
             log.warning("vLLM endpoint %s: finding its processes failed: %s", endpoint.label,
                         redact(str(exc), endpoint))
-            return sample
-        return replace(sample, pids=tuple(pids))
+            return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -11,6 +11,9 @@ from urllib.parse import urlsplit, urlunsplit
 from .httpclient import Secrets, public_url
 
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+# An idle server's page is read this often (vllm_idle.py): what its processes' CPU cannot show (a
+# hung API server) is seen this late at most, well inside VllmEndpointDown's 10 minutes.
+DEFAULT_IDLE_READ_SECONDS = 30.0
 
 
 def metrics_url(url: str) -> str:
@@ -35,6 +38,7 @@ class VllmEndpoint:
     process_pattern: str | None = None  # regex searched in the process name (comm)
     log_file: str | None = None
     by_name: bool = True  # ask for the families read alone (vllm.only_read_url)
+    idle_read_seconds: float = DEFAULT_IDLE_READ_SECONDS  # 0: every tick
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -49,6 +53,9 @@ class VllmEndpoint:
             raise ValueError(f"vLLM endpoint {self.label!r}: timeout_seconds must be a positive number")
         if not isinstance(self.max_response_bytes, int) or self.max_response_bytes <= 0:
             raise ValueError(f"vLLM endpoint {self.label!r}: max_response_bytes must be a positive integer")
+        if not (isinstance(self.idle_read_seconds, (int, float)) and math.isfinite(self.idle_read_seconds)
+                and self.idle_read_seconds >= 0):
+            raise ValueError(f"vLLM endpoint {self.label!r}: idle_read_seconds must be a number of seconds, 0 or more")
         if self.process_pattern is not None:
             try:
                 re.compile(self.process_pattern)

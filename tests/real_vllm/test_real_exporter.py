@@ -1,5 +1,6 @@
 """The exporter's daemon against a real vLLM server (#18 item 2a): every vLLM value it exports
-equals the server's own /metrics page at rest, and lags it by at most one sample under load.
+equals the server's own /metrics page at rest, and lags it by at most one sample under load. At
+rest it reads the page less often (#18 item 5), and at once when requests come.
 
 Both pages are read over HTTP as Prometheus reads them: `gpu-memory-exporter run` (a real
 process, real host mode: no GPU here, so NVML is down and only the vLLM part is compared) and
@@ -95,6 +96,7 @@ CONFIG_LABELS = ("block_size", "cache_dtype", "gpu_memory_utilization", "num_gpu
 # Exported vLLM families that are not values of the page: about the scrape, from the start-up
 # log, or about GPU memory (none here).
 NOT_FROM_THE_PAGE = {"gpumem_vllm_up", "gpumem_vllm_scrape_duration_seconds", "gpumem_vllm_scrape_errors_total",
+                     "gpumem_vllm_page_age_seconds",
                      "gpumem_vllm_memory_profile_bytes", "gpumem_vllm_memory_budget_bytes",
                      "gpumem_vllm_memory_used_bytes", "gpumem_vllm_cache_config_info"}
 # Values that only grow while every request of a batch decodes (none finishes, none waits).
@@ -276,3 +278,30 @@ def _check_rounds(server: real_vllm.Server, ex: Exporter, threads: list[threadin
         assert e["gpumem_vllm_requests_running"] == batch
         checked += 1
     return checked
+
+
+def test_at_rest_the_page_is_read_less_often_and_at_once_when_requests_come(main_server, exporter):
+    """The real server's processes at rest use too little CPU to read its page at every tick (a
+    page shown again is older than a tick); a batch of requests makes the next tick read it."""
+    ex = Exporter(exporter)
+    real_vllm.wait_until(lambda: one(vllm_page(main_server), "vllm:num_requests_running", engine="0")[1] == 0,
+                         HANG, "the server to be at rest")
+    try:
+        real_vllm.wait_until(lambda: one(ex.page(), "gpumem_vllm_page_age_seconds", endpoint=ENDPOINT)[1]
+                             >= 2 * INTERVAL, HANG, "a page shown again at rest")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: the server's processes at rest look busy to the exporter") from None
+    batch, failures = 48, []
+    threads = _load(main_server, batch, 480, failures)
+    try:
+        real_vllm.wait_until(lambda: failures or not any(t.is_alive() for t in threads)
+                             or one(vllm_page(main_server), "vllm:num_requests_running", engine="0")[1] == batch,
+                             HANG, f"{batch} requests running")
+        assert not failures, (failures[:3], main_server.log_tail())
+        # The server is working: the first sample that began after now reads its page.
+        page = ex.sampled_after(time.time())
+        assert one(page, "gpumem_vllm_page_age_seconds", endpoint=ENDPOINT)[1] == 0
+    finally:
+        for thread in threads:
+            thread.join(HANG * 5)
+    assert not failures, failures[:3]
