@@ -15,7 +15,6 @@ the replay's own findings, so promtool's verdict is the only judge of the rules.
 """
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 
@@ -26,12 +25,11 @@ from exporter.analysis.engine import CLEAR_AFTER_SECONDS
 from exporter.analysis.registry import finding_kinds
 from exporter.model import Finding
 from helpers.rules import RULES, alert_rules
-from helpers.scenarios import STEP, Replay, played, scenario_names
+from helpers.scenarios import STEP, Replay, played, promtool_series, promtool_values, scenario_names, selector
 from helpers.tools import REPO, tool
 
 EVAL = 60  # seconds between rule evaluations (Prometheus' default evaluation_interval)
 CHECK_EVERY = 120  # seconds between the moments judged
-SCRAPE_LABELS = {"instance": "sim:9842", "job": "gpu-memory-exporter"}
 IDENTITY = ("gpu", "pid", "endpoint")  # what tells two findings of a kind apart, in the alert's labels
 KINDS = {kind.name: kind.alerts for kind in finding_kinds()}
 # Kinds a raw rule alerts on whose finding the engine holds after its detector stops reporting
@@ -71,50 +69,17 @@ def expectations(replay: Replay, kind: str, alerts: tuple[str, ...]) -> list[tup
     return out
 
 
-def _values(samples: dict[int, float], n: int) -> str:
-    """promtool's input notation, run-length encoded: a series that stops gets a stale marker,
-    as a scrape that no longer finds it writes one."""
-    tokens: list[str] = []
-    for i in range(n):
-        if i in samples:
-            tokens.append(repr(float(samples[i])))
-        else:
-            tokens.append("stale" if i - 1 in samples else "_")
-    out, i = [], 0
-    while i < n:
-        j = i
-        while j + 1 < n and tokens[j + 1] == tokens[i]:
-            j += 1
-        run = j - i
-        if tokens[i] == "_":
-            out.append(f"_x{run + 1}")
-        elif run:
-            out.append(f"{tokens[i]}x{run}")
-        else:
-            out.append(tokens[i])
-        i = j + 1
-    return " ".join(out)
-
-
-def _selector(labels: tuple[tuple[str, str], ...]) -> str:
-    return "{" + ",".join(f"{k}={json.dumps(v)}" for k, v in labels) + "}"
-
-
 def rule_test(replay: Replay) -> tuple[dict, int]:
     """The promtool test file for a replay, and how many moments it judges."""
-    n = len(replay.times)
-    inputs = [{"series": name + _selector(tuple(sorted({**dict(labels), **SCRAPE_LABELS}.items()))),
-               "values": _values(samples, n)}
-              for (name, labels), samples in sorted(replay.series.items())]
     checks = []
     for kind, alerts in KINDS.items():
         expr = (f'group by ({", ".join(IDENTITY)}) '
                 f'(ALERTS{{alertstate="firing",alertname=~"{"|".join(alerts)}"}})')
         for t, firing in expectations(replay, kind, alerts):
             checks.append({"expr": expr, "eval_time": f"{t}s",
-                           "exp_samples": [{"labels": _selector(ident), "value": 1} for ident in sorted(firing)]})
+                           "exp_samples": [{"labels": selector(ident), "value": 1} for ident in sorted(firing)]})
     test = {"rule_files": [str(RULES)], "evaluation_interval": f"{EVAL}s",
-            "tests": [{"interval": f"{STEP:g}s", "input_series": inputs, "promql_expr_test": checks}]}
+            "tests": [{"interval": f"{STEP:g}s", "input_series": promtool_series(replay), "promql_expr_test": checks}]}
     return test, len(checks)
 
 
@@ -172,4 +137,4 @@ def test_the_expectations_wait_for_for_and_judge_silence():
 
 
 def test_promtool_input_marks_a_series_that_stops_stale():
-    assert _values({0: 1.0, 1: 1.0, 2: 1.0, 5: 2.0}, 8) == "1.0x2 stale _x1 2.0 stale _x1"
+    assert promtool_values({0: 1.0, 1: 1.0, 2: 1.0, 5: 2.0}, 8) == "1.0x2 stale _x1 2.0 stale _x1"

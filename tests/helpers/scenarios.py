@@ -89,6 +89,48 @@ def played(name: str) -> Replay:
     return record
 
 
+# The labels Prometheus adds to every series it scrapes from the simulated exporter.
+SCRAPE_LABELS = {"instance": "sim:9842", "job": "gpu-memory-exporter"}
+
+
+def promtool_values(samples: dict[int, float], n: int) -> str:
+    """promtool's input notation, run-length encoded: a series that stops gets a stale marker,
+    as a scrape that no longer finds it writes one."""
+    tokens: list[str] = []
+    for i in range(n):
+        if i in samples:
+            tokens.append(repr(float(samples[i])))
+        else:
+            tokens.append("stale" if i - 1 in samples else "_")
+    out, i = [], 0
+    while i < n:
+        j = i
+        while j + 1 < n and tokens[j + 1] == tokens[i]:
+            j += 1
+        run = j - i
+        if tokens[i] == "_":
+            out.append(f"_x{run + 1}")
+        elif run:
+            out.append(f"{tokens[i]}x{run}")
+        else:
+            out.append(tokens[i])
+        i = j + 1
+    return " ".join(out)
+
+
+def selector(labels: tuple[tuple[str, str], ...]) -> str:
+    return "{" + ",".join(f"{k}={json.dumps(v)}" for k, v in labels) + "}"
+
+
+def promtool_series(replay: Replay) -> list[dict[str, str]]:
+    """A replay's series as a promtool rule test's input_series, one sample every STEP seconds
+    (the test's `interval`), labelled as Prometheus scrapes them."""
+    n = len(replay.times)
+    return [{"series": name + selector(tuple(sorted({**dict(labels), **SCRAPE_LABELS}.items()))),
+             "values": promtool_values(samples, n)}
+            for (name, labels), samples in sorted(replay.series.items())]
+
+
 def episodes(analyzer: Analyzer, start: float) -> list[dict[str, object]]:
     """Every finding raised, in the order raised: what, where, its worst severity, and when it was
     raised and cleared (seconds after the scenario's start; cleared None while still active)."""
