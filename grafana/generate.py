@@ -22,6 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+# `python grafana/generate.py` puts grafana/ on the path, not the repository root where the alert
+# rules' declarations live (alerts/rules.py): the paging stats read GpuMemoryHigh's condition there.
+if str(REPO := Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from alerts.rules import ALERT_GROUPS
 from exporter import thresholds
 from exporter.analysis.kv_cache import KvSaturationConfig
 
@@ -33,6 +39,7 @@ TAGS = ["gpu-memory-exporter"]
 GPU = 'instance=~"$instance",gpu=~"$gpu"'
 PROC = 'instance=~"$instance",gpu=~"$gpu",process=~"$process"'
 EP = 'instance=~"$instance",endpoint=~"$endpoint"'
+PAGES_ON_MEMORY = next(a for _, group in ALERT_GROUPS for a in group if a.name == "GpuMemoryHigh")
 
 
 # -- building blocks ------------------------------------------------------------------------
@@ -118,6 +125,21 @@ def bargauge(title: str, targets: list[JSON], unit: str = "percentunit", w: int 
                            "reduceOptions": {"calcs": ["lastNotNull"]}})
 
 
+def paging_on_memory(selector: str) -> JSON:
+    """GPUs for which GpuMemoryHigh's condition holds now (its `for:` aside), read from the alert's
+    own declaration: plain utilisation above the page threshold is every vLLM GPU at its budget
+    (gpu_memory_utilization x total, 0.9 by default) on a healthy host, which pages nobody."""
+    condition = PAGES_ON_MEMORY.expr.strip()
+    return stat("GPUs paging on memory",
+                f"count(\n({condition})\nand on (instance, job, gpu) gpumem_gpu_info{{{selector}}}\n) or vector(0)",
+                description=f"GPUs where {PAGES_ON_MEMORY.name}'s condition holds now (it pages once it has held "
+                            f"for {PAGES_ON_MEMORY.for_}): above gpumem:threshold_memory_high:ratio with more "
+                            "than gpumem:threshold_vllm_budget_slack:ratio of the GPU used beyond the vLLM "
+                            "servers' budgets (other processes, vLLM over its budget, memory of dead "
+                            "processes). A vLLM GPU at its budget (~90 % by design) is normal and not counted.",
+                thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}])
+
+
 def row(title: str) -> JSON:
     return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
 
@@ -189,11 +211,7 @@ def overview() -> JSON:
     util = f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}"
     panels = [
         stat("GPUs", f'count(gpumem_gpu_info{{{GPU}}}) or vector(0)', description="GPUs the exporters see."),
-        stat("GPUs above the page threshold",
-             f"count({util} > on () group_left () gpumem:threshold_memory_high:ratio) or vector(0)",
-             description="Plain utilisation above gpumem:threshold_memory_high:ratio (vLLM GPUs at their "
-                         "budget included; GpuMemoryHigh only pages on memory beyond the budget).",
-             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
+        paging_on_memory(GPU),
         stat("Active findings", 'count(gpumem_finding_active{instance=~"$instance"}) or vector(0)',
              description="Findings of the exporter's detectors (leak, fragmentation, contention, ...).",
              thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
@@ -489,10 +507,7 @@ def fleet() -> JSON:
              unit="percentunit", description="Used / total over every GPU of the selected hosts.",
              thresholds=[{"color": "green", "value": None},
                          {"color": "orange", "value": thresholds.MEMORY_HIGH.value}]),
-        stat("GPUs above the page threshold",
-             f"count({util} > on () group_left () gpumem:threshold_memory_high:ratio) or vector(0)",
-             description="Plain utilisation above gpumem:threshold_memory_high:ratio.",
-             thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]),
+        paging_on_memory(gpu),
         table("By node", [
             target(f"count by (instance) (gpumem_gpu_info{{{gpu}}})", instant=True, table=True),
             target(f"sum by (instance) (gpumem_gpu_memory_used_bytes{{{gpu}}})", instant=True, table=True),

@@ -24,6 +24,7 @@ from helpers.dashboards import (
 )
 from helpers.dashboards import label_values_selector as _label_values_selector
 from helpers.rules import DECLARED_METRICS, PROMETHEUS_METRICS, RULES, metric_names, recording_rules
+from helpers.scenarios import STEP, played, promtool_series
 from helpers.tools import HANG, REPO, free_port, tool
 
 COMPOSE = REPO / "deploy" / "compose" / "docker-compose.yml"
@@ -411,3 +412,36 @@ def test_leak_dashboard_shows_which_component_grows(prometheus):
     assert total == 0 and non_torch == 0
     assert allocated > 100 * 2**20  # 1 MiB a scrape, one scrape a second: ~3.5 GiB an hour
     assert cached == pytest.approx(-allocated)
+
+
+# -- the paging stat counts what pages, on the simulator's scenarios --------------------------------
+def _paging_stat_test(path: Path, name: str, expected: dict[int, int]) -> dict:
+    """A promtool rule test: the real rules over the scenario's replayed series, and the stat's
+    query (variables at "All") expected to be `expected[minute]` at each of those minutes."""
+    [stat] = [p for p in all_panels(load(path)) if p["title"] == "GPUs paging on memory"]
+    [query] = stat["targets"]
+    checks = [{"expr": substitute(query["expr"]), "eval_time": f"{minute}m",
+               "exp_samples": [{"labels": "{}", "value": count}]} for minute, count in expected.items()]
+    return {"rule_files": [str(RULES)], "evaluation_interval": "60s",
+            "tests": [{"interval": f"{STEP:g}s", "input_series": promtool_series(played(name)),
+                       "promql_expr_test": checks}]}
+
+
+@pytest.mark.parametrize("path", [GRAFANA / "dashboards" / "overview.json", GRAFANA / "dashboards" / "fleet.json"],
+                         ids=lambda p: p.stem)
+@pytest.mark.integration
+@pytest.mark.slow
+def test_paging_stat_counts_the_gpus_gpu_memory_high_pages_for(path, tmp_path):
+    """vLLM preallocates gpu_memory_utilization x total, so on the healthy `steady` host both GPUs
+    sit above the 85 % page threshold all day and nothing pages: the stat shows 0 there (it showed
+    2, in orange). On `contention` a notebook's 5.6 GiB, then 8.6 GiB, beyond the vLLM budget
+    (from 32 min until 2 h 30 min) takes the one GPU over: 1 while it holds them, 0 before and
+    after."""
+    steady = dict.fromkeys(range(0, 360, 10), 0)  # every 10 minutes of its 6 hours, loading included
+    contention = {**dict.fromkeys((10, 20, 160, 170), 0), **dict.fromkeys(range(40, 150, 10), 1)}
+    for name, expected in (("steady", steady), ("contention", contention)):
+        test = tmp_path / f"{name}.test.yml"
+        test.write_text(yaml.safe_dump(_paging_stat_test(path, name, expected), sort_keys=False, width=10**6))
+        result = subprocess.run([tool("promtool"), "test", "rules", str(test)], capture_output=True, text=True,
+                                timeout=600, cwd=REPO)
+        assert result.returncode == 0, (name, (result.stdout + result.stderr)[-6000:])
