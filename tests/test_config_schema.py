@@ -54,6 +54,18 @@ def test_three_errors_give_three_problems_each_naming_its_key(tmp_path):
                      "vllm.endpoints[0].timeout: unknown key (did you mean 'timeout_seconds'?)"]
 
 
+def test_an_exponent_yaml_reads_as_text_is_explained(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e9 as the string '1e9': "expected a finite number, got '1e9'"
+    looked wrong to a newcomer."""
+    path = write(tmp_path, "vllm:\n  endpoints:\n    - {url: 'http://x:1/m', idle_read_seconds: 1e3}\n")
+    result = check_config(path)
+    assert result.exit_code == 1
+    assert ("vllm.endpoints[0].idle_read_seconds: expected a finite number, got '1e3' (YAML reads an exponent "
+            "without a dot as text: write 1.0e+9 or 1000000000)") in result.output
+    assert check_config(write(tmp_path, "vllm:\n  endpoints:\n    - {url: 'http://x:1/m', "
+                                        "idle_read_seconds: 1.0e+3}\n")).exit_code == 0
+
+
 def test_check_config_prints_a_nested_file_it_accepts_again(tmp_path):
     first = write(tmp_path, "interval_seconds: 2\nhistory: {raw_seconds: 1800}\nkubelet: {enabled: false}\n"
                             "recorder: {max_total_bytes: 1GiB, max_files: 3}\n"

@@ -30,6 +30,7 @@ from exporter.sources.host import HostSource, LocalHost, enrich
 from exporter.sources.logs import LogSource
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.vllm import VllmEndpoint, VllmSource
+from helpers.tools import HANG
 
 GiB = 1 << 30
 INTERVAL = 5.0
@@ -246,6 +247,10 @@ class Hostile(BaseHTTPRequestHandler):
                 self.wfile.write(VLLM_PAGE)
             elif mode == "hang":
                 release.wait(60)  # until the test heals it: far beyond any deadline here
+            elif mode == "late":  # answers, but only after `delay` seconds
+                release.wait(self.server.delay)
+                self._head(len(VLLM_PAGE))
+                self.wfile.write(VLLM_PAGE)
             elif mode == "drip":
                 self._head(len(VLLM_PAGE))
                 for b in VLLM_PAGE:
@@ -289,6 +294,44 @@ def hostile():
         s.release.set()
         s.shutdown()
         s.server_close()
+
+
+@pytest.mark.slow
+def test_a_hung_server_holds_one_tick_then_is_read_without_holding_any_until_it_answers(hostile, source_waits):
+    """A newcomer's trial: a frozen vLLM server held every tick (every source's sampling, and so
+    /healthz) for its whole timeout, for as long as it was frozen. Now the tick that finds it hung
+    waits its timeout; later ticks read it in the background and wait WAIT_MARGIN_SECONDS only, and
+    an answer that comes after its tick stopped waiting is shown at the next tick."""
+    timeout, margin = 4.0, VllmSource.WAIT_MARGIN_SECONDS
+    server = hostile("hang")
+    server.delay = timeout / 2  # "late": more than the margin, less than the timeout
+    source = VllmSource([VllmEndpoint(url=f"http://127.0.0.1:{server.server_port}/metrics", name="frozen",
+                                      timeout_seconds=timeout, by_name=False)])
+    try:
+        (first,) = source.sample()
+        assert first.error_kind == "timeout" and source_waits == [timeout + margin]
+        wait_until(lambda: source._inflight[0].done(), "the hung read cut at its deadline")
+        server.mode = "late"  # thawed, but slow: its next answer takes longer than the margin
+        source_waits.clear()
+        (second,) = source.sample()
+        assert second.error_kind == "timeout" and "still no complete response" in second.error, second
+        assert source_waits == [margin]  # not its timeout again
+        wait_until(lambda: source._inflight[0].done(), "the late answer")
+        source_waits.clear()
+        (third,) = source.sample()
+        assert third.up and third.engines and source_waits == []  # the late answer, no new read
+        server.mode = "ok"
+        (fourth,) = source.sample()
+        assert fourth.up and source_waits == [timeout + margin]  # answering: waited for in full again
+    finally:
+        source.close()
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
 
 
 def closed_port() -> int:

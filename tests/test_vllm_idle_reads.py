@@ -218,7 +218,7 @@ def test_a_gpu_server_s_cpu_is_read_from_the_gpu_processes_it_owns(page, run):
     assert set(run.host.asked[-1]) == {API, WORKER}
 
 
-def test_the_page_s_age_is_exported(page, run):
+def test_the_page_s_age_is_exported_and_shown(page, run):
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
@@ -230,3 +230,6 @@ def test_the_page_s_age_is_exported(page, run):
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StateCollector(lambda: State(snapshot=run.snapshot), lambda: run.t))
     assert 'gpumem_vllm_page_age_seconds{endpoint="tiny"} 10.0' in generate_latest(registry).decode()
+    # The status page says so too: the figures beside it are that old.
+    from exporter.serve.status import render
+    assert "up</span> (idle: page read 10 s ago)" in render(State(snapshot=run.snapshot), "host", 0.0, 15.0)

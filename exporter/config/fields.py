@@ -198,6 +198,8 @@ def url_check(example: str, *, optional: bool = False) -> Callable[[str], str]:
 
 
 # -- errors -----------------------------------------------------------------------------------
+# YAML 1.1, which PyYAML reads, takes 1e9 for a string: a number needs a dot (1.0e+9) there.
+_YAML_TEXT_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 _MESSAGES = {
     "float_type": "expected a finite number", "float_parsing": "expected a finite number",
     "finite_number": "expected a finite number", "int_type": "expected a whole number",
@@ -285,5 +287,7 @@ def problems_of(exc: ValidationError, model: type[BaseModel], show_input: bool =
             message = _MESSAGES.get(kind, err["msg"])
         if show_input:
             message += f", got {show(err['input'])}"
+            if kind in ("float_type", "float_parsing") and _YAML_TEXT_EXPONENT.fullmatch(str(err["input"])):
+                message += " (YAML reads an exponent without a dot as text: write 1.0e+9 or 1000000000)"
         out.append(f"{path_text(loc) or 'config'}: {message}")
     return out

@@ -150,6 +150,8 @@ def _servers(state: State) -> list[tuple[object, ...]]:
         kv = "; ".join(_kv(e.kv_cache_usage_ratio, by_engine.get((e.model, e.engine)), where)
                        for e in v.engines) or "?"
         state_ = _updown(v.up, v.error_kind) + (" loading" if v.up and _loading(budgets, snap) else "")
+        if v.up and v.page_age_seconds >= 1:  # an idle server's page is read less often (vllm_idle.py)
+            state_ += escape(f" (idle: page read {v.page_age_seconds:.0f} s ago)")
         rows.append((escape(v.endpoint), escape(models), state_, escape(budget), escape(kv) if v.up else "",
                      *(_total(v.engines, name) if v.up else ""
                        for name in ("requests_running", "requests_waiting", "preemptions_total"))))

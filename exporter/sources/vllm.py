@@ -3,8 +3,10 @@
 `scrape` enforces a total deadline on the whole exchange, redirects included (a server dripping
 bytes cannot hold it past `timeout_seconds`), and never reads a redirect's body
 (sources/httpclient.py); `VllmSource` runs every endpoint on its own worker and stops waiting at
-the deadline whatever the worker is doing, so one stuck endpoint never delays the others or the
-sampling loop. Values a sane vLLM cannot send (negative counters, NaN, a KV usage of -5) are
+the deadline whatever the worker is doing, so one stuck endpoint never delays the others; a server
+whose last read ran out of time is read in the background and not waited for until it answers, so
+a hung server holds the sampling loop for one tick, not for every tick while it hangs.
+Values a sane vLLM cannot send (negative counters, NaN, a KV usage of -5) are
 dropped and named in the sample, never passed on.
 
 A `PageReader` asks each server for only the few families it reads, where the server honours
@@ -251,6 +253,8 @@ class VllmSource:
         self._roles = StickyRoles()
         self._server_processes = ServerProcesses(time.monotonic)
         self._idle = IdleReads(host)
+        self._unanswered: set[int] = set()  # endpoints whose last read ran out of time
+        self._given_up: set[int] = set()  # endpoints whose read in flight a tick stopped waiting for
 
     def collect(self, snapshot: Snapshot) -> Reading:
         samples = self.sample(candidates=[p.pid for g in snapshot.gpus for p in g.processes], now=snapshot.timestamp)
@@ -276,6 +280,7 @@ class VllmSource:
         # Resolved even when the scrape fails: a hung server still holds GPU memory.
         roots = [self._roots(endpoint, candidates) for endpoint in self.endpoints]
         results: dict[int, VllmSample] = {}
+        read: list[int] = []  # the endpoints whose page this tick read
         waiting: dict[concurrent.futures.Future[VllmSample], int] = {}
         with self._lock:
             for i, endpoint in enumerate(self.endpoints):
@@ -285,26 +290,46 @@ class VllmSource:
                     results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: previous scrape "
                                          "still running", started, self.clock)
                     continue
-                if now is not None and not self._idle.due(endpoint, roots[i], now):
+                late = previous.result() if previous is not None and i in self._given_up else None
+                self._given_up.discard(i)
+                if late is not None and late.up:  # it answered after its tick stopped waiting
+                    results[i] = late
+                elif now is not None and not self._idle.due(endpoint, roots[i], now):
                     results[i] = self._idle.last_page(endpoint, now)
                     continue
-                future = self._pool.submit(self._readers[i].read, self.clock)
-                self._inflight[i] = future
-                waiting[future] = i
+                else:
+                    future = self._pool.submit(self._readers[i].read, self.clock)
+                    self._inflight[i] = future
+                    waiting[future] = i
+                read.append(i)
         if waiting:
-            longest = max(self.endpoints[i].timeout_seconds for i in waiting.values())
-            concurrent.futures.wait(waiting, timeout=longest + self.WAIT_MARGIN_SECONDS)
+            # A server whose last read ran out of time is not waited for until it answers (its reads
+            # go on in the background, each within its own deadline): a hung server holds the tick,
+            # and every other source's sampling with it, once, not at every tick.
+            patient = [f for f, i in waiting.items() if i not in self._unanswered]
+            if patient:
+                longest = max(self.endpoints[waiting[f]].timeout_seconds for f in patient)
+                concurrent.futures.wait(patient, timeout=longest + self.WAIT_MARGIN_SECONDS)
+            if len(patient) < len(waiting):
+                concurrent.futures.wait(waiting, timeout=self.WAIT_MARGIN_SECONDS)
         for future, i in waiting.items():
             endpoint = self.endpoints[i]
             if future.done():
                 results[i] = future.result()  # scrape never raises
+                continue
+            self._given_up.add(i)
+            results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: " + (
+                "still no complete response" if i in self._unanswered
+                else f"no complete response within {endpoint.timeout_seconds:g}s"), started, self.clock)
+        for i, sample in results.items():
+            if sample.error_kind == "timeout":
+                self._unanswered.add(i)
             else:
-                results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: no complete response "
-                                     f"within {endpoint.timeout_seconds:g}s", started, self.clock)
-        for i, root_pids in enumerate(roots):
-            if root_pids is not None:
-                results[i] = replace(results[i], pids=root_pids)
-        for i in waiting.values():
+                self._unanswered.discard(i)
+            pids = roots[i]
+            if pids is not None:
+                results[i] = replace(sample, pids=pids)
+        for i in read:
             self._warn_rejected(results[i])
             if now is not None:
                 self._idle.read(self.endpoints[i], results[i], now)

@@ -196,7 +196,8 @@ def test_every_exported_vllm_value_is_on_the_page_and_equals_it_at_rest(main_ser
                                                      for k in CONFIG_LABELS}
     # The status page says the same to a person.
     capacity = int(FROM_THE_PAGE["gpumem_vllm_kv_cache_capacity_tokens"](before))
-    row = (rf"<td>{ENDPOINT}</td><td>{main_server.served_model_name}</td><td><span class=\"ok\">up</span></td>"
+    row = (rf"<td>{ENDPOINT}</td><td>{main_server.served_model_name}</td><td><span class=\"ok\">up</span>"
+           r"(?: \(idle: page read \d+ s ago\))?</td>"
            r"<td>host memory \(vLLM&#x27;s CPU backend\): its processes hold \d+\.\d\d [GM]iB</td>"
            rf"<td>0% \(0 of {capacity:,} tokens\), \d+\.\d\d [KMG]iB of host memory</td><td>0</td><td>0</td>")
     assert re.search(row, exporter.get("/").text), row
