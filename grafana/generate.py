@@ -129,9 +129,9 @@ def paging_on_memory(selector: str) -> JSON:
     """GPUs for which GpuMemoryHigh's condition holds now (its `for:` aside), read from the alert's
     own declaration: plain utilisation above the page threshold is every vLLM GPU at its budget
     (gpu_memory_utilization x total, 0.9 by default) on a healthy host, which pages nobody."""
-    condition = PAGES_ON_MEMORY.expr.strip()
+    condition = " ".join(PAGES_ON_MEMORY.expr.split())  # one line: JSON would carry "\n" into the names
     return stat("GPUs paging on memory",
-                f"count(\n({condition})\nand on (instance, job, gpu) gpumem_gpu_info{{{selector}}}\n) or vector(0)",
+                f"count(({condition}) and on (instance, job, gpu) gpumem_gpu_info{{{selector}}}) or vector(0)",
                 description=f"GPUs where {PAGES_ON_MEMORY.name}'s condition holds now (it pages once it has held "
                             f"for {PAGES_ON_MEMORY.for_}): above gpumem:threshold_memory_high:ratio with more "
                             "than gpumem:threshold_vllm_budget_slack:ratio of the GPU used beyond the vLLM "

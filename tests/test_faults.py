@@ -30,6 +30,7 @@ from exporter.sources.host import HostSource, LocalHost, enrich
 from exporter.sources.logs import LogSource
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.vllm import VllmEndpoint, VllmSource
+from helpers.e2e_stack import wait_until
 from helpers.tools import HANG
 
 GiB = 1 << 30
@@ -310,13 +311,13 @@ def test_a_hung_server_holds_one_tick_then_is_read_without_holding_any_until_it_
     try:
         (first,) = source.sample()
         assert first.error_kind == "timeout" and source_waits == [timeout + margin]
-        wait_until(lambda: source._inflight[0].done(), "the hung read cut at its deadline")
+        wait_until(lambda: source._inflight[0].done(), HANG, "the hung read cut at its deadline", interval=0.02)
         server.mode = "late"  # thawed, but slow: its next answer takes longer than the margin
         source_waits.clear()
         (second,) = source.sample()
         assert second.error_kind == "timeout" and "still no complete response" in second.error, second
         assert source_waits == [margin]  # not its timeout again
-        wait_until(lambda: source._inflight[0].done(), "the late answer")
+        wait_until(lambda: source._inflight[0].done(), HANG, "the late answer", interval=0.02)
         source_waits.clear()
         (third,) = source.sample()
         assert third.up and third.engines and source_waits == []  # the late answer, no new read
@@ -325,13 +326,6 @@ def test_a_hung_server_holds_one_tick_then_is_read_without_holding_any_until_it_
         assert fourth.up and source_waits == [timeout + margin]  # answering: waited for in full again
     finally:
         source.close()
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
 
 
 def closed_port() -> int:
