@@ -23,6 +23,15 @@ def test_defaults_are_valid():
     assert config.effective_stale_after == 15.0
 
 
+def test_healthz_allows_a_tick_that_waits_for_a_hung_server(tmp_path):
+    """The CPU recipe's --interval 1 with a 10 s timeout: /healthz said 503 while a tick waited for a
+    frozen server, though the exporter was sampling as designed."""
+    config = load(write(tmp_path, {"interval_seconds": 1, "vllm": {"endpoints": [
+        {"url": "http://127.0.0.1:8000/metrics", "timeout_seconds": 10}, "http://127.0.0.1:8001/metrics"]}}))
+    assert config.effective_stale_after == 12.0
+    assert load(write(tmp_path, {"interval_seconds": 1, "stale_after_seconds": 4})).effective_stale_after == 4.0
+
+
 def test_file_sections_map_onto_fields(tmp_path):
     config = load(write(tmp_path, {
         "listen": "127.0.0.1:9999", "interval_seconds": 2,

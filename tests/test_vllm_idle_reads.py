@@ -71,6 +71,7 @@ class Host:
         self.port = port
         self.listener = API
         self.cpu: float | None = 0.0
+        self.gone: set[int] = set()
         self.asked: list[tuple[int, ...]] = []
 
     def process(self, pid: int, with_cmdline: bool = False) -> ProcessInfo | None:
@@ -89,7 +90,7 @@ class Host:
 
     def cpu_seconds(self, pids: Sequence[int]) -> float | None:
         self.asked.append(tuple(pids))
-        return self.cpu
+        return None if self.gone.intersection(pids) else self.cpu
 
     def memory(self) -> HostMemory:
         return HostMemory(total_bytes=24 * GiB, available_bytes=12 * GiB)
@@ -185,7 +186,8 @@ def test_a_failed_read_is_not_shown_again_and_the_next_tick_reads(page, run):
 def test_a_restarted_server_is_read_at_once(page, run):
     for _ in range(4):
         run.tick()
-    run.host.listener = 200  # another process listens on the port now
+    run.host.gone.add(API)  # the server exited, and another process listens on the port now
+    run.host.listener = 200
     sample = run.tick()
     assert sample.page_age_seconds == 0 and sample.pids == (200,)
 

@@ -365,7 +365,9 @@ class Config(Section):
     interval_seconds: PositiveSeconds = Field(5.0, description=(
         "Sampling interval (independent of the scrape interval)."))
     stale_after_seconds: Seconds = Field(0.0, description=(
-        "/healthz turns 503 when no sample completed for this long; 0: three intervals."))
+        "/healthz turns 503 when no sample completed for this long; 0: three intervals, or two and the "
+        "longest vllm.endpoints[].timeout_seconds where that is longer (a tick waits that long for a server "
+        "found hung)."))
     web_config_file: Annotated[Path, AfterValidator(_web_config), RESTART] = Field("", description=(
         "TLS and basic auth, in Prometheus exporter-toolkit's web config format (see below)."))
     history: Annotated[HistoryConfig, RESTART] = Field(default_factory=EMPTY, description=(
@@ -387,7 +389,10 @@ class Config(Section):
 
     @property
     def effective_stale_after(self) -> float:
-        return self.stale_after_seconds or 3 * self.interval_seconds
+        # A tick waits for a vLLM server found hung for its whole timeout (once: sources/vllm.py):
+        # a healthy exporter's sample may be that much later.
+        slowest = max((e.timeout_seconds for e in self.vllm.endpoints), default=0.0)
+        return self.stale_after_seconds or max(3 * self.interval_seconds, 2 * self.interval_seconds + slowest)
 
     def analysis(self) -> AnalysisConfig:
         """The detectors' settings that come from this file."""

@@ -277,15 +277,21 @@ class VllmSource:
         container_id / process_pattern look-ups. With `now`, the tick's time, an idle server's
         last page may stand for this tick's (vllm_idle.py). One sample per endpoint, in order."""
         started = self.clock()
-        # Resolved even when the scrape fails: a hung server still holds GPU memory.
-        roots = [self._roots(endpoint, candidates) for endpoint in self.endpoints]
+        roots: dict[int, tuple[int, ...] | None] = {}  # the server's processes, for every page not idle
         results: dict[int, VllmSample] = {}
         read: list[int] = []  # the endpoints whose page this tick read
         waiting: dict[concurrent.futures.Future[VllmSample], int] = {}
         with self._lock:
             for i, endpoint in enumerate(self.endpoints):
                 previous = self._inflight.get(i)
-                if previous is not None and not previous.done():
+                reading = previous is not None and not previous.done()
+                if (now is not None and not reading and i not in self._given_up
+                        and not self._idle.due(endpoint, now)):
+                    results[i] = self._idle.last_page(endpoint, now)
+                    continue
+                # Resolved even when the scrape fails: a hung server still holds GPU memory.
+                roots[i] = self._roots(endpoint, candidates)
+                if reading:
                     # An earlier scrape is still stuck: do not pile up threads on it.
                     results[i] = _failed(endpoint, "timeout", f"{endpoint.label}: previous scrape "
                                          "still running", started, self.clock)
@@ -294,9 +300,6 @@ class VllmSource:
                 self._given_up.discard(i)
                 if late is not None and late.up:  # it answered after its tick stopped waiting
                     results[i] = late
-                elif now is not None and not self._idle.due(endpoint, roots[i], now):
-                    results[i] = self._idle.last_page(endpoint, now)
-                    continue
                 else:
                     future = self._pool.submit(self._readers[i].read, self.clock)
                     self._inflight[i] = future
@@ -326,7 +329,7 @@ class VllmSource:
                 self._unanswered.add(i)
             else:
                 self._unanswered.discard(i)
-            pids = roots[i]
+            pids = roots.get(i)
             if pids is not None:
                 results[i] = replace(sample, pids=pids)
         for i in read:

@@ -9,7 +9,9 @@ read again only when:
 - its processes used more CPU over the last tick than at their resting rate (the lowest of the last
   RESTING_TICKS ticks' rates, which learns a worker that polls) plus BUSY_MARGIN of one core, and
   at least CPU_RESOLUTION more;
-- its processes changed (a restart, a worker gone), or their CPU time cannot be read;
+- its processes changed (a restart, a worker gone), or their CPU time cannot be read: a server
+  whose processes are alive and at rest has the listener it had, so an idle page costs no look-up
+  of the listener either;
 - `idle_read_seconds` have passed since the page was read: what the CPU cannot show (a hung API
   server, a /sleep call costing less than the margin) is seen that late at most.
 A page that showed work, failed, or held values the exporter dropped is read again every tick, as
@@ -51,19 +53,19 @@ class IdleReads:
         self._host = host
         self._servers: dict[str, _Server] = {}  # by endpoint label: bounded by the configuration
 
-    def due(self, endpoint: VllmEndpoint, roots: tuple[int, ...] | None, now: float) -> bool:
-        """Whether the endpoint's page must be read in the tick at `now`, its server's root PIDs
-        being `roots` (None: unknown)."""
+    def due(self, endpoint: VllmEndpoint, now: float) -> bool:
+        """Whether the endpoint's page must be read in the tick at `now`."""
         server = self._servers.get(endpoint.label)
         if server is None or self._host is None or endpoint.idle_read_seconds <= 0:
             return True
         busy = self._busy(server, now)  # measured every tick, so that each rate spans one tick
         page = server.page
-        return (busy or page is None or not at_rest(page) or roots is None or roots != page.pids
+        return (busy or page is None or not at_rest(page) or not page.pids
                 or not 0 <= now - server.read_at < endpoint.idle_read_seconds)
 
     def last_page(self, endpoint: VllmEndpoint, now: float) -> VllmSample:
-        """The page read last (due() said False, so there is one), and how old it is."""
+        """The page read last (due() said False, so there is one), and how old it is; its server's
+        roots are those found when it was read."""
         server = self._servers[endpoint.label]
         assert server.page is not None
         return replace(server.page, page_age_seconds=now - server.read_at)
