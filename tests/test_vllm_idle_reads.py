@@ -3,9 +3,7 @@ server on loopback serves a real vLLM 0.32 page at rest and counts the reads; a 
 says how much CPU the server's processes have used. Ticks are played (5 s each), never waited."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -13,13 +11,13 @@ import pytest
 from exporter.model import GpuSample, HostMemory, ProcessSample, Snapshot, VllmSample
 from exporter.sources.hostview import ProcessInfo
 from exporter.sources.vllm import VllmEndpoint, VllmSource
-from helpers.httpserver import QuietOnHangUp
+from helpers.flood import PageServer
 from helpers.timeline import T0, GiB
 
-AT_REST = (Path(__file__).parent / "fixtures" / "vllm" / "v0_32_cpu_idle.prom").read_text()
-RUNNING = 'vllm:num_requests_running{engine="0",model_name="tiny-llama"} '
+AT_REST = (Path(__file__).parent / "fixtures" / "vllm" / "v0_32_cpu_idle.prom").read_bytes()
+RUNNING = b'vllm:num_requests_running{engine="0",model_name="tiny-llama"} '
 # The same page with three requests running (a real server's ramp showed 7 to 160).
-WORKING = AT_REST.replace(RUNNING + "0.0", RUNNING + "3.0")
+WORKING = AT_REST.replace(RUNNING + b"0.0", RUNNING + b"3.0")
 assert WORKING != AT_REST
 API, ENGINE, WORKER = 100, 101, 102
 TICK = 5.0
@@ -27,40 +25,14 @@ RESTING_CPU = 0.08  # seconds a 5 s tick at rest: a real vLLM 0.32 CPU server's,
 REQUEST_CPU = 1.2  # seconds: one 16-token request on that server
 
 
-class Page:
-    """The page the server answers with, and how many times it was read."""
-
-    def __init__(self) -> None:
-        self.body, self.status, self.reads = AT_REST, 200, 0
-        self.lock = threading.Lock()
-
-
 @pytest.fixture
-def page() -> Iterator[tuple[Page, int]]:
-    served = Page()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            with served.lock:
-                served.reads += 1
-                body, status = served.body.encode(), served.status
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = QuietOnHangUp(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+def page() -> Iterator[tuple[PageServer, int]]:
+    """The page the server answers with, and how many times it was read."""
+    served = PageServer(AT_REST)
     try:
-        yield served, server.server_address[1]
+        yield served, served.server.server_port
     finally:
-        server.shutdown()
-        server.server_close()
+        served.close()
 
 
 class Host:
@@ -120,7 +92,7 @@ class Run:
 
 
 @pytest.fixture
-def run(page: tuple[Page, int]) -> Iterator[Run]:
+def run(page: tuple[PageServer, int]) -> Iterator[Run]:
     r = Run(page[1])
     yield r
     r.close()

@@ -50,16 +50,20 @@ def oom_line(i: int) -> str:
 
 
 class PageServer:
-    """The vLLM endpoint: `body` is what /metrics answers, switchable while it runs."""
+    """The vLLM endpoint: `body` is what /metrics answers, with HTTP `status`, both switchable while
+    it runs; `reads` counts the requests answered."""
 
-    def __init__(self) -> None:
-        self.body = SMALL_PAGE
+    def __init__(self, body: bytes = SMALL_PAGE) -> None:
+        self.body, self.status, self.reads = body, 200, 0
+        lock = threading.Lock()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = owner.body
-                self.send_response(200)
+                with lock:
+                    owner.reads += 1
+                    body, status = owner.body, owner.status
+                self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
