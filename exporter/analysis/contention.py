@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 from ..units import GiB, counted, format_bytes, format_duration
-from .alert_text import HOST_PROCESSES_OUTSIDE_VLLM, IF_UNIFIED_GPU, OTHER_GPU_PROCESSES_NONZERO_QUERY
+from .alert_text import (
+    HOST_PROCESSES_OUTSIDE_VLLM,
+    IF_UNIFIED_GPU,
+    OTHER_GPU_PROCESSES_NONZERO_QUERY,
+    OTHER_GPU_PROCESSES_QUERY,
+)
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
@@ -459,8 +464,8 @@ DETECTOR = DetectorSpec(
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
                          f"run. Largest outside vLLM by host memory:{HOST_PROCESSES_OUTSIDE_VLLM}"
                          "{{ else }}Non-vLLM processes hold "
-                         '{{ with printf "instance_gpu:gpumem_other_process_memory:bytes{instance=%q,gpu=%q}" '
-                         "$labels.instance $labels.gpu | query }}{{ . | first | value | humanize1024 }}B{{ end }} "
+                         f"{{{{ with {OTHER_GPU_PROCESSES_QUERY} }}}}"
+                         "{{ . | first | value | humanize1024 }}B{{ end }} "
                          "of the GPU, which is at "
                          '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | "
