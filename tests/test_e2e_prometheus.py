@@ -145,7 +145,7 @@ def test_leak_alert_reaches_alertmanager(stack, alerting):
     # The leak-investigation dashboard's annotation marks the leaking process.
     _, expr = next((w, e) for w, e in queries(load(next(p for p in DASHBOARD_FILES if p.stem == LEAK_ANNOTATION[0])))
                    if w == LEAK_ANNOTATION[1])
-    marked = prometheus.result(substitute(expr))
+    marked = wait_until(lambda: prometheus.result(substitute(expr)), HANG, "the leak annotation", alive=running)
     assert [(r["metric"]["pid"], r["metric"]["process"]) for r in marked] == [(LEAK_PID, LEAK_PROCESS)]
 
     # A GPU filling at a steady pace is forecast: the dashboards' "time to full" panels have data
@@ -191,7 +191,9 @@ def test_pressure_pages_above_90_percent_and_resolves(stack, alerting):
     # The embedding server exits at 50 min and memory stays low: the alert resolves everywhere.
     wait_until(lambda: pager("resolved"), HANG, "the pager webhook to hear it resolved", alive=running)
     assert not firing_in_prometheus(prometheus, "GpuMemoryHigh", exporter)
-    assert float(prometheus.result(utilization)[0]["value"][1]) < 0.85, "it resolved because memory dropped"
+    # last_over_time: one scrape a loaded machine answers late marks the live value stale, not this.
+    last = prometheus.result(f"last_over_time({utilization}[15s])")
+    assert float(last[0]["value"][1]) < 0.85, "it resolved because memory dropped"
     wait_until(lambda: not am_alerts(alertmanager, "GpuMemoryHigh", exporter), HANG,
                "GpuMemoryHigh to leave Alertmanager's active alerts", alive=running)
     # Below the threshold nothing pages: with memory low for good, not even a pending alert.
@@ -267,5 +269,6 @@ def test_every_dashboard_query_returns_data_from_the_live_exporter(stack, tmp_pa
         return sorted(tuple(sorted((k, v) for k, v in r["metric"].items() if k != "__name__"))
                       for r in prometheus.result(expr))
 
-    record = label_sets("instance_gpu:gpumem_memory_beyond_vllm_budget:bytes")
-    assert record and record == label_sets("gpumem_gpu_memory_beyond_budget_bytes")
+    # Over the last 15 s, so that one late scrape (every series stale until the next) reads the same.
+    record = label_sets("last_over_time(instance_gpu:gpumem_memory_beyond_vllm_budget:bytes[15s])")
+    assert record and record == label_sets("last_over_time(gpumem_gpu_memory_beyond_budget_bytes[15s])")
