@@ -478,8 +478,8 @@ DETECTOR = DetectorSpec(
                          "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
                          "held by processes outside vLLM; MemAvailable is "
                          '{{ with printf "gpumem_host_memory_available_bytes{instance=%q}" $labels.instance | query }}'
-                         "{{ . | first | value | humanize1024 }}B{{ end }}. The finding names them "
-                         "(/api/findings).{{ end }}"))),),
+                         "{{ . | first | value | humanize1024 }}B{{ end }}. Largest outside vLLM by host memory:"
+                         f"{HOST_PROCESSES_OUTSIDE_VLLM}{{{{ end }}}}"))),),
     settings={
         "window_seconds": "The named processes' growth is measured over this window.",
         "min_bytes": "The other processes must hold at least this in all.",
