@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 from prometheus_client import generate_latest
 
 from exporter.config import ConfigError, build
 from exporter.daemon import Daemon
+from exporter.model import VllmSample
 from exporter.runtime import build as build_runtime
 from exporter.serve.exposition import build_registry
 from exporter.sim import fake_nvml
@@ -93,3 +95,9 @@ def test_backend_none_reads_no_gpu_and_is_never_down(simulate, caplog):
     page = status.render(state, "host", 1.0, 15.0)
     assert "No GPU is read on this host (gpu.backend none)" in page and "Is the driver installed" not in page
     assert "<td>gpu: none (gpu.backend)</td><td>" in page and "<td>none</td>" not in page
+    # A server whose processes are not on this host (served elsewhere): nothing here to weigh its
+    # memory against, and no GPU to have found a process on.
+    elsewhere = replace(state, snapshot=replace(state.snapshot, vllm=(VllmSample(endpoint="remote", up=True),)))
+    row = status.render(elsewhere, "host", 1.0, 15.0).split("<td>remote</td>")[1].split("</tr>")[0]
+    assert "not known: no GPU here, and none of its processes found on this host" in row, row
+    assert "no GPU process found" not in row

@@ -143,8 +143,10 @@ def _servers(state: State) -> list[tuple[object, ...]]:
         elif v.processes and snap is not None and not snap.gpus:
             held = sum(p.host_rss_bytes or 0 for p in v.processes)
             budget = f"host memory (vLLM's CPU backend): its processes hold {format_bytes(held)}"
-        else:
+        elif snap is not None and snap.gpus:
             budget = "no GPU process found"
+        else:  # no GPU source (gpu.backend: none), or a server elsewhere: nothing here to weigh
+            budget = "not known: no GPU here, and none of its processes found on this host"
         by_engine = {(k.model, k.engine): k for k in caches}
         where = "per GPU" if budgets or (snap is not None and snap.gpus) else "of host memory"
         kv = "; ".join(_kv(e.kv_cache_usage_ratio, by_engine.get((e.model, e.engine)), where)
