@@ -85,7 +85,6 @@ class LocalHost(HostView):
         # confirmation is then one readlink, not a parse of the host's socket tables.
         self._listener_sockets: dict[int, tuple[int, str, str]] = {}
         self._tracked: dict[int, _Tracked] = {}
-        self._cpu_handles: dict[int, psutil.Process] = {}  # cpu_seconds()'s
         self._swept_at = monotonic()
         self._top: tuple[int, ...] = ()  # PIDs of the largest processes at the last walk
         self._top_at = float("-inf")
@@ -168,18 +167,22 @@ class LocalHost(HostView):
         return info.ppid if info is not None else None
 
     def cpu_seconds(self, pids: Sequence[int]) -> float | None:
-        # A handle kept per PID: one read of stat each, where a new psutil.Process reads it twice.
-        # A PID reused meanwhile reads another process's time, which the caller sees as a change.
-        if len(self._cpu_handles) > MAX_TRACKED:
-            self._cpu_handles.clear()
+        # The processes' kept handles (process()): one read of stat each. A PID reused meanwhile
+        # reads another process's time, which the caller sees as a change.
+        now = self._monotonic()
         total = 0.0
         for pid in pids:
+            tracked = self._tracked.get(pid)
+            if tracked is None:
+                if self.process(pid) is None:
+                    return None
+                tracked = self._tracked[pid]
             try:
-                handle = self._cpu_handles.get(pid) or self._cpu_handles.setdefault(pid, psutil.Process(pid))
-                times = handle.cpu_times()
+                times = tracked.proc.cpu_times()
             except _PROCESS_ERRORS:
-                self._cpu_handles.pop(pid, None)
+                self._tracked.pop(pid, None)
                 return None
+            tracked.seen_at = now
             total += times.user + times.system
         return total
 
