@@ -39,8 +39,10 @@ from ..units import GiB, counted, format_bytes, format_duration
 from .alert_text import (
     HOST_PROCESSES_OUTSIDE_VLLM,
     IF_UNIFIED_GPU,
+    NAME_PID_SIZE,
     OTHER_GPU_PROCESSES_NONZERO_QUERY,
     OTHER_GPU_PROCESSES_QUERY,
+    process_list,
 )
 from .budget import memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
@@ -470,10 +472,9 @@ DETECTOR = DetectorSpec(
                          '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | "
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
-                         "run. Largest outside vLLM:"
-                         '{{ range printf "sort_desc(topk(3, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,'
-                         'role!=\\"vllm\\"}))" $labels.instance $labels.gpu | query }} {{ .Labels.process }} (pid '
-                         "{{ .Labels.pid }}) {{ .Value | humanize1024 }}B;{{ end }}{{ end }}"
+                         "run. Largest outside vLLM:" + process_list(
+                             'printf "sort_desc(topk(3, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,'
+                             'role!=\\"vllm\\"}))" $labels.instance $labels.gpu | query', NAME_PID_SIZE) + "{{ end }}"
                          "{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
                          "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
                          "held by processes outside vLLM; MemAvailable is "
