@@ -11,7 +11,7 @@ import shutil
 import signal
 import sys
 import threading
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 import yaml
@@ -19,6 +19,9 @@ import yaml
 from . import __version__
 from .config import Config, ConfigError, file_form
 from .service import StartError, make_analyzer  # make_analyzer: also imported from here by tests and benches
+
+if TYPE_CHECKING:
+    from .analysis.engine import AnalysisConfig
 
 __all__ = ["main", "make_analyzer"]
 
@@ -56,6 +59,18 @@ def _fail(message: str) -> NoReturn:
 def _invalid(config_file: str | None, exc: ConfigError) -> click.ClickException:
     where = f" in {config_file}" if config_file else ""
     return click.ClickException(f"invalid configuration{where}:\n  " + str(exc).replace("\n", "\n  "))
+
+
+def _analysis_settings(config_file: str) -> AnalysisConfig:
+    """The detector, history and admission settings of the daemon's file, for a replay: its
+    other sections (and the files they name) are not read."""
+    from .config import load
+    from .config.loading import ANALYSIS_SECTIONS
+
+    try:
+        return load(config_file, sections=ANALYSIS_SECTIONS).analysis()
+    except ConfigError as exc:
+        raise _invalid(config_file, exc) from None
 
 
 def _load(config_file: str | None, **flags: object) -> Config:
@@ -203,7 +218,7 @@ def explain(logfiles: tuple[str, ...], fmt: str) -> None:
               "or more than an hour apart), which are refused otherwise.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="The daemon's configuration file: the replay uses its detector, history and admission "
-              "settings, as the live daemon did (default: the built-in ones).")
+              "settings, as the live daemon did (default: the built-in ones); its other sections are not read.")
 def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start: str | None, end: str,
             step: float | None, selector: str, report_path: str | None, log_files: tuple[str, ...],
             merge_runs: bool, config_file: str | None) -> None:
@@ -215,7 +230,7 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
     if bool(traces) == bool(prometheus_url):
         raise click.UsageError("give TRACE files or --prometheus URL (one of them)")
     # A replay with other thresholds than the daemon's raises other findings, or at other times.
-    settings = _load(config_file).analysis() if config_file else None
+    settings = _analysis_settings(config_file) if config_file else None
     try:
         if prometheus_url:
             from .postmortem.promquery import fetch, parse_time

@@ -130,8 +130,12 @@ def test_analyze_replays_with_the_daemons_detector_settings_given_its_config(tmp
     # The daemon ran with stale memory judged after 240 s, not 120: a replay with the built-in
     # settings would date the finding two minutes early (the trial of 5d3e341: a leak critical
     # live, only a warning in the replay).
+    # The daemon's file, copied from its host: the listener's web config (TLS) and the kubelet's
+    # token are files of that host, which a replay neither has nor needs.
     config = tmp_path / "exporter.yml"
-    config.write_text("detectors:\n  stale_memory: {seconds: 240}\n")
+    config.write_text("detectors:\n  stale_memory: {seconds: 240}\n"
+                      f"web_config_file: {tmp_path / 'absent' / 'web.yml'}\n"
+                      f"kubelet: {{enabled: 'true', token_file: {tmp_path / 'absent' / 'token'}}}\n")
     live = Live("stale-memory", tmp_path / "rec", detectors={"stale_memory": {"seconds": 240}})
     try:
         live.run_until(1200)
@@ -144,6 +148,11 @@ def test_analyze_replays_with_the_daemons_detector_settings_given_its_config(tmp
         == [("stale_memory", start + 840)]
     assert [(f["kind"], f["first_detected_at"]) for f in analyze_json(path)["findings"]] == \
         [("stale_memory", start + 720)]
+    # The sections the replay uses are checked as the daemon checks them.
+    config.write_text("detectors:\n  stale_memory: {seconds: -1}\n")
+    out = subprocess.run([sys.executable, "-m", "exporter", "analyze", path, "--config", str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "detectors.stale_memory.seconds" in out.stderr, out.stderr
 
 
 def test_without_a_tail_the_trace_ends_at_the_exit_and_misses_the_stale_memory(tmp_path):

@@ -86,11 +86,21 @@ def build(file_data: dict[str, Any] | None = None, overrides: dict[str, Any] | N
     return config
 
 
-def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+# The sections Config.analysis() reads. A replay (`analyze --config`) checks only these: the files
+# the rest names (TLS, tokens, the probe directory) are the daemon's host's, not the replay's.
+ANALYSIS_SECTIONS = ("admission", "history", "detectors", "gpu")
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None,
+         sections: tuple[str, ...] | None = None) -> Config:
     """The file checked as one with the overrides: every problem at once, keys the file gives
-    twice among them. Raises ConfigError."""
+    twice among them. With `sections`, the file's other sections are left out, unread.
+    Raises ConfigError."""
     duplicates: list[str] = []
     data = load_file(path, duplicates) if path else None
+    if data and sections is not None:
+        kept = {*sections, *(old for old, new in RENAMED.items() if new in sections)}
+        data = {key: value for key, value in data.items() if key in kept}
     try:
         config = build(data, overrides)
     except ConfigError as exc:
