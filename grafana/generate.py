@@ -110,19 +110,78 @@ def table(title: str, targets: list[JSON], w: int = 24, h: int = 8, description:
                   options={"showHeader": True})
 
 
-def bargauge(title: str, targets: list[JSON], unit: str = "percentunit", w: int = 12, h: int = 8,
-             description: str = "", max_: float | None = 1, steps: list[JSON] | None = None) -> JSON:
-    # Headroom: red below the near-full level's, orange below the page's (exporter/thresholds.py).
-    defaults: JSON = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps or [
-        {"color": "red", "value": None},
-        {"color": "orange", "value": round(1 - thresholds.MEMORY_NEAR_FULL.value, 6)},
-        {"color": "green", "value": round(1 - thresholds.MEMORY_HIGH.value, 6)}]}}
+def bargauge(title: str, targets: list[JSON], steps: list[JSON], unit: str = "percentunit", w: int = 12,
+             h: int = 8, description: str = "", max_: float | None = 1, overrides: Iterable[JSON] = ()) -> JSON:
+    defaults: JSON = {"unit": unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps}}
     if max_ is not None:
         defaults["max"] = max_
     return _panel("bargauge", title, targets, w, h, description,
-                  fieldConfig={"defaults": defaults, "overrides": []},
+                  fieldConfig={"defaults": defaults, "overrides": list(overrides)},
                   options={"orientation": "horizontal", "displayMode": "gradient",
                            "reduceOptions": {"calcs": ["lastNotNull"]}})
+
+
+def pct(ratio: float) -> str:
+    return f"{ratio * 100:.6g} %"
+
+
+HIGH, NEAR_FULL, SLACK = thresholds.MEMORY_HIGH, thresholds.MEMORY_NEAR_FULL, thresholds.VLLM_BUDGET_SLACK
+BEYOND_BUDGET_RATIO = "instance_gpu:gpumem_memory_beyond_vllm_budget:ratio"
+
+
+def beyond_budget(selector: str) -> str:
+    """GpuMemoryHigh's second clause: GPUs with more than the slack of their memory used beyond the
+    vLLM servers' budgets (all used memory on a GPU without vLLM). tests/test_dashboards.py checks
+    that it is the alert's own."""
+    return f"{BEYOND_BUDGET_RATIO}{{{selector}}} > on () group_left () {SLACK.record}"
+
+
+def page_line(gpus: str, selector: str, by: str = "instance, gpu") -> str:
+    """GpuMemoryHigh's threshold, one series per `by` of `gpus` (per-GPU series) that carry memory
+    beyond the vLLM budgets, and none for the others: above this line such a GPU pages, while a
+    vLLM GPU at its own budget (~90 % by design) above it pages nobody."""
+    return (f"max by ({by}) (0 * ({gpus} and on (instance, job, gpu, uuid) ({beyond_budget(selector)}))) "
+            f"+ on () group_left () {HIGH.record}")
+
+
+NEAR_FULL_LINE = "near full: pages whoever owns the memory"
+PAGE_LINE = "pages above this (memory beyond the vLLM budget)"
+
+
+def utilisation_lines(drawn_for: str = "a GPU with") -> str:
+    """What the dashed lines of a utilisation panel say, in its description."""
+    return (f" Dashed: {pct(NEAR_FULL.value)} ({NEAR_FULL.record}), where GpuMemoryNearFull pages whoever "
+            f"owns the memory; and {pct(HIGH.value)} ({HIGH.record}), drawn only for {drawn_for} more than "
+            f"{pct(SLACK.value)} of it used beyond the vLLM servers' budgets, where GpuMemoryHigh pages. A vLLM "
+            "GPU at its own budget (~90 % by design) draws no such line: it pages nobody.")
+
+
+# The headroom bars of GPUs for which GpuMemoryHigh's level is a page carry this label (and legend).
+BEYOND_BUDGET_LABEL = "beyond the vLLM budget"
+
+
+def headroom(selector: str) -> JSON:
+    """Free / total per GPU. Red at the near-full level, which pages whoever owns the memory; orange
+    at GpuMemoryHigh's only for the GPUs it pages for, marked with a label: a vLLM GPU at its own
+    budget has ~10 % free by design and pages nobody."""
+    ratio = f"instance_gpu:gpumem_memory_headroom:ratio{{{selector}}}"
+    marked = (f'label_replace({ratio} and on (instance, job, gpu, uuid) ({beyond_budget(selector)}), '
+              f'"budget", "{BEYOND_BUDGET_LABEL}", "", "")')
+    red = {"color": "red", "value": None}
+    near_full = {"color": "green", "value": round(1 - NEAR_FULL.value, 6)}
+    return bargauge("Headroom", [target(f"{marked} or on (instance, job, gpu, uuid) {ratio}",
+                                        "{{instance}} GPU {{gpu}} {{budget}}", instant=True)],
+                    steps=[red, near_full], w=8,
+                    overrides=[{"matcher": {"id": "byRegexp", "options": f"/ {BEYOND_BUDGET_LABEL}$/"},
+                                "properties": [{"id": "thresholds", "value": {"mode": "absolute", "steps": [
+                                    red, {**near_full, "color": "orange"},
+                                    {"color": "green", "value": round(1 - HIGH.value, 6)}]}}]}],
+                    description=f"Free / total per GPU, now. Red below {pct(1 - NEAR_FULL.value)}, where "
+                                "GpuMemoryNearFull pages whoever owns the memory. Orange below "
+                                f"{pct(1 - HIGH.value)} only on a GPU marked \"{BEYOND_BUDGET_LABEL}\" (more "
+                                f"than {pct(SLACK.value)} of it used beyond the vLLM servers' budgets), where "
+                                "GpuMemoryHigh pages; a vLLM GPU at its own budget (~10 % free by design) "
+                                "pages nobody.")
 
 
 def paging_on_memory(selector: str) -> JSON:
@@ -144,14 +203,16 @@ def row(title: str) -> JSON:
     return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
 
 
-def threshold_line(ref: str, name: str) -> JSON:
-    """Draw a threshold series as a dashed line outside the stack."""
-    return {"matcher": {"id": "byFrameRefID", "options": ref},
-            "properties": [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
-                           {"id": "custom.fillOpacity", "value": 0},
-                           {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
-                           {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}},
-                           {"id": "displayName", "value": name}]}
+def threshold_line(ref: str, name: str | None = None) -> JSON:
+    """Draw a threshold series as a dashed line outside the stack; `name` replaces its legend (not
+    for a line per GPU, whose legend says which GPU it is for)."""
+    properties = [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+                  {"id": "custom.fillOpacity", "value": 0},
+                  {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                  {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]
+    if name is not None:
+        properties.append({"id": "displayName", "value": name})
+    return {"matcher": {"id": "byFrameRefID", "options": ref}, "properties": properties}
 
 
 def variable(name: str, label: str, query: str, multi: bool = True) -> JSON:
@@ -220,14 +281,11 @@ def overview() -> JSON:
              thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
         timeseries("GPU memory utilisation", [
             target(util, "{{instance}} GPU {{gpu}}"),
-            target("gpumem:threshold_memory_high:ratio", "page threshold"),
-            target("gpumem:threshold_memory_near_full:ratio", "near-full threshold"),
-        ], unit="percentunit", w=16, max_=1,
-            description="Used / total per GPU. Thresholds come from the alert rules' threshold series.",
-            overrides=[threshold_line("B", "page threshold"), threshold_line("C", "near-full threshold")]),
-        bargauge("Headroom", [target(f"instance_gpu:gpumem_memory_headroom:ratio{{{GPU}}}",
-                                     "{{instance}} GPU {{gpu}}", instant=True)], w=8,
-                 description="Free / total per GPU, now."),
+            target(NEAR_FULL.record, NEAR_FULL_LINE),
+            target(page_line(util, GPU), "{{instance}} GPU {{gpu}} " + PAGE_LINE),
+        ], unit="percentunit", w=16, max_=1, description="Used / total per GPU." + utilisation_lines(),
+            overrides=[threshold_line("B", NEAR_FULL_LINE), threshold_line("C")]),
+        headroom(GPU),
         table("Every GPU", [
             per_gpu(util),
             per_gpu(f"gpumem_gpu_memory_free_bytes{{{GPU}}}"),
@@ -338,7 +396,7 @@ def memory_budget() -> JSON:
         ], description="What each server's processes use on each GPU against gpu_memory_utilization x total."),
         bargauge("vLLM memory profile", [
             target('gpumem_vllm_memory_profile_bytes{instance=~"$instance"}', "{{endpoint}} {{component}}",
-                   instant=True)], unit="bytes", max_=None, steps=[{"color": "blue", "value": None}],
+                   instant=True)], steps=[{"color": "blue", "value": None}], unit="bytes", max_=None,
             description="From each server's start-up log: weights, KV cache, activation peak, non-torch, CUDA graphs."),
         table("vLLM cache configuration", [
             target('gpumem_vllm_cache_config_info{instance=~"$instance"}', instant=True, table=True)],
@@ -433,6 +491,7 @@ def leak_investigation() -> JSON:
 
 
 def vllm() -> JSON:
+    util = f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}"
     panels = [
         timeseries("KV cache usage", [
             target(f"gpumem_vllm_kv_cache_usage_ratio{{{EP}}}", "{{endpoint}} {{model}} engine {{engine}}"),
@@ -443,10 +502,12 @@ def vllm() -> JSON:
                          "samples with requests waiting (the exporter's kv_saturation finding, "
                          "detectors.kv_saturation in its configuration), never full in all.")),
         timeseries("GPU memory of the servers' GPUs", [
-            target(f"instance_gpu:gpumem_memory_utilization:ratio{{{GPU}}}", "{{instance}} GPU {{gpu}}"),
-            target("gpumem:threshold_memory_high:ratio", "page threshold")],
-            unit="percentunit", max_=1, overrides=[threshold_line("B", "page threshold")],
-            description="Next to the KV cache: memory use of the GPUs (choose them with the GPU variable)."),
+            target(util, "{{instance}} GPU {{gpu}}"),
+            target(NEAR_FULL.record, NEAR_FULL_LINE),
+            target(page_line(util, GPU), "{{instance}} GPU {{gpu}} " + PAGE_LINE)],
+            unit="percentunit", max_=1, overrides=[threshold_line("B", NEAR_FULL_LINE), threshold_line("C")],
+            description="Next to the KV cache: memory use of the GPUs (choose them with the GPU variable)."
+                        + utilisation_lines()),
         timeseries("Requests", [
             target(f"gpumem_vllm_requests_running{{{EP}}}", "{{endpoint}} running"),
             target(f"gpumem_vllm_requests_waiting{{{EP}}}", "{{endpoint}} waiting")], unit="none",
@@ -502,11 +563,15 @@ def fleet() -> JSON:
         stat("Nodes", f"count(count by (instance) (gpumem_gpu_info{{{gpu}}})) or vector(0)",
              description="Hosts (Kubernetes nodes) whose exporter reports GPUs."),
         stat("GPUs", f"count(gpumem_gpu_info{{{gpu}}}) or vector(0)", description="GPUs on those hosts."),
+        # Blue, not green, below the near-full level: the mean cannot say whether GpuMemoryHigh pages.
         stat("Fleet GPU memory in use",
              f"sum(gpumem_gpu_memory_used_bytes{{{gpu}}}) / sum(gpumem_gpu_memory_total_bytes{{{gpu}}})",
-             unit="percentunit", description="Used / total over every GPU of the selected hosts.",
-             thresholds=[{"color": "green", "value": None},
-                         {"color": "orange", "value": thresholds.MEMORY_HIGH.value}]),
+             unit="percentunit",
+             description="Used / total over every GPU of the selected hosts. A vLLM fleet sits near 90 % by "
+                         "design (each server reserves gpu_memory_utilization of its GPU), which pages nobody. "
+                         f"Red from {pct(NEAR_FULL.value)}: then at least one GPU is that full, and "
+                         "GpuMemoryNearFull pages whoever owns the memory. Which GPUs page: the stat beside.",
+             thresholds=[{"color": "blue", "value": None}, {"color": "red", "value": NEAR_FULL.value}]),
         paging_on_memory(gpu),
         table("By node", [
             target(f"count by (instance) (gpumem_gpu_info{{{gpu}}})", instant=True, table=True),
@@ -520,10 +585,14 @@ def fleet() -> JSON:
         timeseries("GPU memory used by node", [
             target(f"sum by (instance) (gpumem_gpu_memory_used_bytes{{{gpu}}})", "{{instance}}")],
             description="Sum over each host's GPUs."),
-        timeseries("Fullest GPU per node", [target(f"max by (instance) ({util})", "{{instance}}"),
-                                            target("gpumem:threshold_memory_high:ratio", "page threshold")],
-                   unit="percentunit", max_=1, overrides=[threshold_line("B", "page threshold")],
-                   description="The highest utilisation among each host's GPUs."),
+        timeseries("Fullest GPU per node", [
+            target(f"max by (instance) ({util})", "{{instance}}"),
+            target(NEAR_FULL.record, NEAR_FULL_LINE),
+            # Per node, the page line of the GPU drawn: its fullest.
+            target(page_line(f"topk by (instance) (1, {util})", gpu, by="instance"), "{{instance}} " + PAGE_LINE)],
+            unit="percentunit", max_=1, overrides=[threshold_line("B", NEAR_FULL_LINE), threshold_line("C")],
+            description="The highest utilisation among each host's GPUs."
+                        + utilisation_lines("a node whose fullest GPU has")),
         row("Kubernetes: by namespace and pod"),
         timeseries("GPU memory by namespace", [target(f"sum by (namespace) ({used})", "{{namespace}}")],
                    stack=True, description="Processes outside any pod have an empty namespace."),

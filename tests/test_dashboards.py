@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from alerts.rules import ALERT_GROUPS
+from exporter.thresholds import MEMORY_HIGH, MEMORY_NEAR_FULL, VLLM_BUDGET_SLACK
 from helpers.dashboards import (
     BUILTINS,
     DASHBOARD_FILES,
@@ -442,6 +445,138 @@ def test_paging_stat_counts_the_gpus_gpu_memory_high_pages_for(path, tmp_path):
     for name, expected in (("steady", steady), ("contention", contention)):
         test = tmp_path / f"{name}.test.yml"
         test.write_text(yaml.safe_dump(_paging_stat_test(path, name, expected), sort_keys=False, width=10**6))
+        result = subprocess.run([tool("promtool"), "test", "rules", str(test)], capture_output=True, text=True,
+                                timeout=600, cwd=REPO)
+        assert result.returncode == 0, (name, (result.stdout + result.stderr)[-6000:])
+
+
+# -- a colour or a line at GpuMemoryHigh's level only where it pages ---------------------------------
+# GpuMemoryHigh pages above MEMORY_HIGH only with more than VLLM_BUDGET_SLACK of the GPU beyond the
+# vLLM budgets: a vLLM GPU at its own budget (~90 % by design) sits above MEMORY_HIGH all day and
+# pages nobody. A line or colour step at that level must carry the beyond-budget condition.
+GPU_MEMORY_HIGH = next(a for _, group in ALERT_GROUPS for a in group if a.name == "GpuMemoryHigh")
+BEYOND_BUDGET = re.compile(r"instance_gpu:gpumem_memory_beyond_vllm_budget:ratio(\{[^}]*\})? > on \(\) "
+                           rf"group_left \(\) {re.escape(VLLM_BUDGET_SLACK.record)}")
+PAGE_LEVELS = {MEMORY_HIGH.value, round(1 - MEMORY_HIGH.value, 6)}  # utilisation, headroom
+UTILISATION_PANELS = {"overview": "GPU memory utilisation", "vllm": "GPU memory of the servers' GPUs",
+                      "fleet": "Fullest GPU per node"}
+
+
+def _steps(thresholds: dict | None) -> list[float]:
+    return [s["value"] for s in (thresholds or {}).get("steps", []) if s["value"] is not None]
+
+
+def test_the_beyond_budget_condition_is_gpu_memory_highs_own(generator):
+    condition = " ".join(GPU_MEMORY_HIGH.expr.split())
+    assert BEYOND_BUDGET.search(condition)
+    assert generator.beyond_budget("").replace("{}", "") in condition
+    assert BEYOND_BUDGET.fullmatch(generator.beyond_budget('gpu=~"$gpu"'))
+
+
+def test_no_colour_or_line_at_the_page_level_without_the_beyond_budget_condition():
+    """The old dashboards drew a "page threshold" line at 85 % and coloured fleet use orange from
+    85 % and headroom from 15 %: every healthy vLLM GPU, which pages nobody."""
+    offenders = []
+    for path in DASHBOARD_FILES:
+        for p in all_panels(load(path)):
+            where = f"{path.stem}: {p['title']!r}"
+            for t in p.get("targets", []):
+                if MEMORY_HIGH.record in t["expr"] and not BEYOND_BUDGET.search(t["expr"]):
+                    offenders.append(f"{where} line {t['legendFormat']!r}")
+            field = p.get("fieldConfig", {})
+            if PAGE_LEVELS & set(_steps(field.get("defaults", {}).get("thresholds"))):
+                offenders.append(f"{where} colour step for every series")
+            for o in field.get("overrides", []):
+                for prop in o["properties"]:
+                    if prop["id"] != "thresholds" or not PAGE_LEVELS & set(_steps(prop["value"])):
+                        continue
+                    # Only for the series the query marks beyond budget, by a label in their legend.
+                    matcher = o["matcher"]
+                    pattern = re.compile(matcher["options"].strip("/")) if matcher["id"] == "byRegexp" else None
+                    marked = [t for t in p["targets"] if "{{budget}}" in t["legendFormat"] and re.search(
+                        r'label_replace\(.* and on \(instance, job, gpu, uuid\) \(' + BEYOND_BUDGET.pattern
+                        + r'\), "budget", "([^"]+)", "", ""\)', t["expr"])]
+                    if not (pattern and marked and len(marked) == len(p["targets"]) and all(
+                            pattern.search(t["legendFormat"].replace("{{budget}}", label))
+                            and not pattern.search(t["legendFormat"].replace("{{budget}}", ""))
+                            for t in marked for label in re.findall(r'"budget", "([^"]+)"', t["expr"]))):
+                        offenders.append(f"{where} colour step for series not marked beyond budget")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("stem", sorted(UTILISATION_PANELS))
+def test_utilisation_panels_draw_both_pages(stem):
+    """The near-full line (pages whoever owns the memory) always; GpuMemoryHigh's per GPU or node."""
+    [panel] = [p for p in all_panels(load(GRAFANA / "dashboards" / f"{stem}.json"))
+               if p["title"] == UTILISATION_PANELS[stem]]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert MEMORY_NEAR_FULL.record in exprs
+    assert len([e for e in exprs if MEMORY_HIGH.record in e]) == 1
+    for name in ("GpuMemoryNearFull", "GpuMemoryHigh", f"{VLLM_BUDGET_SLACK.value * 100:g} %", "by design"):
+        assert name in panel["description"]
+
+
+def _page_lines() -> list[tuple[str, str]]:
+    return [(stem, t["expr"]) for stem, title in sorted(UTILISATION_PANELS.items())
+            for p in all_panels(load(GRAFANA / "dashboards" / f"{stem}.json")) if p["title"] == title
+            for t in p["targets"] if MEMORY_HIGH.record in t["expr"]]
+
+
+def _headroom() -> str:
+    [panel] = [p for p in all_panels(load(GRAFANA / "dashboards" / "overview.json")) if p["title"] == "Headroom"]
+    [query] = panel["targets"]
+    return query["expr"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_only_the_gpu_beyond_its_vllm_budget_gets_the_page_line_and_the_orange_headroom(prometheus):
+    """GPU 0 has 4 GiB (5 %) beyond its vLLM budget: it gets GpuMemoryHigh's line (one per GPU, or
+    its node's, as GPU 0 is the fullest) and its headroom bar is marked; GPU 1 (0.6 %) neither."""
+    lines = _page_lines()
+    assert len(lines) == 3
+    for stem, expr in lines:
+        result = prometheus(substitute(expr))["data"]["result"]
+        assert [(r["metric"].get("gpu"), float(r["value"][1])) for r in result] == [
+            ("0" if stem != "fleet" else None, MEMORY_HIGH.value)], stem
+        assert all(r["metric"].get("instance") for r in result), stem
+    bars = prometheus(substitute(_headroom()))["data"]["result"]
+    assert sorted((r["metric"]["gpu"], r["metric"].get("budget")) for r in bars) == [
+        ("0", "beyond the vLLM budget"), ("1", None)]
+
+
+def _page_level_test(name: str, minutes: dict[int, bool]) -> dict:
+    """A promtool rule test over the scenario's replayed series: at each minute, every page line is
+    drawn for GPU 0 (or its node) and its headroom bar marked if `minutes[minute]`, and otherwise
+    no line is drawn and no bar marked."""
+    gpus = len({s["series"] for s in promtool_series(played(name)) if s["series"].startswith("gpumem_gpu_info")})
+    checks = []
+    for minute, beyond in minutes.items():
+        for stem, expr in _page_lines():
+            labels = '{gpu="0",instance="sim:9842"}' if stem != "fleet" else '{instance="sim:9842"}'
+            checks.append({"expr": substitute(expr), "eval_time": f"{minute}m",
+                           "exp_samples": [{"labels": labels, "value": MEMORY_HIGH.value}] if beyond else []})
+        marked = [{"labels": '{budget="beyond the vLLM budget"}', "value": 1}] if beyond else []
+        unmarked = [{"labels": "{}", "value": gpus - beyond}] if gpus - beyond else []
+        checks.append({"expr": f"count by (budget) ({substitute(_headroom())})", "eval_time": f"{minute}m",
+                       "exp_samples": marked + unmarked})
+    return {"rule_files": [str(RULES)], "evaluation_interval": "60s",
+            "tests": [{"interval": f"{STEP:g}s", "input_series": promtool_series(played(name)),
+                       "promql_expr_test": checks}]}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_healthy_vllm_host_draws_no_page_line_and_no_orange_headroom(tmp_path):
+    """On `steady` both vLLM GPUs sit at their budget, above 85 %, all day: no GpuMemoryHigh line and
+    no marked headroom bar at any time (the old dashboards drew the line through both GPUs). On
+    `contention` the notebook's memory beyond the vLLM budget (from 32 min until 2 h 30 min)
+    brings them while it lasts."""
+    steady = dict.fromkeys(range(0, 360, 10), False)
+    contention = {**dict.fromkeys((10, 20, 160, 170), False), **dict.fromkeys(range(40, 150, 10), True)}
+    for name, minutes in (("steady", steady), ("contention", contention)):
+        test = tmp_path / f"{name}.test.yml"
+        test.write_text(yaml.safe_dump(_page_level_test(name, minutes), sort_keys=False, width=10**6))
         result = subprocess.run([tool("promtool"), "test", "rules", str(test)], capture_output=True, text=True,
                                 timeout=600, cwd=REPO)
         assert result.returncode == 0, (name, (result.stdout + result.stderr)[-6000:])
