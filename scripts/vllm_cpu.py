@@ -133,12 +133,14 @@ def stop(server: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
             os.killpg(server.pid, sig)
         except ProcessLookupError:
             return
+        print(f"stopping vLLM (pid {server.pid}, {sig.name}) ...", file=sys.stderr, flush=True)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             server.poll()
             try:
                 os.killpg(server.pid, 0)
             except ProcessLookupError:
+                print("vLLM stopped.", file=sys.stderr, flush=True)
                 return
             time.sleep(0.2)
 
