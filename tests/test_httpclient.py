@@ -149,3 +149,30 @@ def test_cancelled_alarms_do_not_pile_up(monkeypatch):
     for _ in range(100):
         watchdog.arm(3600.0, lambda: None).cancel()
     assert watchdog.pending() <= 11
+
+
+def test_a_failed_connection_is_named_by_its_kind_and_reason_not_the_librarys_wrapper(monkeypatch):
+    """What the status page and the logs show: "connection refused", not urllib3's
+    "MaxRetryError (Connection refused)"; and a name that does not resolve is no time-out,
+    though urllib3 2 derives its NameResolutionError from ConnectTimeoutError."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nobody listens there now
+    with pytest.raises(requests.ConnectionError) as refused:
+        requests.get(f"http://127.0.0.1:{port}/metrics", timeout=HANG)
+    failure = httpclient.failure_of(refused.value)
+    assert (failure.kind, str(failure)) == ("refused", "connection refused")
+
+    # A name that does not resolve, through requests and urllib3 as they are; the resolver answers
+    # at once here (a real one may wait on a DNS server).
+    def no_such_name(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    with pytest.raises(requests.ConnectionError) as unresolved:
+        requests.get("http://vllm.example.invalid:8000/metrics", timeout=HANG)
+    failure = httpclient.failure_of(unresolved.value)
+    assert (failure.kind, str(failure)) == ("connection", "cannot connect: Name or service not known")

@@ -373,32 +373,53 @@ def _content_length(response: BaseHTTPResponse) -> int | None:
     return value if value >= 0 else None
 
 
+# What a message calls each kind of failure, before the innermost reason (not the library's
+# wrapper type, a MaxRetryError say, which tells an operator nothing).
+_FAILED = {"tls": "TLS failed", "refused": "connection refused", "timeout": "timed out", "connection": "cannot connect"}
+
+
 def failure_of(exc: BaseException) -> HttpFailure:
     """The kind of a failed request (requests, urllib3 and socket errors alike)."""
     if _caused_by(exc, requests.exceptions.SSLError, urllib3.exceptions.SSLError):
         kind = "tls"
     elif _caused_by(exc, ConnectionRefusedError):
         kind = "refused"
+    elif _caused_by(exc, urllib3.exceptions.NewConnectionError) and not _caused_by(exc, TimeoutError):
+        # urllib3 2 derives every failed connection (a name not resolved, a network unreachable)
+        # from its ConnectTimeoutError: only the operating system's time-out is one.
+        kind = "connection"
     elif _caused_by(exc, requests.exceptions.Timeout, TimeoutError, socket.timeout,
                     urllib3.exceptions.TimeoutError):
         kind = "timeout"
     else:
         kind = "connection"
-    return HttpFailure(kind, describe(exc))
+    said, reason = _FAILED[kind], _reason(_innermost(exc))
+    message = said if reason.lower() in ("", said) else f"{said}: {reason}"
+    return HttpFailure(kind, printable(message)[:MAX_MESSAGE_CHARS])
 
 
 def describe(exc: BaseException) -> str:
     """`Type (innermost reason)`, with any URL cut out (it may carry credentials or a token)."""
+    inner = _innermost(exc)
+    reason = _reason(inner)
+    text = f"{type(exc).__name__} ({reason})" if reason and inner is not exc else f"{type(exc).__name__}: {reason}"
+    return printable(text)[:MAX_MESSAGE_CHARS]
+
+
+def _innermost(exc: BaseException) -> BaseException:
     inner = exc
     for _ in range(10):  # bounded: exception chains can loop
         nxt = _cause(inner)
         if nxt is None:
             break
         inner = nxt
+    return inner
+
+
+def _reason(inner: BaseException) -> str:
+    """The exception's own message, with any URL cut out (it may carry credentials or a token)."""
     reason = str(inner.args[-1] if getattr(inner, "args", None) else inner)
-    reason = " ".join(word if "://" not in word else "<url>" for word in reason.split(" "))
-    text = f"{type(exc).__name__} ({reason})" if reason and inner is not exc else f"{type(exc).__name__}: {reason}"
-    return printable(text)[:MAX_MESSAGE_CHARS]
+    return " ".join(word if "://" not in word else "<url>" for word in reason.split(" "))
 
 
 def _cause(exc: BaseException) -> BaseException | None:
