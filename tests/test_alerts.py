@@ -355,3 +355,33 @@ def test_a_raw_rule_and_the_daemon_read_the_same_thresholds():
                              (thresholds.MEMORY_NEAR_FULL, config.critical_ratio),
                              (thresholds.VLLM_BUDGET_SLACK, config.budget_slack_ratio)):
         assert records[threshold.record] == f"vector({value:g})"
+
+
+FINDING_LABELS = ("gpu", "pid", "process", "role", "endpoint")
+
+
+@pytest.mark.slow
+def test_the_rule_tests_feed_findings_shaped_as_the_exporter_exports_them():
+    """A rule test whose gpumem_finding_active carries labels the exporter never sets for that
+    kind checks a text no alert will read: GpuMemoryContention named `$labels.process` and the
+    server's `$labels.endpoint`, which its finding (one per GPU or host, whoever holds the memory,
+    so that it lasts while they change) never carries; live, the alert named nobody. Every kind a
+    built-in scenario raises is checked against the labels it is raised with there."""
+    from exporter.sim.scenario.load import builtin
+    from helpers.scenarios import played
+
+    raised: dict[str, set[frozenset[str]]] = {}
+    for listed in builtin():
+        for f in played(listed.name).analyzer.all_findings:
+            raised.setdefault(f.kind, set()).add(frozenset(k for k in FINDING_LABELS if getattr(f, k)))
+    fed: set[tuple[str, frozenset[str]]] = set()
+    for path in UNIT_TESTS:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            for series in group.get("input_series", []):
+                if series["series"].startswith("gpumem_finding_active{"):
+                    labels = dict(re.findall(r'(\w+)="([^"]*)"', series["series"]))
+                    fed.add((labels["kind"], frozenset(k for k in FINDING_LABELS if labels.get(k))))
+    checked = {(kind, keys) for kind, keys in fed if kind in raised}
+    assert {kind for kind, _ in checked} >= {"contention", "leak", "stale_memory"}
+    assert {(kind, tuple(sorted(keys))) for kind, keys in checked
+            if not any(keys <= shape for shape in raised[kind])} == set()

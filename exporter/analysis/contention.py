@@ -430,6 +430,16 @@ def _rss_holders(snapshot: Snapshot, base: Snapshot | None, config: ContentionCo
     return held
 
 
+# The largest holder outside vLLM, as " (name, pid N)": on the alert's GPU, or on the host (unified
+# memory, vLLM's CPU backend).
+LARGEST_ON_GPU = ('{{ with printf "topk(1, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,role!=\\"vllm\\"})" '
+                  "$labels.instance $labels.gpu | query }}{{ with . | first }} ({{ .Labels.process }}, pid "
+                  "{{ .Labels.pid }}){{ end }}{{ end }}")
+LARGEST_ON_HOST = ('{{ with printf "topk(1, gpumem_process_host_rss_bytes{instance=%q,role!=\\"vllm\\"})" '
+                   "$labels.instance | query }}{{ with . | first }} ({{ .Labels.process }}, pid "
+                   "{{ .Labels.pid }}){{ end }}{{ end }}")
+
+
 def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
     return detect_contention(tick.history, tick.snapshot, config)
 
@@ -446,13 +456,17 @@ DETECTOR = DetectorSpec(
               "while they hold it"),
         alert=FindingAlert(
             "GpuMemoryContention", severity="ticket", for_="5m",
+            # The finding is one per GPU (or host), whoever holds the memory, so that it lasts while
+            # they change: its labels name no process. The text names the largest holder now.
             summary=("Another process competes for {{ if $labels.gpu }}GPU {{ $labels.gpu }} memory{{ else }}the "
-                     "host memory of vLLM's CPU backend{{ end }} on "
-                     "{{ $labels.instance }}{{ with $labels.process }} ({{ . }}){{ end }}."),
+                     "host memory of vLLM's CPU backend{{ end }} on {{ $labels.instance }}"
+                     f"{{{{ if $labels.gpu }}}}{IF_UNIFIED_GPU}{LARGEST_ON_HOST}{{{{ else }}}}{LARGEST_ON_GPU}"
+                     f"{{{{ end }}}}{{{{ else }}}}{LARGEST_ON_HOST}{{{{ end }}}}."),
             description=("{{ if $labels.gpu }}The exporter's contention detector finds memory on GPU {{ $labels.gpu }} "
-                         "of {{ $labels.instance }} taken by a process outside the vLLM "
-                         "server{{ with $labels.endpoint }} {{ . }}{{ end }}{{ with $labels.pid }}: "
-                         "{{ $labels.process }} (pid {{ . }}){{ end }}. "
+                         "of {{ $labels.instance }} taken by processes outside the vLLM "
+                         '{{ range $i, $_ := printf "gpumem_vllm_memory_budget_bytes{instance=%q,gpu=%q}" '
+                         "$labels.instance $labels.gpu | query }}{{ if $i }},{{ else }}server{{ end }} "
+                         "{{ .Labels.endpoint }}{{ else }}servers{{ end }}. "
                          # Unified memory: the contenders hold host memory, which no GPU process figure
                          # shows ("non-vLLM processes hold 0B" would be false); name the host's largest.
                          f"{IF_UNIFIED_GPU}GPU {{{{ $labels.gpu }}}} takes its memory from the host (unified "
