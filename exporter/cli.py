@@ -252,6 +252,8 @@ def analyze(traces: tuple[str, ...], fmt: str, prometheus_url: str | None, start
                        f"{sys.executable} -m pip install 'matplotlib>=3.7'", err=True)
         click.echo(analyze_trace(trace, fmt, settings, report_path=report_path, oom_events=events,
                                  logs=log_files), nl=False)
+        if report_path:
+            click.echo(f"report written to {report_path}", err=True)  # stderr: stdout may be JSON
     except (TraceError, ExplainError) as exc:  # PromQueryError is a TraceError
         _fail(str(exc))
     except OSError as exc:

@@ -146,8 +146,8 @@ def test_the_readme_recipe_run_twice_is_refused_not_mixed(tmp_path):
 def test_no_log_given_is_said_and_not_taken_for_no_oom(tmp_path):
     trace, report = tmp_path / "t.csv", tmp_path / "r.html"
     write_csv(simple(T0), str(trace), identity=HOST_A)
-    out = analyze(trace, "--report", report).stdout
-    assert "no log given" in out
+    done = analyze(trace, "--report", report)
+    assert "no log given" in done.stdout and f"report written to {report}" in done.stderr
     html = report.read_text()
     assert "No log was given" in html and "No out-of-memory events were found in the logs" not in html
 

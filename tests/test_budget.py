@@ -69,3 +69,14 @@ def test_beyond_budget_bytes(used, budgets, beyond):
 def test_beyond_budget_is_unknown_without_used_memory():
     from exporter.analysis.pressure import beyond_budget_bytes
     assert beyond_budget_bytes(_gpu(None), [Budget("a", "0", "GPU-a", 72 * GiB, 69 * GiB)]) is None
+
+
+def test_a_unified_hosts_memory_pressure_is_quoted_to_the_kernels_decimals():
+    """20.04 % read "memory PSI 20 % (over 20%)" when rounded: a reason that contradicts itself."""
+    from exporter.analysis.pressure import unified_host_short
+    from exporter.model import HostMemory
+
+    GiB = 1 << 30
+    assert unified_host_short(HostMemory(128 * GiB, 64 * GiB, psi_some_avg10=20.04)) == "memory PSI 20.04 % (over 20%)"
+    assert unified_host_short(HostMemory(128 * GiB, 64 * GiB, psi_some_avg10=20.0)) == ""  # at the level: not over
+    assert unified_host_short(HostMemory(128 * GiB, 64 * GiB, psi_some_avg10=47.0)) == "memory PSI 47 % (over 20%)"

@@ -156,11 +156,11 @@ def test_kubelet_files_are_checked_only_where_the_kubelet_uses_them(tmp_path):
 
 def test_the_detectors_own_needs_are_part_of_the_one_validation():
     assert problems({"history": {"raw_seconds": 600}}) == [
-        "history.raw_seconds: the detectors need: history.raw_seconds (600) must cover "
-        "detectors.stale_memory.lookback_seconds (900)"]
+        "history.raw_seconds: is 600; must be at least detectors.stale_memory.lookback_seconds (900), "
+        "the history that detector reads"]
     assert problems({"detectors": {"contention": {"window_seconds": 2000}}}) == [
-        "history.raw_seconds: the detectors need: history.raw_seconds (3600) must cover "
-        "2 x detectors.contention.window_seconds (4000)"]
+        "history.raw_seconds: is 3600; must be at least 2 x detectors.contention.window_seconds (4000), "
+        "the history that detector reads"]
 
 
 def test_each_detector_declares_its_section_and_checks_it_itself():

@@ -300,7 +300,8 @@ def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fin
     assert "<h2>vLLM servers</h2>" in page
     row = page[page.index("<h2>vLLM servers</h2>"):page.index("<h2>Findings</h2>")]
     assert "Qwen/Qwen2.5-32B-Instruct" in row
-    assert re.search(r"GPU 0: 6\d\.\d\d GiB of 71\.68 GiB; GPU 1: 6\d\.\d\d GiB of 71\.68 GiB \(0\.9 of the GPU\)", row)
+    assert re.search(r"GPU 0: 6\d\.\d\d GiB of 71\.68 GiB; GPU 1: 6\d\.\d\d GiB of 71\.68 GiB "
+                     r"\(gpu_memory_utilization 0\.9\)", row)
     assert re.search(r"<td>\d+% \([\d,]+ of 299,008 tokens\), 36\.50 GiB per GPU</td><td>\d+</td><td>\d+</td>"
                      r"<td>0</td>", row)
     assert "<th>running</th><th>waiting</th><th>preempted (total)</th>" in row

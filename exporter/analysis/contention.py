@@ -362,7 +362,7 @@ def _unified(gpu: GpuSample | None, snapshot: Snapshot, base: Snapshot | None, s
     critical = kills > 0 or (gpu is not None and paging)
     reasons = [f"MemAvailable {format_bytes(host.available_bytes)} ({host.available_bytes / host.total_bytes:.0%})"]
     if stalled:  # a host without PSI (older kernels, containers) has psi_some_avg10 None
-        reasons.append(f"memory PSI {host.psi_some_avg10:.0f} %")
+        reasons.append(f"memory PSI {host.psi_some_avg10:.4g} %")  # the kernel's 2 decimals
     if kills > 0:
         reasons.append(f"the kernel OOM killer ran {counted(kills, 'time')} in {config.window_seconds / 60:.0f} min")
     why = ", ".join(reasons)

@@ -74,7 +74,8 @@ def unified_host_short(host: HostMemory | None) -> str:
         why.append(f"MemAvailable {format_bytes(host.available_bytes)} ({available:.0%}, under "
                    f"{thresholds.UNIFIED_HOST_AVAILABLE.value:.0%})")
     if host.psi_some_avg10 is not None and host.psi_some_avg10 / 100.0 > thresholds.UNIFIED_HOST_PRESSURE.value:
-        why.append(f"memory PSI {host.psi_some_avg10:.0f} % (over {thresholds.UNIFIED_HOST_PRESSURE.value:.0%})")
+        # The kernel's two decimals: rounded to whole percent, 20.4 read "20 % (over 20%)".
+        why.append(f"memory PSI {host.psi_some_avg10:.4g} % (over {thresholds.UNIFIED_HOST_PRESSURE.value:.0%})")
     return ", ".join(why)
 
 

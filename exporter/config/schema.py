@@ -420,5 +420,5 @@ class Config(Section):
             for key, factor, seconds in spec.history_needs(settings[spec.name]):
                 if seconds > raw:
                     times = f"{factor:g} x " if factor != 1 else ""
-                    yield "history.raw_seconds", (f"the detectors need: history.raw_seconds ({raw:g}) must cover "
-                                                  f"{times}detectors.{spec.name}.{key} ({seconds:g})")
+                    yield "history.raw_seconds", (f"is {raw:g}; must be at least {times}detectors.{spec.name}.{key}"
+                                                  f" ({seconds:g}), the history that detector reads")

@@ -132,7 +132,7 @@ def _servers(state: State) -> list[tuple[object, ...]]:
         models = ", ".join(sorted({e.model for e in v.engines if e.model})) or "?"
         config = v.cache_config
         if budgets and any(b.budget_bytes is not None for b in budgets):
-            how = (f" ({config.gpu_memory_utilization:g} of the GPU)"
+            how = (f" (gpu_memory_utilization {config.gpu_memory_utilization:g})"
                    if config is not None and config.gpu_memory_utilization is not None
                    and budgets[0].basis == "gpu_memory_utilization" else
                    " (--kv-cache-memory + the rest)" if budgets[0].basis == "kv_cache_memory" else "")
