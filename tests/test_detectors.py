@@ -97,6 +97,12 @@ def test_pressure_ignores_what_vllm_budgeted_but_not_the_cliff():
     found = {f.gpu: f for f in detect_pressure(gpus, analyses, T0, cfg)}
     assert found["1"].severity == "warning" and "0" not in found
     assert found["2"].severity == "critical"  # >= 95 % is the cliff whoever owns the memory
+    # What to change: memory beyond the budgets is not vLLM's plan, so shrinking vLLM is not the
+    # first advice there (a newcomer's trial: chrome on a GB10, and the advice lowered vLLM); at
+    # the cliff with vLLM inside its budget, it is.
+    assert not [a for a in found["1"].advice if "--max-num-seqs" in a]
+    assert any(a.startswith("5% of the GPU is beyond the vLLM servers' budgets") for a in found["1"].advice)
+    assert any("--max-num-seqs" in a for a in found["2"].advice)
 
 
 def test_pressure_names_the_processes_that_fill_the_gpu():

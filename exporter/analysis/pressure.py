@@ -176,11 +176,15 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
-            evidence=tuple(evidence), advice=_advice(gpu, a.admission_open)))
+            evidence=tuple(evidence), advice=_advice(gpu, a.admission_open, beyond, config.budget_slack_ratio)))
     return findings
 
 
-def _advice(gpu: GpuSample | None, admission_open: bool) -> tuple[str, ...]:
+def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, slack: float) -> tuple[str, ...]:
+    """What to change. Where much of the GPU is beyond the vLLM budgets, the memory is not vLLM's
+    plan (another process, a browser on unified memory, a server past its budget): shrinking vLLM
+    is the wrong first advice there."""
+    outside = beyond if beyond is not None and beyond > slack else None  # share of the GPU
     advice = [
         "The processes named hold the most; see whether one is growing "
         "(gpumem_process_memory_growth_bytes_per_second) and whether it belongs on this GPU.",
@@ -189,8 +193,12 @@ def _advice(gpu: GpuSample | None, admission_open: bool) -> tuple[str, ...]:
         "Stop routing new work to this GPU until it drains: its admission (/admission, "
         "gpumem_admission_open) is " + ("closed, so routers that read it already do." if not admission_open else
                                         "still open (it closes on the GPU's use): route away from it by hand."),
-        "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
-        "spread the model over more GPUs (tensor parallelism).",
+        (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets, which is not their plan: free it first "
+         "(stop or move the processes named outside vLLM, or a server past its budget). Lowering vLLM's "
+         "--gpu-memory-utilization makes room only at its next start, and only where the others must stay."
+         if outside is not None else
+         "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
+         "spread the model over more GPUs (tensor parallelism)."),
     ]
     if gpu is not None and gpu.unified:
         advice.append("This GPU shares memory with the host: host processes count against it; "
