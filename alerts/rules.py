@@ -25,6 +25,14 @@ from exporter.analysis.alert_text import (
 )
 
 
+def beyond_budget(selector: str = "") -> str:
+    """GpuMemoryHigh's second clause, which the dashboards draw too: GPUs with more than the slack
+    of their memory used beyond the vLLM servers' budgets (all used memory on a GPU without vLLM).
+    `selector`: the series' label matchers, braces included."""
+    return (f"instance_gpu:gpumem_memory_beyond_vllm_budget:ratio{selector}\n"
+            "  > on () group_left () gpumem:threshold_vllm_budget_slack:ratio")
+
+
 @dataclass(frozen=True)
 class Record:
     record: str
@@ -88,9 +96,7 @@ GPU_MEMORY = (
 instance_gpu:gpumem_memory_utilization:ratio
   > on () group_left () gpumem:threshold_memory_high:ratio
 and on (instance, job, gpu, uuid)
-instance_gpu:gpumem_memory_beyond_vllm_budget:ratio
-  > on () group_left () gpumem:threshold_vllm_budget_slack:ratio
-""",
+""" + beyond_budget() + "\n",
           summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} is {{ $value | humanizePercentage }} full, "
                    "beyond what vLLM budgeted."),
           description=("GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }} has used "

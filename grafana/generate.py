@@ -27,6 +27,7 @@ from typing import Any
 if str(REPO := Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from alerts import rules
 from alerts.rules import ALERT_GROUPS
 from exporter import thresholds
 from exporter.analysis.kv_cache import KvSaturationConfig
@@ -126,14 +127,11 @@ def pct(ratio: float) -> str:
 
 
 HIGH, NEAR_FULL, SLACK = thresholds.MEMORY_HIGH, thresholds.MEMORY_NEAR_FULL, thresholds.VLLM_BUDGET_SLACK
-BEYOND_BUDGET_RATIO = "instance_gpu:gpumem_memory_beyond_vllm_budget:ratio"
 
 
 def beyond_budget(selector: str) -> str:
-    """GpuMemoryHigh's second clause: GPUs with more than the slack of their memory used beyond the
-    vLLM servers' budgets (all used memory on a GPU without vLLM). tests/test_dashboards.py checks
-    that it is the alert's own."""
-    return f"{BEYOND_BUDGET_RATIO}{{{selector}}} > on () group_left () {SLACK.record}"
+    """GpuMemoryHigh's second clause (alerts/rules.py), on one line, for the GPUs `selector` picks."""
+    return " ".join(rules.beyond_budget(f"{{{selector}}}").split())
 
 
 def page_line(gpus: str, selector: str, by: str = "instance, gpu") -> str:
