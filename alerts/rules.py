@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from exporter.analysis.alert_text import (
     GPU_PROCESSES,
     HOST_PROCESSES_OUTSIDE_VLLM,
+    HOST_RSS,
     IF_UNIFIED_GPU,
     NAME_PID_ROLE_SIZE,
+    ON_HOST,
     OTHER_GPU_PROCESSES_NONZERO_QUERY,
     OTHER_GPU_PROCESSES_QUERY,
     process_list,
@@ -191,9 +193,7 @@ max by (instance, job, gpu, uuid) (
                        "$labels.instance | query }}{{ . | first | value | humanizePercentage }}{{ else }}(PSI not "
                        "available){{ end }} of the last 10 seconds, for 5 minutes. GPU allocations and the host "
                        "now compete; the kernel OOM killer is next. Largest processes by host memory (any of "
-                       "them takes GPU memory here):" + process_list(
-                           'printf "sort_desc(topk(3, gpumem_process_host_rss_bytes{instance=%q}))" $labels.instance '
-                           "| query", NAME_PID_ROLE_SIZE))),
+                       "them takes GPU memory here):" + process_list(HOST_RSS, ON_HOST, NAME_PID_ROLE_SIZE))),
 )
 
 VLLM = (

@@ -37,11 +37,16 @@ from .. import thresholds
 from ..model import Budget, Finding, GpuSample, HostMemory, ProcessSample, Snapshot
 from ..units import GiB, counted, format_bytes, format_duration
 from .alert_text import (
+    GPU_MEMORY,
     HOST_PROCESSES_OUTSIDE_VLLM,
+    HOST_RSS,
     IF_UNIFIED_GPU,
     NAME_PID_SIZE,
+    ON_GPU,
+    ON_HOST,
     OTHER_GPU_PROCESSES_NONZERO_QUERY,
     OTHER_GPU_PROCESSES_QUERY,
+    largest_outside_vllm,
     process_list,
 )
 from .budget import memory_budgets
@@ -430,14 +435,8 @@ def _rss_holders(snapshot: Snapshot, base: Snapshot | None, config: ContentionCo
     return held
 
 
-# The largest holder outside vLLM, as " (name, pid N)": on the alert's GPU, or on the host (unified
-# memory, vLLM's CPU backend).
-LARGEST_ON_GPU = ('{{ with printf "topk(1, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,role!=\\"vllm\\"})" '
-                  "$labels.instance $labels.gpu | query }}{{ with . | first }} ({{ .Labels.process }}, pid "
-                  "{{ .Labels.pid }}){{ end }}{{ end }}")
-LARGEST_ON_HOST = ('{{ with printf "topk(1, gpumem_process_host_rss_bytes{instance=%q,role!=\\"vllm\\"})" '
-                   "$labels.instance | query }}{{ with . | first }} ({{ .Labels.process }}, pid "
-                   "{{ .Labels.pid }}){{ end }}{{ end }}")
+# The largest holder of host memory outside vLLM (unified memory, vLLM's CPU backend).
+LARGEST_ON_HOST = largest_outside_vllm(HOST_RSS, ON_HOST)
 
 
 def _detect(tick: Tick, config: ContentionConfig) -> list[Finding]:
@@ -460,8 +459,9 @@ DETECTOR = DetectorSpec(
             # they change: its labels name no process. The text names the largest holder now.
             summary=("Another process competes for {{ if $labels.gpu }}GPU {{ $labels.gpu }} memory{{ else }}the "
                      "host memory of vLLM's CPU backend{{ end }} on {{ $labels.instance }}"
-                     f"{{{{ if $labels.gpu }}}}{IF_UNIFIED_GPU}{LARGEST_ON_HOST}{{{{ else }}}}{LARGEST_ON_GPU}"
-                     f"{{{{ end }}}}{{{{ else }}}}{LARGEST_ON_HOST}{{{{ end }}}}."),
+                     f"{{{{ if $labels.gpu }}}}{IF_UNIFIED_GPU}{LARGEST_ON_HOST}{{{{ else }}}}"
+                     f"{largest_outside_vllm(GPU_MEMORY, ON_GPU)}{{{{ end }}}}"
+                     f"{{{{ else }}}}{LARGEST_ON_HOST}{{{{ end }}}}."),
             description=("{{ if $labels.gpu }}The exporter's contention detector finds memory on GPU {{ $labels.gpu }} "
                          "of {{ $labels.instance }} taken by processes outside the vLLM "
                          '{{ range $i, $_ := printf "gpumem_vllm_memory_budget_bytes{instance=%q,gpu=%q}" '
@@ -486,9 +486,8 @@ DETECTOR = DetectorSpec(
                          '{{ with printf "instance_gpu:gpumem_memory_utilization:ratio{instance=%q,gpu=%q}" '
                          "$labels.instance $labels.gpu | query }}{{ . | first | value | "
                          "humanizePercentage }}{{ end }}. A vLLM restart will not get its budget back while they "
-                         "run. Largest outside vLLM:" + process_list(
-                             'printf "sort_desc(topk(3, gpumem_process_memory_used_bytes{instance=%q,gpu=%q,'
-                             'role!=\\"vllm\\"}))" $labels.instance $labels.gpu | query', NAME_PID_SIZE) + "{{ end }}"
+                         "run. Largest outside vLLM:"
+                         + process_list(GPU_MEMORY, ON_GPU, NAME_PID_SIZE, outside_vllm=True) + "{{ end }}"
                          "{{ else }}The exporter's contention detector finds {{ $labels.instance }}, which serves "
                          "vLLM on its CPU backend (the model and its KV cache in host memory), short of host memory, "
                          "held by processes outside vLLM; MemAvailable is "
