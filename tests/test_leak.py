@@ -200,10 +200,12 @@ def test_a_larger_false_alarm_budget_finds_a_leak_no_later():
 def test_the_threshold_is_the_budget_spread_over_every_test_of_a_day():
     config = LeakConfig(false_alarms_per_day=0.01)
     # Each minute: two models per window, and a third (the joined line begun inside a bucket)
-    # for the windows up to half_kink_minutes.
+    # for the windows up to half_kink_minutes; half the budget (the other half is the samples'
+    # test's: one test per onset it scans each minute).
     short = sum(1 for w in WINDOWS_MINUTES if w <= config.half_kink_minutes)
     tests_per_day = 1440 * (2 * len(WINDOWS_MINUTES) + short)
-    assert config.threshold() == pytest.approx(NormalDist().inv_cdf(1 - 0.01 / tests_per_day))
+    assert config.threshold() == pytest.approx(NormalDist().inv_cdf(1 - 0.005 / tests_per_day))
+    assert config.samples_threshold(180) == pytest.approx(NormalDist().inv_cdf(1 - 0.005 / (1440 * 180)))
     budgets = [0.001, 0.01, 0.1, 1.0]
     thresholds = [LeakConfig(false_alarms_per_day=b).threshold() for b in budgets]
     assert thresholds == sorted(thresholds, reverse=True)

@@ -63,6 +63,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from . import leak_samples
 from .history import SeriesView
 from .trend import mann_kendall, median, theil_sen, theil_sen_line
 from .trend_test import (
@@ -171,6 +172,11 @@ class LeakConfig:
     # leak ranked below the sixth (6 delayed leak_4#0 and #2, leak_after_shift#3 and
     # late_leak#3 by 1-2 min, leak_under_sawtooth_slow#5 by 24 min; bench/leak_quality.py).
     max_shapes: int = 40
+    # The raw samples' test (leak_samples): onsets in the newest this many minutes (0: no such
+    # test), after a flat baseline at least this long, over at most this many samples (the newest).
+    samples_minutes: float = 15.0
+    samples_baseline_minutes: float = 5.0
+    samples_max: int = 1024
     # Noise below this is taken as this (NVML reports whole 2 MiB pages).
     min_noise_bytes: float = 2 * MiB
     # Points the noise is measured over (the newest).
@@ -188,13 +194,22 @@ class LeakConfig:
             raise ValueError("leak: windows_minutes must be positive and ascending")
         if self.min_points < 3 or self.staircase_steps < 3:
             raise ValueError("leak: min_points and staircase_steps must be at least 3")
+        if self.samples_minutes < 0 or self.samples_baseline_minutes <= 0 or self.samples_max < 24:
+            raise ValueError("leak: samples_minutes must be >= 0, samples_baseline_minutes > 0, "
+                             "samples_max >= 24")
 
     def threshold(self, signals: int = 1) -> float:
-        """The z a window's slope must reach, for `signals` series tested per process."""
+        """The z a window's slope must reach, for `signals` series tested per process: half the
+        false-alarm budget (the other half is the samples' test's, samples_threshold)."""
         # Two models (free line, hinge) per window length, every minute, and a third (the hinge
         # with its onset between points) for the shortest windows.
         tests = 2 * len(self.windows_minutes) + sum(1 for w in self.windows_minutes if w <= self.half_kink_minutes)
-        return _threshold(self.false_alarms_per_day, MINUTES_PER_DAY * tests * signals)
+        return _threshold(self.false_alarms_per_day / 2, MINUTES_PER_DAY * tests * signals)
+
+    def samples_threshold(self, onsets: int, signals: int = 1) -> float:
+        """The z the raw samples' joined line must reach, scanning `onsets` onsets every minute:
+        the other half of the budget."""
+        return _threshold(self.false_alarms_per_day / 2, MINUTES_PER_DAY * onsets * signals)
 
 
 _THRESHOLDS: dict[tuple[float, float], float] = {}
@@ -259,6 +274,12 @@ class LeakAssessor:
         if kept is not None and kept[0] is series and kept[1] == total_bytes and kept[3] == signals and \
                 (kept[2] is config or kept[2] == config):
             result = kept[4]
+            # A fast leak's first minute: the samples' test between the medians' minutes, on
+            # the newest samples only (a climb the minute's verdict did not see).
+            if not result.suspected and raw is not None and memo.samples_since is not None:
+                found = _samples_test(raw(), memo.samples_since, config, signals, newest_only=True)
+                if found is not None:
+                    result = _assessment(found, config, None, total_bytes, series.values[-1])
         else:
             result = verdict(series, total_bytes, config, signals, memo, raw)
         self._asked[key] = (series, total_bytes, config, signals, result, memo)
@@ -302,12 +323,15 @@ class NoiseMemo:
     cost). Measured afresh after a large step, and each time a signal has a quarter more points
     than when last measured (a young series' first estimates rest on few)."""
 
-    __slots__ = ("base_time", "measured_at", "values")
+    __slots__ = ("base_time", "measured_at", "samples_since", "values")
 
     def __init__(self) -> None:
         self.base_time: float | None = None
         self.measured_at = -math.inf
         self.values: dict[str, tuple[int, object]] = {}  # name -> (points then, value)
+        # Where the last verdict found the samples' test applies: the samples it reads from
+        # (None: it does not apply).
+        self.samples_since: float | None = None
 
     def get(self, name: str, now: float, base_time: float, points: int, config: LeakConfig,
             measure: Callable[[], _T]) -> _T:
@@ -368,37 +392,64 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
     young_until = settled_from + config.young_seconds if tooth is None else -math.inf
     why = "no_window"
+    found: _Found | str = why
     for name, ts, ys in tested:
         found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
                              raw if name == "median" else None)
         if isinstance(found, str):
             why = found if why == "no_window" else why
             continue
-        evidence: Evidence = (
-            ("signal", found.signal),
-            ("model", found.model),
-            ("window_seconds", round(found.window_seconds)),
-            ("slope_bytes_per_second", round(found.slope, 3)),
-            ("slope_low_bytes_per_second", round(found.slope - 1.96 * found.se, 3)),
-            ("slope_high_bytes_per_second", round(found.slope + 1.96 * found.se, 3)),
-        )
-        if found.model == "staircase":
-            evidence += (("steps", found.points),)
-        else:
-            evidence += (("z", round(found.z, 2)), ("threshold_z", round(found.threshold, 2)),
-                         ("false_alarms_per_day", config.false_alarms_per_day))
-        evidence += (("growth_bytes", int(found.growth)), ("points", found.points))
-        if found.model != "staircase":
-            evidence += (("noise_bytes", int(found.noise)), ("noise_inflation", round(found.kappa, 2)))
-        if tooth is not None:
-            evidence += (("sawtooth_period_seconds", round(tooth)),)
-        if total_bytes:
-            ttf = _seconds_to(total_bytes, medians[-1], found.slope)
-            if ttf is not None:
-                evidence += (("time_to_full_seconds", round(ttf, 1)),)
-        interval = (found.slope - 1.96 * found.se, found.slope + 1.96 * found.se)
-        return LeakAssessment(True, found.slope, evidence, interval)
-    return LeakAssessment(False, slope, (("reason", why),))
+        break
+    # The samples' own test, where nothing but noise or a leak climbs so: read through the
+    # medians (no cycle), past the young period. Between minutes LeakAssessor runs it again.
+    memo.samples_since = max(settled_from, young_until) if config.samples_minutes > 0 and \
+        tested[0][0] == "median" and end >= young_until else None
+    if isinstance(found, str) and raw is not None and memo.samples_since is not None:
+        found = _samples_test(raw(), memo.samples_since, config, signals) or found
+    if isinstance(found, str):
+        return LeakAssessment(False, slope, (("reason", why),))
+    return _assessment(found, config, tooth, total_bytes, medians[-1])
+
+
+def _samples_test(raw: SeriesView, since: float, config: LeakConfig, signals: int,
+                  newest_only: bool = False) -> _Found | None:
+    """leak_samples.climb as a _Found (None where it finds none)."""
+    got = leak_samples.climb(raw, since, config, lambda onsets: config.samples_threshold(onsets, signals),
+                             newest_only)
+    if isinstance(got, str):
+        return None
+    fit = got.fit
+    return _Found("samples", "hinge", fit.slope / 60.0, fit.se / 60.0, fit.z, got.seconds, got.growth,
+                  got.sigma, fit.kappa, fit.end - fit.onset, got.threshold)
+
+
+def _assessment(found: _Found, config: LeakConfig, tooth: float | None, total_bytes: int | None,
+                level: float) -> LeakAssessment:
+    """A positive verdict, with the evidence a finding tells."""
+    evidence: Evidence = (
+        ("signal", found.signal),
+        ("model", found.model),
+        ("window_seconds", round(found.window_seconds)),
+        ("slope_bytes_per_second", round(found.slope, 3)),
+        ("slope_low_bytes_per_second", round(found.slope - 1.96 * found.se, 3)),
+        ("slope_high_bytes_per_second", round(found.slope + 1.96 * found.se, 3)),
+    )
+    if found.model == "staircase":
+        evidence += (("steps", found.points),)
+    else:
+        evidence += (("z", round(found.z, 2)), ("threshold_z", round(found.threshold, 2)),
+                     ("false_alarms_per_day", config.false_alarms_per_day))
+    evidence += (("growth_bytes", int(found.growth)), ("points", found.points))
+    if found.model != "staircase":
+        evidence += (("noise_bytes", int(found.noise)), ("noise_inflation", round(found.kappa, 2)))
+    if tooth is not None:
+        evidence += (("sawtooth_period_seconds", round(tooth)),)
+    if total_bytes:
+        ttf = _seconds_to(total_bytes, level, found.slope)
+        if ttf is not None:
+            evidence += (("time_to_full_seconds", round(ttf, 1)),)
+    interval = (found.slope - 1.96 * found.se, found.slope + 1.96 * found.se)
+    return LeakAssessment(True, found.slope, evidence, interval)
 
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
@@ -598,7 +649,7 @@ def _raw_margin(raw: SeriesView, start: float, onset: float, config: LeakConfig,
     read from the samples' second differences (negative where the jump fits better); and what a
     climb must win by to be told from a jump: min_step_margin and 2 log(points), the price of a
     change point. (0, inf) where too few samples tell. With `despike`, a sample far from its
-    neighbours is read as their median (_despiked): a step placed to take in a one-sample spike
+    neighbours is read as their median (leak_samples.despiked): a step placed to take in a one-sample spike
     at the edge (hundreds of MiB for 5 s) would pass for a jump. (Not where a climb is looked for:
     noise that wanders, clipped, climbs more smoothly; correlated#3 at +0 s.)"""
     times, values = raw.times, raw.values
@@ -607,7 +658,7 @@ def _raw_margin(raw: SeriesView, start: float, onset: float, config: LeakConfig,
     if n - a < 12:
         return 0.0, math.inf
     sigma = robust_sigma(values[a:], config.min_noise_bytes)
-    prefix = Prefix(times[a:], _despiked(values[a:], 6.0 * sigma) if despike else values[a:])
+    prefix = Prefix(times[a:], leak_samples.despiked(values[a:], 6.0 * sigma) if despike else values[a:])
     one, _ = best_split(prefix, 0, n - a)
     first = max(2, bisect.bisect_left(times, onset - 90.0) - a)
     h = best_hinge(prefix, 0, range(first, n - a - 3), sigma, lambda points: 1.0, 5)
@@ -624,17 +675,6 @@ def _climbs(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> 
 def _jumps(raw: SeriesView, start: float, onset: float, config: LeakConfig) -> bool:
     margin, price = _raw_margin(raw, start, onset, config, despike=True)
     return margin <= -price
-
-
-def _despiked(values: Sequence[float], limit: float, half: int = 3) -> list[float]:
-    """`values`, each one further than `limit` from the median of the 2 half + 1 around it
-    replaced by that median."""
-    out = list(values)
-    for i, v in enumerate(values):
-        around = median(values[max(0, i - half):i + half + 1])
-        if abs(v - around) > limit:
-            out[i] = around
-    return out
 
 
 def _step_sigma(values: Sequence[float]) -> float:

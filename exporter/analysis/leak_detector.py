@@ -325,7 +325,8 @@ DETECTOR = DetectorSpec(
             "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "
             "current rate is critical."),
         "false_alarms_per_day": (
-            "False leak findings the trend test may raise per process and day on noise alone: it sets the z "
-            "the growth must reach (about 5.3 at 0.01, 4.4 at 1). Larger finds leaks sooner, smaller later; "
+            "False leak findings the trend tests may raise per process and day on noise alone, half for the test "
+            "of the per-minute medians and half for the test of the raw samples: it sets the z the growth must "
+            "reach (about 5.4 at 0.01, 4.5 at 1). Larger finds leaks sooner, smaller later; "
             "each leak finding's evidence names the budget and the threshold in force."),
     })

@@ -1,0 +1,181 @@
+"""The leak test on a series' raw samples, where that test's assumptions hold.
+
+The per-minute test (leak.py) reads a series through minute buckets: it needs a bucket for each
+of a window's points, and a minute's median is floored at NVML's page size where it scatters by
+less. A leak of 4-50 MiB/min is significant in its 5 s samples within one to four minutes (the
+bench's statistical limit), well before five minute points show it. This test is the limit's own:
+a joined line (flat, then growing from an onset in the last `samples_minutes`) fitted by least
+squares to the samples, its slope's z against the samples' noise, that noise's correlations
+measured on the same samples (trend_test.kappas and wander_fit at sample scale).
+
+It runs only where nothing but noise and a leak can make such a climb (the caller sees to the
+rest: a series past its young period, read through its medians, no sawtooth measured):
+- noise that does not wander (its correlations measured on the same samples);
+- no drop among the samples kept (a cache freed, a sawtooth the minute buckets alias, a step
+  given back, a sleep): growth after a drop may be climbing back;
+- the baseline flat (growth begun before it is the per-minute test's, young rule and all), and
+  it begins after the last jump (a level shift) among the samples;
+- the climb beats the best single step and is not beaten by the best two steps (a warm-up's
+  steps), each by a change point's price, and does not slow down.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .trend import median
+from .trend_test import (
+    Prefix,
+    WindowResult,
+    best_hinge,
+    best_split,
+    best_two_step_rss,
+    curvature_z,
+    kappa_for,
+    kappas,
+    robust_sigma,
+    wander_fit,
+)
+
+if TYPE_CHECKING:
+    from .history import SeriesView
+    from .leak import LeakConfig
+
+# Block sizes (samples) at which the samples' correlations are measured.
+SAMPLE_SCALES = (2, 4, 8, 16, 32, 64)
+# A sample further than this many noise deviations from the median of the 7 around it is a
+# transient (a batch's activations for one sample) and read as that median.
+SPIKE_SIGMAS = 6.0
+# A jump or fall of at least max(min_shift_bytes, this x noise) between the medians of the three
+# samples on either side is a level shift (a jump) or a release (a drop), not a climb.
+JUMP_SIGMAS = 6.0
+# The samples' test is for noise that does not wander: none measured at their lags (wander_fit)
+# and the block estimates' kappa at most this (white noise reads up to about 4 at 64 samples;
+# the corpus's wandering noise 100 and more).
+MAX_KAPPA = 8.0
+# A climb is looked for between the medians' minutes only where the newest half minute's median
+# stands this many noise deviations above the five minutes' before it.
+RISING_SIGMAS = 3.0
+# The baseline's own slope, in z, above which growth began before it.
+FLAT_BASELINE_Z = 3.0
+
+
+@dataclass(frozen=True)
+class SampleClimb:
+    """A climb the samples show: the joined line's fit (WindowResult over the samples' Prefix,
+    in bytes per minute), the noise it was judged against and the z it had to reach."""
+
+    fit: WindowResult
+    seconds: float  # from the onset to the newest sample
+    growth: float
+    sigma: float
+    threshold: float
+
+
+def onsets(config: LeakConfig, interval_seconds: float) -> int:
+    """How many onsets a test scans (for its share of the false-alarm budget)."""
+    return max(1, round(60 * config.samples_minutes / interval_seconds))
+
+
+def climb(raw: SeriesView, since: float, config: LeakConfig, threshold_of: Callable[[int], float],
+          newest_only: bool = False) -> SampleClimb | str:
+    """The climb in the raw samples since `since` (a SampleClimb), or why there is none.
+    `threshold_of(onsets)` is the z a test over that many onsets must reach. `newest_only`: only
+    where the newest samples stand clearly above those before them (a cheap look, for a caller
+    that has just tested them all a few samples ago)."""
+    times, values = raw.times, raw.values
+    if newest_only and not _rising(values):
+        return "not_rising"
+    a = max(bisect.bisect_left(times, since), len(times) - config.samples_max)
+    n = len(times) - a
+    baseline = 60 * config.samples_baseline_minutes
+    if n < 24 or times[-1] - times[a] < baseline + 60:
+        return "too_few_samples"
+    interval = (times[-1] - times[a]) / (n - 1)
+    times, values = times[a:], values[a:]
+    sigma = robust_sigma(values, config.min_noise_bytes / 2)
+    shift = max(config.min_shift_bytes, JUMP_SIGMAS * sigma)
+    # Level changes between the medians of the three samples on either side (one sample's
+    # noise, or a spike, is no change).
+    m3 = [a + b + c - max(a, b, c) - min(a, b, c)
+          for a, b, c in zip(values[:-2], values[1:-1], values[2:], strict=True)]
+    changes = list(map(operator.sub, m3[3:], m3[:-3]))  # k: the three from k + 3 on less those before
+    if min(changes, default=0.0) <= -shift:
+        return "a_drop_in_the_samples"
+    # The baseline begins after the last jump (a minute on: the new level settles). A jump
+    # stands out from the changes six samples before and after it; a climb fast enough to
+    # change the level by as much over three samples goes on changing it so. (One too new to
+    # tell is left to the step models below.)
+    last = max((k + 3 for k, c in enumerate(changes[:-6]) if c >= shift and all(
+        c - changes[j] >= shift / 2 for j in (k - 6, k + 6) if j >= 0)), default=0)
+    settled = bisect.bisect_left(times, times[last] + 60) if last else 0
+    if n - settled < 24 or times[-1] - times[min(settled, n - 1)] < baseline + 60:
+        return "too_few_samples"
+    # The line is fitted to the newest samples (the onsets scanned and their baseline), first
+    # as if the noise were white: that z is the highest the noise's correlations allow, and
+    # most minutes it is short of the threshold.
+    start = max(settled, bisect.bisect_left(times, times[-1] - 60 * config.samples_minutes - baseline))
+    times, ys = times[start:], despiked(values[start:], SPIKE_SIGMAS * sigma)
+    n = len(times)
+    prefix = Prefix(times, ys)
+    first = max(bisect.bisect_left(times, times[0] + baseline), n - onsets(config, interval))
+    last_onset = n - max(3, round(30 / interval))  # half a minute of growth at least
+    if first >= last_onset:
+        return "too_few_samples"
+    threshold = threshold_of(onsets(config, interval))
+    h = best_hinge(prefix, 0, range(first, last_onset), sigma, lambda points: 1.0, 5)
+    if h is None or h.z < threshold:
+        return "trend_not_significant"
+    # The noise's correlations, measured on every sample since the last jump.
+    quiet = Prefix(times, ys) if settled == start else \
+        Prefix(raw.times[a + settled:], despiked(values[settled:], SPIKE_SIGMAS * sigma))
+    table = kappas(quiet, 0, sigma, SAMPLE_SCALES)
+    wander = wander_fit(quiet, 0)
+    if wander is not None or max((k for _, k in table), default=1.0) > MAX_KAPPA:
+        return "noise_wanders"  # the per-minute test's, whose blocks reach its longer memory
+    kappa = kappa_for(n, table, None, sigma)
+    h = best_hinge(prefix, 0, range(first, last_onset), sigma, lambda points: kappa, 5)
+    if h is None or h.z < threshold:
+        return "trend_not_significant"
+    minutes = prefix.u[-1] - prefix.u[h.onset]
+    growth = h.slope * minutes
+    if h.slope < config.min_slope_bytes_per_second * 60 or growth < config.min_growth_bytes:
+        return "growth_too_small"
+    before = prefix.line(0, h.onset)
+    if before[3] > 0 and before[0] / (sigma * math.sqrt(kappa / before[3])) > FLAT_BASELINE_Z:
+        return "growing_before"
+    noise = sigma * sigma
+    price = max(config.min_step_margin, 2.0 * math.log(n))
+    one, split = best_split(prefix, 0, n)
+    if (one - h.rss) / noise < price:
+        return "a_step"
+    if (h.rss - best_two_step_rss(prefix, 0, n, split)) / noise > config.two_step_penalty * math.log(n):
+        return "steps"
+    if curvature_z(prefix, h.onset, n, sigma * math.sqrt(h.kappa)) < -config.max_concavity_z:
+        return "decelerating"
+    return SampleClimb(h, 60 * minutes, growth, sigma, threshold)
+
+
+def _rising(values: Sequence[float], newest: int = 6, before: int = 60) -> bool:
+    """Whether the median of the newest samples stands RISING_SIGMAS noise deviations above that
+    of those before them."""
+    if len(values) < newest + before:
+        return False
+    base = values[-newest - before:-newest]
+    return median(values[-newest:]) - median(base) >= RISING_SIGMAS * robust_sigma(base, 1.0)
+
+
+def despiked(values: Sequence[float], limit: float, half: int = 3) -> list[float]:
+    """`values`, each one further than `limit` from the median of the 2 half + 1 around it
+    replaced by that median."""
+    out = list(values)
+    for i, v in enumerate(values):
+        around = median(values[max(0, i - half):i + half + 1])
+        if abs(v - around) > limit:
+            out[i] = around
+    return out
