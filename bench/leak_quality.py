@@ -604,7 +604,7 @@ def main(argv=None) -> int:
     print(f"# Leak detection near the limit\n\n{len(outcomes)} traces ({args.seeds} per family), 6 h each "
           f"at 5 s; {elapsed:.0f} s on {args.workers} workers. Trees: "
           + ", ".join(f"{names[c]} ({c})" for c in codes) + ".")
-    print(f"Best zero-false-alert PromQL rule over the whole corpus: `{rule.text if rule else 'none'}`.\n")
+    print(f"Best zero-false-alert PromQL rule over the traces run: `{rule.text if rule else 'none'}`.\n")
     new, old = codes[0], codes[1] if len(codes) > 1 else None
     head = ["family", "limit", f"{names[new]}: delay", "÷ limit", "caught", "false"]
     if old:

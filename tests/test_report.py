@@ -307,3 +307,16 @@ def test_each_start_of_a_restarted_server_has_its_own_start_up_figures(restarted
     assert "start-up log: weights 14.99 GiB, KV cache 51.50 GiB" in first.group(0)
     assert "start-up log: weights 14.99 GiB, KV cache 27.00 GiB" in restart.group(0)
     assert re.search(r"capacity 221,184 tokens since \d{4}-", section)
+
+
+def test_a_trace_of_process_bytes_only_counts_its_gpu(tmp_path):
+    # A CSV trace holds each process's bytes but not the GPU's: nothing to chart as the GPU's
+    # stack, and the header still counts the GPU the samples are of (a newcomer's trial read
+    # "1381 samples of 0 GPUs").
+    proc = ProcessSample(pid=7, used_bytes=GiB, name="python3", role="vllm")
+    snaps = [Snapshot(timestamp=1_700_000_000.0 + 5 * i, gpus=(GpuSample(
+        index="0", uuid="GPU-x", total_bytes=80 * GiB, used_bytes=None, processes=(proc,)),))
+        for i in range(12)]
+    path = tmp_path / "processes.html"
+    write_report(snaps, [], [], str(path))
+    assert "12 samples of 1 GPU from" in path.read_text(encoding="utf-8")

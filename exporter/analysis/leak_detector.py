@@ -297,9 +297,10 @@ DETECTOR = DetectorSpec(
         "leak", scenario="leak",
         help="a process whose GPU memory (or a vLLM server's host memory) grows like a leak",
         alert=FindingAlert(
-            "GpuMemoryLeakSuspected", severity="ticket", for_="5m",
-            comment=("The leak detector already demands sustained growth over its window; `for` only "
-                     "keeps a finding that flickers at its edge from opening and closing tickets."),
+            "GpuMemoryLeakSuspected", severity="ticket", for_="1m",
+            comment=("The leak detector's test already holds its false alarms to a budget, and its latch keeps a "
+                     "raised finding for half an hour, so the finding does not flicker: `for` only rides out one "
+                     "evaluation (a longer one would hold back a leak found within a minute or two of its start)."),
             summary=("Process {{ $labels.process }} (pid {{ $labels.pid }}){{ with $labels.gpu }} on GPU "
                      "{{ . }}{{ end }} of {{ $labels.instance }} looks like it leaks "
                      "{{ if $labels.gpu }}GPU{{ else }}host{{ end }} memory."),
@@ -326,7 +327,9 @@ DETECTOR = DetectorSpec(
             "current rate is critical."),
         "false_alarms_per_day": (
             "False leak findings the trend tests may raise per process and day on noise alone, half for the test "
-            "of the per-minute medians and half for the test of the raw samples: it sets the z the growth must "
-            "reach (about 5.4 at 0.01, 4.5 at 1). Larger finds leaks sooner, smaller later; "
+            "of the per-minute medians and half for the test of the raw samples (which runs where nothing but "
+            "noise or a leak climbs: past the young period, no sawtooth, no drop or wandering noise in the raw "
+            "hour): it sets the z the growth must reach (at 0.01 about 5.35 for the medians and 5.5 for the "
+            "samples, at 1 about 4.45 and 4.6). Larger finds leaks sooner, smaller later; "
             "each leak finding's evidence names the budget and the threshold in force."),
     })

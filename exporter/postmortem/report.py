@@ -446,7 +446,8 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
 
     body = [f"<h1>{_e(title)}</h1>"]
     if snapshots:
-        body.append(f"<p>{len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {_e(_when(start))} to "
+        seen = {g.index for s in snapshots for g in s.gpus}  # charted or not (a trace of process bytes only)
+        body.append(f"<p>{len(snapshots)} samples of {counted(len(seen), 'GPU')} from {_e(_when(start))} to "
                     f"{_e(_when(end))} ({_e(_span(end - start))}). {counted(len(episodes), 'finding')}, "
                     f"{counted(len(events), 'out-of-memory event')}"
                     + (f' <span class="outside">({len(outside)} more in the logs outside the trace\'s '
