@@ -372,7 +372,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     low_noise = memo.get("series", end, era, n - lo, config, lambda: robust_sigma(lows[lo:]))
     drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
     tooth = _tooth(drops, times[base], config)
-    tested: list[tuple[str, Sequence[float], Sequence[float]]] = []
+    tested: tuple[str, Sequence[float], Sequence[float]]
     if tooth is None:
         # The quietest view of the level for a slope: the medians (white noise), or the minima
         # where cycles faster than a minute make the medians jitter, read over blocks of the
@@ -380,34 +380,28 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # every such block, where per-minute minima would alternate between trough and ramp).
         block = memo.get("block", end, era, n - lo, config, lambda: _quietest_block(medians, lows, lo))
         if block == 0:
-            tested.append(("median", times[base:], medians[base:]))
+            tested = ("median", times[base:], medians[base:])
         else:
             # A bucket an up-step falls in holds the old level's minimum over part of the bucket
             # only, which misses the cycle's trough: left out of the floor.
             ft, fl = _unstraddled(times, medians, lows, base, block,
                                   max(config.min_shift_bytes, config.shift_noise_factor * low_noise))
-            tested.append(("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block)))
+            tested = ("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
-        tested.append(("troughs", *_troughs(times, lows, base, drops)))
+        tested = ("troughs", *_troughs(times, lows, base, drops))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
     young_until = settled_from + config.young_seconds if tooth is None else -math.inf
-    why = "no_window"
-    found: _Found | str = why
-    for name, ts, ys in tested:
-        found = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
-                             raw if name == "median" else None)
-        if isinstance(found, str):
-            why = found if why == "no_window" else why
-            continue
-        break
+    name, ts, ys = tested
+    found: _Found | str = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
+                                       raw if name == "median" else None)
     # The samples' own test, where nothing but noise or a leak climbs so: read through the
     # medians (no cycle), past the young period. Between minutes LeakAssessor runs it again.
     memo.samples_since = max(settled_from, young_until) if config.samples_minutes > 0 and \
-        tested[0][0] == "median" and end >= young_until else None
+        name == "median" and end >= young_until else None
     if isinstance(found, str) and raw is not None and memo.samples_since is not None:
         found = _samples_test(raw(), memo.samples_since, config, signals) or found
     if isinstance(found, str):
-        return LeakAssessment(False, slope, (("reason", why),))
+        return LeakAssessment(False, slope, (("reason", found),))
     return _assessment(found, config, tooth, total_bytes, medians[-1])
 
 
