@@ -26,7 +26,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .trend import median
 from .trend_test import (
@@ -44,7 +44,32 @@ from .trend_test import (
 
 if TYPE_CHECKING:
     from .history import SeriesView
-    from .leak import LeakConfig
+
+
+class Settings(Protocol):
+    """What the test reads of leak.LeakConfig (which says what each means)."""
+
+    @property
+    def samples_minutes(self) -> float: ...
+    @property
+    def samples_baseline_minutes(self) -> float: ...
+    @property
+    def samples_max(self) -> int: ...
+    @property
+    def min_noise_bytes(self) -> float: ...
+    @property
+    def min_shift_bytes(self) -> float: ...
+    @property
+    def min_slope_bytes_per_second(self) -> float: ...
+    @property
+    def min_growth_bytes(self) -> float: ...
+    @property
+    def min_step_margin(self) -> float: ...
+    @property
+    def two_step_penalty(self) -> float: ...
+    @property
+    def max_concavity_z(self) -> float: ...
+
 
 # Block sizes (samples) at which the samples' correlations are measured.
 SAMPLE_SCALES = (2, 4, 8, 16, 32, 64)
@@ -77,12 +102,12 @@ class SampleClimb:
     threshold: float
 
 
-def onsets(config: LeakConfig, interval_seconds: float) -> int:
+def onsets(config: Settings, interval_seconds: float) -> int:
     """How many onsets a test scans (for its share of the false-alarm budget)."""
     return max(1, round(60 * config.samples_minutes / interval_seconds))
 
 
-def climb(raw: SeriesView, since: float, config: LeakConfig, threshold_of: Callable[[int], float],
+def climb(raw: SeriesView, since: float, config: Settings, threshold_of: Callable[[int], float],
           newest_only: bool = False) -> SampleClimb | str:
     """The climb in the raw samples since `since` (a SampleClimb), or why there is none.
     `threshold_of(onsets)` is the z a test over that many onsets must reach. `newest_only`: only
