@@ -390,15 +390,17 @@ class History:
             del self._series[key]
 
     # --- reading -------------------------------------------------------------------------
-    def _view(self, key: SeriesKey, raw: bool) -> SeriesView:
+    def _view(self, key: SeriesKey, raw: bool, since: float | None = None) -> SeriesView:
         series = self._series.get(key)
         if series is None:
             return EMPTY
-        return series.raw_view() if raw else series.tier_view()
+        return series.raw_view(since) if raw else series.tier_view()
 
-    def process_memory(self, uuid: str, identity: Identity, raw: bool = False) -> SeriesView:
-        """Bucket medians of the process's GPU memory (raw=True: the raw samples of raw_seconds)."""
-        return self._view(("mem", uuid, identity[0], identity[1]), raw)
+    def process_memory(self, uuid: str, identity: Identity, raw: bool = False,
+                       since: float | None = None) -> SeriesView:
+        """Bucket medians of the process's GPU memory (raw=True: the raw samples of raw_seconds,
+        with `since` from the one in effect then on)."""
+        return self._view(("mem", uuid, identity[0], identity[1]), raw, since)
 
     def process_rss(self, identity: Identity, raw: bool = False) -> SeriesView:
         return self._view(("rss", identity[0], identity[1]), raw)

@@ -61,7 +61,7 @@ import math
 import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from . import leak_samples
 from .history import SeriesView
@@ -83,6 +83,12 @@ from .trend_test import (
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 _T = TypeVar("_T")
+
+
+class RawSamples(Protocol):
+    """A series' raw samples (History's raw view), from the one in effect at `since` on."""
+
+    def __call__(self, since: float | None = None) -> SeriesView: ...
 
 Evidence = tuple[tuple[str, float | int | str], ...]
 
@@ -265,7 +271,7 @@ class LeakAssessor:
 
     def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
                  config: LeakConfig = DEFAULT_CONFIG, signals: int = 1,
-                 raw: Callable[[], SeriesView] | None = None) -> LeakAssessment:
+                 raw: RawSamples | None = None) -> LeakAssessment:
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
@@ -276,8 +282,9 @@ class LeakAssessor:
             result = kept[4]
             # A fast leak's first minute: the samples' test between the medians' minutes, on
             # the newest samples only (a climb the minute's verdict did not see).
-            if not result.suspected and raw is not None and memo.samples_since is not None:
-                found = _samples_test(raw(), memo.samples_since, config, signals, newest_only=True)
+            if not result.suspected and raw is not None and memo.samples_since is not None and \
+                    leak_samples.rising(raw(now - leak_samples.RISING_SECONDS)):
+                found = _samples_test(raw(), memo.samples_since, config, signals)
                 if found is not None:
                     result = _assessment(found, config, None, total_bytes, series.values[-1])
         else:
@@ -346,7 +353,7 @@ class NoiseMemo:
 
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
             signals: int = 1, memo: NoiseMemo | None = None,
-            raw: Callable[[], SeriesView] | None = None) -> LeakAssessment:
+            raw: RawSamples | None = None) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
     memo, of the noise measured on them up to noise_refresh_seconds before; with `raw`, which
     returns the same series' raw samples, of those where a leak's first minutes are in doubt),
@@ -405,11 +412,9 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     return _assessment(found, config, tooth, total_bytes, medians[-1])
 
 
-def _samples_test(raw: SeriesView, since: float, config: LeakConfig, signals: int,
-                  newest_only: bool = False) -> _Found | None:
+def _samples_test(raw: SeriesView, since: float, config: LeakConfig, signals: int) -> _Found | None:
     """leak_samples.climb as a _Found (None where it finds none)."""
-    got = leak_samples.climb(raw, since, config, lambda onsets: config.samples_threshold(onsets, signals),
-                             newest_only)
+    got = leak_samples.climb(raw, since, config, lambda onsets: config.samples_threshold(onsets, signals))
     if isinstance(got, str):
         return None
     fit = got.fit
@@ -448,7 +453,7 @@ def _assessment(found: _Found, config: LeakConfig, tooth: float | None, total_by
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
                  threshold: float, config: LeakConfig, young_until: float, memo: NoiseMemo,
-                 base_time: float, raw: Callable[[], SeriesView] | None = None) -> _Found | str:
+                 base_time: float, raw: RawSamples | None = None) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
     why not."""
     n = len(times)

@@ -154,7 +154,8 @@ class LeakDetector:
         signals = SIGNALS_PER_SERIES * (1 + len(parts))
         key = (gpu.uuid, p.identity)
         mem = self._assess(key, history.process_memory(gpu.uuid, p.identity), gpu.total_bytes, now,
-                           config, signals, lambda: history.process_memory(gpu.uuid, p.identity, raw=True))
+                           config, signals,
+                           lambda since=None: history.process_memory(gpu.uuid, p.identity, raw=True, since=since))
         if mem.suspected:
             return mem, ""
         for name, view in parts:

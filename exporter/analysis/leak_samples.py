@@ -84,8 +84,9 @@ JUMP_SIGMAS = 6.0
 # the corpus's wandering noise 100 and more).
 MAX_KAPPA = 8.0
 # A climb is looked for between the medians' minutes only where the newest half minute's median
-# stands this many noise deviations above the five minutes' before it.
+# stands this many noise deviations above the samples of the RISING_SECONDS before it.
 RISING_SIGMAS = 3.0
+RISING_SECONDS = 330.0
 # The baseline's own slope, in z, above which growth began before it.
 FLAT_BASELINE_Z = 3.0
 
@@ -107,18 +108,17 @@ def onsets(config: Settings, interval_seconds: float) -> int:
     return max(1, round(60 * config.samples_minutes / interval_seconds))
 
 
-def climb(raw: SeriesView, since: float, config: Settings, threshold_of: Callable[[int], float],
-          newest_only: bool = False) -> SampleClimb | str:
+def climb(raw: SeriesView, since: float, config: Settings,
+          threshold_of: Callable[[int], float]) -> SampleClimb | str:
     """The climb in the raw samples since `since` (a SampleClimb), or why there is none.
-    `threshold_of(onsets)` is the z a test over that many onsets must reach. `newest_only`: only
-    where the newest samples stand clearly above those before them (a cheap look, for a caller
-    that has just tested them all a few samples ago)."""
+    `threshold_of(onsets)` is the z a test over that many onsets must reach."""
     times, values = raw.times, raw.values
-    if newest_only and not _rising(values):
+    baseline = 60 * config.samples_baseline_minutes
+    window = bisect.bisect_left(times, times[-1] - 60 * config.samples_minutes - baseline) if times else 0
+    if not _grown(values, window):
         return "not_rising"
     a = max(bisect.bisect_left(times, since), len(times) - config.samples_max)
     n = len(times) - a
-    baseline = 60 * config.samples_baseline_minutes
     if n < 24 or times[-1] - times[a] < baseline + 60:
         return "too_few_samples"
     interval = (times[-1] - times[a]) / (n - 1)
@@ -186,13 +186,30 @@ def climb(raw: SeriesView, since: float, config: Settings, threshold_of: Callabl
     return SampleClimb(h, 60 * minutes, growth, sigma, threshold)
 
 
-def _rising(values: Sequence[float], newest: int = 6, before: int = 60) -> bool:
-    """Whether the median of the newest samples stands RISING_SIGMAS noise deviations above that
-    of those before them."""
-    if len(values) < newest + before:
+def rising(raw: SeriesView, newest: int = 6) -> bool:
+    """A look cheap enough for every tick, at the raw samples of the last RISING_SECONDS: whether
+    the median of the newest half minute stands RISING_SIGMAS deviations above the mean of the
+    samples before it (their deviation from their sum of squares: a spike among them only makes
+    the look fail, and the minute's full look comes soon)."""
+    values = raw.values
+    base = values[:-newest]
+    k = len(base)
+    if k < 24:
         return False
-    base = values[-newest - before:-newest]
-    return median(values[-newest:]) - median(base) >= RISING_SIGMAS * robust_sigma(base, 1.0)
+    mean = math.fsum(base) / k
+    spread = math.sqrt(max(0.0, math.fsum(map(operator.mul, base, base)) / k - mean * mean))
+    return median(values[-newest:]) - mean >= RISING_SIGMAS * max(spread, 1.0)
+
+
+def _grown(values: Sequence[float], window: int, newest: int = 12) -> bool:
+    """A cheap look before the fits, which most minutes need not make: whether the mean of the
+    newest minute stands above that of the first minute from `window` (the onsets' baseline) by
+    twice its error, as it does long before the joined line's slope reaches its threshold."""
+    if len(values) - window < 2 * newest:
+        return False
+    base = values[window:window + newest]
+    rise = (math.fsum(values[-newest:]) - math.fsum(base)) / newest
+    return rise >= 2.0 * robust_sigma(base, 1.0) * math.sqrt(2 / newest)
 
 
 def despiked(values: Sequence[float], limit: float, half: int = 3) -> list[float]:
