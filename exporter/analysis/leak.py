@@ -283,7 +283,7 @@ class LeakAssessor:
             # A fast leak's first minute: the samples' test between the medians' minutes, on
             # the newest samples only (a climb the minute's verdict did not see).
             if not result.suspected and raw is not None and memo.samples_since is not None and \
-                    leak_samples.rising(raw(now - leak_samples.RISING_SECONDS)):
+                    leak_samples.rising(raw(now - leak_samples.RISING_SECONDS), config.min_noise_bytes / 2):
                 found = _samples_test(raw(), memo.samples_since, config, signals)
                 if found is not None:
                     result = _assessment(found, config, None, total_bytes, series.values[-1])

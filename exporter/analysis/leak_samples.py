@@ -84,7 +84,7 @@ JUMP_SIGMAS = 6.0
 # the corpus's wandering noise 100 and more).
 MAX_KAPPA = 8.0
 # A climb is looked for between the medians' minutes only where the newest half minute's median
-# stands this many noise deviations above the samples of the RISING_SECONDS before it.
+# stands this many noise deviations above the samples of RISING_SECONDS before it.
 RISING_SIGMAS = 3.0
 RISING_SECONDS = 330.0
 # The baseline's own slope, in z, above which growth began before it.
@@ -186,19 +186,18 @@ def climb(raw: SeriesView, since: float, config: Settings,
     return SampleClimb(h, 60 * minutes, growth, sigma, threshold)
 
 
-def rising(raw: SeriesView, newest: int = 6) -> bool:
+def rising(raw: SeriesView, min_sigma: float, newest: int = 6, gap: int = 12) -> bool:
     """A look cheap enough for every tick, at the raw samples of the last RISING_SECONDS: whether
-    the median of the newest half minute stands RISING_SIGMAS deviations above the mean of the
-    samples before it (their deviation from their sum of squares: a spike among them only makes
-    the look fail, and the minute's full look comes soon)."""
+    the median of the newest half minute stands RISING_SIGMAS noise deviations above the mean of
+    the samples up to a minute before it (the noise read from the first differences, blind to a
+    climb, a spike only two of them; never below `min_sigma`: whole pages tie)."""
     values = raw.values
-    base = values[:-newest]
-    k = len(base)
-    if k < 24:
+    base = values[:-newest - gap]
+    if len(base) < 24:
         return False
-    mean = math.fsum(base) / k
-    spread = math.sqrt(max(0.0, math.fsum(map(operator.mul, base, base)) / k - mean * mean))
-    return median(values[-newest:]) - mean >= RISING_SIGMAS * max(spread, 1.0)
+    steps: list[float] = sorted(map(abs, map(operator.sub, values[1:], values[:-1])))
+    sigma = max(steps[len(steps) // 2] / (0.6745 * math.sqrt(2.0)), min_sigma)  # |N(0, 2 s^2)|'s median
+    return float(median(values[-newest:])) - math.fsum(base) / len(base) >= RISING_SIGMAS * sigma
 
 
 def _grown(values: Sequence[float], window: int, newest: int = 12) -> bool:
