@@ -113,9 +113,11 @@ def climb(raw: SeriesView, since: float, config: Settings,
     """The climb in the raw samples since `since` (a SampleClimb), or why there is none.
     `threshold_of(onsets)` is the z a test over that many onsets must reach."""
     times, values = raw.times, raw.values
+    if not times:
+        return "too_few_samples"
     baseline = 60 * config.samples_baseline_minutes
-    window = bisect.bisect_left(times, times[-1] - 60 * config.samples_minutes - baseline) if times else 0
-    if not _grown(values, window):
+    fit_from = times[-1] - 60 * config.samples_minutes - baseline  # the onsets scanned and their baseline
+    if not _grown(values, bisect.bisect_left(times, fit_from)):
         return "not_rising"
     a = max(bisect.bisect_left(times, since), len(times) - config.samples_max)
     n = len(times) - a
@@ -127,8 +129,8 @@ def climb(raw: SeriesView, since: float, config: Settings,
     shift = max(config.min_shift_bytes, JUMP_SIGMAS * sigma)
     # Level changes between the medians of the three samples on either side (one sample's
     # noise, or a spike, is no change).
-    m3 = [a + b + c - max(a, b, c) - min(a, b, c)
-          for a, b, c in zip(values[:-2], values[1:-1], values[2:], strict=True)]
+    m3 = [x + y + z - max(x, y, z) - min(x, y, z)
+          for x, y, z in zip(values[:-2], values[1:-1], values[2:], strict=True)]
     changes = list(map(operator.sub, m3[3:], m3[:-3]))  # k: the three from k + 3 on less those before
     if min(changes, default=0.0) <= -shift:
         return "a_drop_in_the_samples"
@@ -144,7 +146,7 @@ def climb(raw: SeriesView, since: float, config: Settings,
     # The line is fitted to the newest samples (the onsets scanned and their baseline), first
     # as if the noise were white: that z is the highest the noise's correlations allow, and
     # most minutes it is short of the threshold.
-    start = max(settled, bisect.bisect_left(times, times[-1] - 60 * config.samples_minutes - baseline))
+    start = max(settled, bisect.bisect_left(times, fit_from))
     times, ys = times[start:], despiked(values[start:], SPIKE_SIGMAS * sigma)
     n = len(times)
     prefix = Prefix(times, ys)
@@ -157,7 +159,7 @@ def climb(raw: SeriesView, since: float, config: Settings,
     if h is None or h.z < threshold:
         return "trend_not_significant"
     # The noise's correlations, measured on every sample since the last jump.
-    quiet = Prefix(times, ys) if settled == start else \
+    quiet = prefix if settled == start else \
         Prefix(raw.times[a + settled:], despiked(values[settled:], SPIKE_SIGMAS * sigma))
     table = kappas(quiet, 0, sigma, SAMPLE_SCALES)
     wander = wander_fit(quiet, 0)
