@@ -130,7 +130,7 @@ def test_snapshot_exits_non_zero_when_no_gpu_could_be_read(tmp_path):
 
 @pytest.mark.integration
 def test_run_simulated_serves_processes_then_sigterm_stops_cleanly():
-    d = Daemon("--simulate", "steady", "--interval", "0.2", "--speed", "600")
+    d = Daemon("--simulate", "steady", "--interval", "0.2")
     try:
         d.wait_healthy()
         m = metrics(d)
