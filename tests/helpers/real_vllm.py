@@ -9,6 +9,7 @@ Python (another environment) through subprocesses.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -330,10 +332,12 @@ BLOCK_TOKENS = 128  # the CPU backend's KV cache block (cache_config_info block_
 @dataclass(frozen=True)
 class Shape:
     """One kind of request: `prompt_tokens` random token ids (random, so the prefix cache shares
-    no block between requests), then exactly `max_tokens` generated."""
+    no block between requests), then exactly `max_tokens` generated, give or take `spread` (drawn
+    per request, so that closed-loop clients started together drift out of step)."""
 
     prompt_tokens: int
     max_tokens: int
+    spread: int = 0
 
 
 # What the tests' leaking plugin keeps per request while it is switched on (tests/real_vllm/leak_plugin).
@@ -342,8 +346,9 @@ LEAK_BYTES_PER_REQUEST = 512 << 10
 SHORT = Shape(prompt_tokens=16, max_tokens=24)
 # Saturates MAIN's 256 blocks from about 80 clients: each request ends holding 4 blocks.
 RAMP = Shape(prompt_tokens=60, max_tokens=440)
-# Each request holds 2 blocks, then 3: 72 clients hold 60-85 % of MAIN's cache.
-HELD = Shape(prompt_tokens=250, max_tokens=100)
+# Each request holds 2 blocks, then 3 (at most 384 tokens): 76 clients can hold no more than 228
+# of MAIN's 256 blocks (89 %), however many of them run at once.
+HELD = Shape(prompt_tokens=250, max_tokens=100, spread=34)
 
 
 class Load:
@@ -357,6 +362,8 @@ class Load:
         self.server, self.shape, self.seed = server, shape, seed
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()  # the requests in flight
         self.failures: list[object] = []
         self.completed = 0
 
@@ -378,24 +385,42 @@ class Load:
         import random
 
         rng = random.Random(seed)
+        address = urllib.parse.urlsplit(self.server.url)
         while not self._stop.is_set():
             prompt = [rng.randrange(10, VOCAB) for _ in range(self.shape.prompt_tokens)]
+            body = json.dumps({"model": self.server.served_model_name, "prompt": prompt,
+                               "max_tokens": self.shape.max_tokens + rng.randint(-self.shape.spread, self.shape.spread),
+                               "ignore_eos": True, "temperature": 0})
+            connection = http.client.HTTPConnection(address.hostname or "", address.port, timeout=600)
+            with self._lock:
+                self._open.add(connection)
             try:
-                status, answer = post_json(self.server.url + "/v1/completions", {
-                    "model": self.server.served_model_name, "prompt": prompt, "max_tokens": self.shape.max_tokens,
-                    "ignore_eos": True, "temperature": 0}, timeout=600)
-            except Exception as exc:  # the server went away: say so, do not spin
-                status, answer = 0, {"error": repr(exc)}
+                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                answer = connection.getresponse()
+                status, text = answer.status, answer.read().decode(errors="replace")
+            except Exception as exc:  # the server went away, or stop() cut the request off
+                status, text = 0, repr(exc)
+            finally:
+                with self._lock:
+                    self._open.discard(connection)
+                connection.close()
             if status == 200:
                 self.completed += 1
-            else:
+            elif not self._stop.is_set():
                 if len(self.failures) < 20:
-                    self.failures.append((status, str(answer)[:300]))
-                self._stop.wait(1.0)
+                    self.failures.append((status, text[:300]))
+                self._stop.wait(1.0)  # say so, do not spin
 
     def stop(self, timeout: float = 600.0) -> None:
-        """Stop sending; wait for the requests in flight to finish."""
+        """Stop sending and cut off the requests in flight: vLLM cancels a request whose client has
+        gone, so the server is soon at rest (a ramp's 160 requests of 440 tokens took 50 s to finish)."""
+        import socket
+
         self._stop.set()
+        with self._lock:
+            for connection in self._open:
+                if connection.sock is not None:  # not yet connected: that request runs to its end
+                    connection.sock.shutdown(socket.SHUT_RDWR)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
