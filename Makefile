@@ -94,8 +94,13 @@ lint: $(VENV)/.installed-test
 	  echo "== $$check"; $(VENV)/bin/$$check || status=1; \
 	done; exit $$status
 
+# The real_vllm group alone, its servers' timings wanting the machine's cores; the rest in two
+# workers, a file's tests on one. Both run, so one report shows all that fails.
 test: deps lint
-	$(PY) -m pytest -q
+	@status=0; \
+	$(PY) -m pytest -q -m "not real_vllm" -n 2 --dist loadfile || status=1; \
+	$(PY) -m pytest -q -m real_vllm || status=1; \
+	exit $$status
 
 # Every generated file, from its one declaration (tests fail while one is out of date).
 generate: $(VENV)/.installed-test
