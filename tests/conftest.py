@@ -1,8 +1,12 @@
+import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 
 from exporter.clock import FixedClock
+from helpers.scenarios import REPLAYS_DIR
 from helpers.state import make_state  # noqa: F401 (re-exported for older imports)
 
 
@@ -38,6 +42,22 @@ def source_waits(monkeypatch):
 
     monkeypatch.setattr(concurrent.futures, "wait", wait)
     return asked
+
+
+_REPLAYS = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the controller names the directory where its workers share the built-in
+    scenarios' replays (helpers.scenarios.played), before it starts them: played once, not once
+    per worker."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        config.stash[_REPLAYS] = os.environ[REPLAYS_DIR] = tempfile.mkdtemp(prefix="gpumem-replays-")
+
+
+def pytest_unconfigure(config):
+    if _REPLAYS in config.stash:
+        shutil.rmtree(config.stash[_REPLAYS], ignore_errors=True)
 
 
 _REAL_VLLM = pytest.StashKey[set]()

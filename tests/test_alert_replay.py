@@ -129,7 +129,7 @@ def test_the_expectations_wait_for_for_and_judge_silence():
     f = Finding(kind="leak", severity="warning", first_detected_at=0, gpu="0", pid=7)
     times = [i * STEP for i in range(int(3600 / STEP))]
     active = [(f,) if 300 <= t < 1800 else () for t in times]
-    replay = Replay(analyzer=None, start=0.0, times=times, active=active)  # type: ignore[arg-type]
+    replay = Replay(found=[], start=0.0, times=times, active=active)
     got = dict(expectations(replay, "leak", ("GpuMemoryLeakSuspected",)))
     me = {(("gpu", "0"), ("pid", "7"))}
     assert got[240] == set() and 360 not in got  # pending: not judged

@@ -372,7 +372,7 @@ def test_the_rule_tests_feed_findings_shaped_as_the_exporter_exports_them():
 
     raised: dict[str, set[frozenset[str]]] = {}
     for listed in builtin():
-        for f in played(listed.name).analyzer.all_findings:
+        for f in played(listed.name).all_findings:
             raised.setdefault(f.kind, set()).add(frozenset(k for k in FINDING_LABELS if getattr(f, k)))
     fed: set[tuple[str, frozenset[str]]] = set()
     for path in UNIT_TESTS:

@@ -29,15 +29,15 @@ EXPECTED = {
 
 
 def play(name):
-    replay = played(name)  # each scenario is played once per session, for every test that reads it
-    return replay.analyzer, replay.start
+    replay = played(name)  # each scenario is played once per test run, for every test that reads it
+    return replay, replay.start
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 @pytest.mark.slow
 def test_scenario_raises_exactly_its_findings(name):
-    analyzer, _ = play(name)
-    assert {f.kind for f in analyzer.all_findings} == EXPECTED[name]
+    replay, _ = play(name)
+    assert {f.kind for f in replay.all_findings} == EXPECTED[name]
 
 
 SEVERITY = {"info": 0, "warning": 1, "critical": 2}
@@ -61,8 +61,8 @@ def test_no_finding_flaps_between_severities(name):
 
 
 def test_leak_scenario_names_the_process_and_its_rate():
-    analyzer, start = play("leak")
-    leaks = [f for f in analyzer.all_findings if f.kind == "leak" and f.gpu is not None]
+    replay, start = play("leak")
+    leaks = [f for f in replay.all_findings if f.kind == "leak" and f.gpu is not None]
     assert leaks
     leak = leaks[0]
     spec = next(p for p in load("leak").processes if p.pid == leak.pid)
@@ -76,22 +76,22 @@ def test_leak_scenario_names_the_process_and_its_rate():
 def test_fragmentation_scenario_is_seen_from_the_allocator_retries_before_any_oom():
     """The probe's retries start at 20 min: the finding names the process and comes from them,
     live, while no out-of-memory error has happened."""
-    analyzer, start = play("fragmentation")
-    from_probe = [f for f in analyzer.all_findings
+    replay, start = play("fragmentation")
+    from_probe = [f for f in replay.all_findings
                   if f.kind == "fragmentation" and f.pid is not None
                   and dict(f.evidence).get("alloc_retries_in_window", 0) > 0]
-    assert from_probe, [(f.kind, f.pid, dict(f.evidence)) for f in analyzer.all_findings]
+    assert from_probe, [(f.kind, f.pid, dict(f.evidence)) for f in replay.all_findings]
     first = min(f.first_detected_at for f in from_probe) - start
     assert 20 * 60 <= first < 30 * 60
-    assert not [f for f in analyzer.all_findings if f.kind == "oom"]
+    assert not [f for f in replay.all_findings if f.kind == "oom"]
     assert any("expandable_segments:True" in " ".join(f.advice) for f in from_probe)
 
 
 @pytest.mark.slow
 def test_leak_scenario_attributes_the_growth_to_memory_outside_torch():
     """In the leak scenario torch's reserved memory stays flat while NVML's figure grows."""
-    analyzer, _ = play("leak")
-    [gpu_leak] = [f for f in analyzer.all_findings if f.kind == "leak" and f.gpu is not None]
+    replay, _ = play("leak")
+    [gpu_leak] = [f for f in replay.all_findings if f.kind == "leak" and f.gpu is not None]
     evidence = dict(gpu_leak.evidence)
     assert evidence["component"] == "non_torch"
     assert any("NCCL_CUMEM_ENABLE=0" in a for a in gpu_leak.advice)
@@ -114,8 +114,8 @@ def test_every_finding_kind_is_shown_by_the_scenario_it_declares():
     from exporter.analysis.registry import finding_kinds
 
     for kind in finding_kinds():
-        analyzer, _ = play(kind.scenario)
-        assert kind.name in {f.kind for f in analyzer.all_findings}, (kind.name, kind.scenario)
+        replay, _ = play(kind.scenario)
+        assert kind.name in {f.kind for f in replay.all_findings}, (kind.name, kind.scenario)
 
 
 @pytest.mark.slow
@@ -124,14 +124,14 @@ def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
     30 min: one contention episode naming it, and what started it (a kernel is a "python3": its
     parent says it is a notebook's), cleared within its hold once the kernel is gone; pressure
     names it too (#19 item 1)."""
-    analyzer, start = play("contention")
-    episodes = [(f, cleared) for f, cleared in analyzer.episodes() if f.kind == "contention"]
+    replay, start = play("contention")
+    episodes = [(f, cleared) for f, cleared in replay.episodes() if f.kind == "contention"]
     assert len(episodes) == 1 and 150 * 60 < episodes[0][1] - start <= 150 * 60 + 180
     finding = episodes[0][0]
     assert re.search(r"pid 5230 \(python3, started by jupyter-noteboo\) 8\.[56]\d GiB", finding.summary)
     assert finding.severity == "critical" and ("process_1_started_by", "jupyter-noteboo") in finding.evidence
     assert 30 * 60 < finding.first_detected_at - start < 40 * 60
-    [pressure] = [f for f in analyzer.all_findings if f.kind == "pressure"]
+    [pressure] = [f for f in replay.all_findings if f.kind == "pressure"]
     assert "pid 5230 (python3, started by jupyter-noteboo)" in pressure.summary
 
 
@@ -139,9 +139,9 @@ def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
 def test_unified_memory_names_the_browser_that_eats_the_gpu_memory():
     """chrome is no GPU process, yet on a GB10 it eats the GPU's memory at 300 MiB/min: the
     contention and pressure findings name it, with its growth (#19 item 1)."""
-    analyzer, _ = play("unified-memory")
+    replay, _ = play("unified-memory")
     pressure = {f.summary for findings in played("unified-memory").active for f in findings if f.kind == "pressure"}
-    [contention] = [f for f in analyzer.all_findings if f.kind == "contention"]
+    [contention] = [f for f in replay.all_findings if f.kind == "contention"]
     assert re.search(r"pid 7300 \(chrome\) \d+\.\d\d GiB resident, \+1\.[345]\d GiB in 5 min", contention.summary)
     assert any("pid 7300 (chrome)" in summary for summary in pressure)
     # The vLLM API server (pid 6100, no GPU process) is the server's own, not "other".
@@ -155,22 +155,22 @@ def test_unified_memory_the_kernel_oom_kill_of_the_browser_is_a_finding():
     """At 2 h 50 min the kernel OOM-kills chrome (gpumem_host_oom_kills_total 0 -> 1): a critical
     oom finding on the GPU, naming chrome, held 5 minutes (logged: test_oom_findings.py); before,
     the page went back to "no finding" (#19)."""
-    analyzer, start = play("unified-memory")
-    [(oom, cleared)] = [(f, c) for f, c in analyzer.episodes() if f.kind == "oom"]
+    replay, start = play("unified-memory")
+    [(oom, cleared)] = [(f, c) for f, c in replay.episodes() if f.kind == "oom"]
     assert (oom.gpu, oom.severity, oom.first_detected_at - start) == ("0", "critical", 10200)
     assert cleared is None or cleared - start >= 10200 + 300
     assert "kernel OOM killer ran 1 time " in oom.summary and "pid 7300 (chrome" in oom.summary
     # With chrome gone, the host has its memory back: pressure and contention end with it,
     # within their clear hold, and none outlasts the cause.
     for kind in ("pressure", "contention"):
-        [(_, cleared)] = [(f, c) for f, c in analyzer.episodes() if f.kind == kind]
+        [(_, cleared)] = [(f, c) for f, c in replay.episodes() if f.kind == kind]
         assert cleared is not None and 10200 < cleared - start <= 10200 + 60, kind
 
 
 @pytest.mark.slow
 def test_a_lost_gpu_is_a_critical_finding_while_it_stays_lost(caplog):
-    analyzer, start = play("gpu-lost")
-    [(lost, cleared)] = [(f, c) for f, c in analyzer.episodes() if f.kind == "gpu_unavailable"]
+    replay, start = play("gpu-lost")
+    [(lost, cleared)] = [(f, c) for f, c in replay.episodes() if f.kind == "gpu_unavailable"]
     assert (lost.gpu, lost.severity) == ("1", "critical") and "gpu_is_lost" in lost.summary
     # Back at 1200 s: cleared at once (a fact, as its raw alert; no clear hold).
     assert lost.first_detected_at - start == 600 and cleared - start == 1200

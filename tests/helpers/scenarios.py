@@ -4,8 +4,11 @@ episodes of findings they raise, in a form a golden file can pin down, and the s
 rules read, sample by sample, as Prometheus would have scraped them."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
+import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +34,27 @@ FINDINGS_GOLDEN = Path(__file__).parents[1] / "golden" / "scenario-findings.json
 RULE_INPUTS = frozenset(set().union(*(metric_names(r["expr"]) for g in load_groups() for r in g["rules"]))
                         - {r["record"] for r in recording_rules()} - PROMETHEUS_METRICS)
 
+# The environment variable naming the directory where pytest-xdist's workers share replays.
+REPLAYS_DIR = "GPUMEM_TEST_REPLAYS"
+
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted non-empty labels)
 
 
 @dataclass
 class Replay:
-    analyzer: Analyzer
+    found: list[tuple[Finding, float | None]]  # the analyzer's episodes(): (finding, cleared_at)
     start: float  # Unix seconds of the scenario's time 0
     times: list[float] = field(default_factory=list)  # scenario seconds of each sample
     active: list[tuple[Finding, ...]] = field(default_factory=list)  # findings after each sample
     # The rules' input series, as scraped after each sample: key -> {sample index: value}.
     series: dict[SeriesKey, dict[int, float]] = field(default_factory=dict)
+
+    def episodes(self) -> list[tuple[Finding, float | None]]:
+        return self.found
+
+    @property
+    def all_findings(self) -> tuple[Finding, ...]:
+        return tuple(f for f, _ in self.found)
 
 
 def play(name: str, step: float = STEP, on_tick: Callable[[State, float], None] | None = None
@@ -66,11 +79,29 @@ def play(name: str, step: float = STEP, on_tick: Callable[[State, float], None] 
     return analyzer, runtime.clock.start
 
 
-@functools.cache  # each scenario is played once per test session, for every test that reads it
+@functools.cache
 def played(name: str) -> Replay:
+    """The scenario played, once per test run. Under pytest-xdist the workers share each replay
+    through a file (conftest.py names the directory): the first to ask plays it, while the
+    others wait for its file."""
+    shared = os.environ.get(REPLAYS_DIR)
+    if not shared:
+        return _record(name)
+    with open(Path(shared) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = Path(shared) / f"{name}.pickle"
+        if kept.exists():
+            return pickle.loads(kept.read_bytes())  # written by another worker of this run
+        replay = _record(name)
+        kept.with_suffix(".tmp").write_bytes(pickle.dumps(replay))
+        kept.with_suffix(".tmp").replace(kept)
+        return replay
+
+
+def _record(name: str) -> Replay:
     current: list[State] = []
     registry = build_registry(lambda: current[-1], lambda: current[-1].last_sample_at or 0.0)
-    record = Replay(analyzer=None, start=START)  # type: ignore[arg-type]  # set below
+    record = Replay(found=[], start=START)
 
     def scrape(state: State, elapsed: float) -> None:
         current.append(state)
@@ -85,7 +116,8 @@ def played(name: str) -> Replay:
                     key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v)))
                     record.series.setdefault(key, {})[i] = s.value
 
-    record.analyzer, record.start = play(name, on_tick=scrape)
+    analyzer, record.start = play(name, on_tick=scrape)
+    record.found = analyzer.episodes()
     return record
 
 
@@ -131,7 +163,7 @@ def promtool_series(replay: Replay) -> list[dict[str, str]]:
             for (name, labels), samples in sorted(replay.series.items())]
 
 
-def episodes(analyzer: Analyzer, start: float) -> list[dict[str, object]]:
+def episodes(analyzer: Analyzer | Replay, start: float) -> list[dict[str, object]]:
     """Every finding raised, in the order raised: what, where, its worst severity, and when it was
     raised and cleared (seconds after the scenario's start; cleared None while still active)."""
     return [{"kind": f.kind, "severity": f.severity, "gpu": f.gpu, "pid": f.pid,
@@ -145,5 +177,5 @@ def scenario_names() -> list[str]:
 
 
 def render_golden() -> str:
-    return json.dumps({name: episodes(played(name).analyzer, played(name).start) for name in scenario_names()},
+    return json.dumps({name: episodes(played(name), played(name).start) for name in scenario_names()},
                       indent=1) + "\n"
