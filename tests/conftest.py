@@ -6,8 +6,8 @@ import tempfile
 import pytest
 
 from exporter.clock import FixedClock
-from helpers.scenarios import REPLAYS_DIR
 from helpers.state import make_state  # noqa: F401 (re-exported for older imports)
+from helpers.tools import REPLAYS_DIR
 
 
 @pytest.fixture

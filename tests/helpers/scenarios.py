@@ -22,6 +22,7 @@ from exporter.runtime import build as build_runtime
 from exporter.serve.exposition import build_registry
 from exporter.sim.scenario import builtin, load
 from helpers.rules import PROMETHEUS_METRICS, load_groups, metric_names, recording_rules
+from helpers.tools import REPLAYS_DIR
 
 STEP = 10.0  # seconds of scenario time between samples
 # The scenario's start in Unix seconds, the same on every run: the detectors' results depend on
@@ -33,9 +34,6 @@ FINDINGS_GOLDEN = Path(__file__).parents[1] / "golden" / "scenario-findings.json
 # Every family an alert or recording rule reads (what a replay keeps of each exposition).
 RULE_INPUTS = frozenset(set().union(*(metric_names(r["expr"]) for g in load_groups() for r in g["rules"]))
                         - {r["record"] for r in recording_rules()} - PROMETHEUS_METRICS)
-
-# The environment variable naming the directory where pytest-xdist's workers share replays.
-REPLAYS_DIR = "GPUMEM_TEST_REPLAYS"
 
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted non-empty labels)
 

@@ -1,5 +1,5 @@
 """The repository root, external tools (promtool, amtool, alertmanager, prometheus) looked up on
-PATH, and free loopback ports."""
+PATH, free loopback ports, and the test run's shared settings."""
 from __future__ import annotations
 
 import shutil
@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 # hang only: what is waited for happens far sooner on any machine, loaded or not (a CI machine
 # running the suite beside other work has taken over 60 s to start a simulated run).
 HANG = 180.0
+# The environment variable naming the directory where pytest-xdist's workers share the built-in
+# scenarios' replays (helpers.scenarios.played; conftest.py makes it).
+REPLAYS_DIR = "GPUMEM_TEST_REPLAYS"
 
 
 def tool(*names: str) -> str:
