@@ -95,7 +95,7 @@ lint: $(VENV)/.installed-test
 	done; exit $$status
 
 # The real_vllm group alone, its servers' timings wanting the machine's cores; the rest in two
-# workers, a file's tests on one. Both run, so one report shows all that fails.
+# workers, a file's tests on one. Both always run, so the output shows all that fails.
 test: deps lint
 	@status=0; \
 	$(PY) -m pytest -q -m "not real_vllm" -n 2 --dist loadfile || status=1; \

@@ -75,6 +75,9 @@ def pytest_terminal_summary(terminalreporter, config):
     from helpers import real_vllm
 
     group = config.stash.get(_REAL_VLLM, set())
+    # Under pytest-xdist the controller collects nothing: the group is what the workers' reports carry.
+    group |= {r.nodeid for reports in terminalreporter.stats.values() for r in reports
+              if hasattr(r, "when") and "real_vllm" in r.keywords}  # tests' reports, not collection's
     outcome: dict[str, str] = dict.fromkeys(group, "not run")
     for reports in terminalreporter.stats.values():
         for report in reports:
