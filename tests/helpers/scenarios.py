@@ -91,8 +91,9 @@ def played(name: str) -> Replay:
         if kept.exists():
             return pickle.loads(kept.read_bytes())  # written by another worker of this run
         replay = _record(name)
-        kept.with_suffix(".tmp").write_bytes(pickle.dumps(replay))
-        kept.with_suffix(".tmp").replace(kept)
+        partial = kept.with_suffix(".tmp")  # renamed once whole: a reader never sees half a file
+        partial.write_bytes(pickle.dumps(replay))
+        partial.replace(kept)
         return replay
 
 
