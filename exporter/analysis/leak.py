@@ -98,8 +98,13 @@ WINDOWS_MINUTES = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 22, 25, 28, 
                    71, 80, 90, 100, 112, 126, 142, 160, 180, 200, 225, 250, 280, 320)
 # Block sizes (points) at which the noise's correlations are measured.
 KAPPA_SCALES = (2, 4, 8, 16, 32)
-# Fewest settled points a signal's noise is measured on before it is tested.
+# Fewest settled points a signal's noise is measured on before it is tested against its
+# threshold. The troughs, one point a tooth (up to 12 minutes apart), are tested from
+# FEW_TROUGHS on, against the young bar until there are MIN_NOISE_POINTS: their noise read on so
+# few points may be too low, and a warm-up's steps under the teeth fit a line as well
+# (mixed#3007: six troughs over a warm-up read as a line at z 6.5).
 MIN_NOISE_POINTS = 8
+FEW_TROUGHS = 6
 MINUTES_PER_DAY = 1440
 
 
@@ -477,7 +482,8 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     times, values, cuts = _destep(times, values, steps)
     n = len(times)
     settled = bisect.bisect_left(times, settled_from)
-    if n - settled < max(config.min_points, MIN_NOISE_POINTS):
+    few = n - settled < MIN_NOISE_POINTS
+    if n - settled < max(config.min_points, FEW_TROUGHS if name == "troughs" else MIN_NOISE_POINTS):
         return "settling"  # too few points to tell the noise
     prefix = Prefix(times, values, cuts)
 
@@ -500,7 +506,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         wander = wander_fit(quiet, start) if name != "troughs" else None
         return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}, wander
     sigma, table, kappa_at, wander = memo.get(name, end, base_time, n - settled, config, noise)
-    if young:  # warm-up and first cycles are expected: a higher bar
+    if young or few:  # warm-up and first cycles are expected, or the noise is read on few points
         threshold *= config.young_threshold_factor
     # Windows longer than an hour move slowly: each is tested every third minute only (which
     # third, from the clock), a third of the cost for a minute more at most on slow leaks.
