@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -296,15 +295,26 @@ def _alive(pids: list[int]) -> list[psutil.Process]:
     return out
 
 
-def post_json(url: str, body: Mapping[str, object], timeout: float = 300) -> tuple[int, dict[str, object]]:
-    """POST a JSON body; (status, decoded answer), error statuses included."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+def post_json(url: str, body: Mapping[str, object], timeout: float = 300,
+              connection: http.client.HTTPConnection | None = None) -> tuple[int, dict[str, object]]:
+    """POST a JSON body; (status, decoded answer), error statuses included (an answer that is
+    not JSON as {"text": ...}). Over `connection` where given (to the url's host, the caller's
+    to close: another thread may cut the request off by shutting its socket down)."""
+    parts = urllib.parse.urlsplit(url)
+    own = connection is None
+    if connection is None:
+        connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
+        connection.request("POST", parts.path or "/", json.dumps(body), {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        status, text = answer.status, answer.read()
+    finally:
+        if own:
+            connection.close()
+    try:
+        return status, json.loads(text or b"{}")
+    except ValueError:
+        return status, {"text": text[:300].decode(errors="replace")}
 
 
 def get_text(url: str, timeout: float = 30) -> str:
@@ -388,18 +398,16 @@ class Load:
         address = urllib.parse.urlsplit(self.server.url)
         while not self._stop.is_set():
             prompt = [rng.randrange(10, VOCAB) for _ in range(self.shape.prompt_tokens)]
-            body = json.dumps({"model": self.server.served_model_name, "prompt": prompt,
-                               "max_tokens": self.shape.max_tokens + rng.randint(-self.shape.spread, self.shape.spread),
-                               "ignore_eos": True, "temperature": 0})
+            body = {"model": self.server.served_model_name, "prompt": prompt,
+                    "max_tokens": self.shape.max_tokens + rng.randint(-self.shape.spread, self.shape.spread),
+                    "ignore_eos": True, "temperature": 0}
             connection = http.client.HTTPConnection(address.hostname or "", address.port, timeout=600)
             with self._lock:
                 self._open.add(connection)
             try:
-                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-                answer = connection.getresponse()
-                status, text = answer.status, answer.read().decode(errors="replace")
+                status, answer = post_json(self.server.url + "/v1/completions", body, connection=connection)
             except Exception as exc:  # the server went away, or stop() cut the request off
-                status, text = 0, repr(exc)
+                status, answer = 0, {"error": repr(exc)}
             finally:
                 with self._lock:
                     self._open.discard(connection)
@@ -408,7 +416,7 @@ class Load:
                 self.completed += 1
             elif not self._stop.is_set():
                 if len(self.failures) < 20:
-                    self.failures.append((status, text[:300]))
+                    self.failures.append((status, str(answer)[:300]))
                 self._stop.wait(1.0)  # say so, do not spin
 
     def stop(self, timeout: float = 600.0) -> None:
