@@ -7,6 +7,7 @@ helpers in helpers/timeline.py (shared with test_engine.py and test_analyze.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -367,6 +368,29 @@ def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
     assert verdict(2 * GiB) is None  # 72 + 2 + 0.4 of 80 GiB: 5.6 GiB spare, room to spare
     assert verdict(6 * GiB) == "warning"  # 1.6 GiB spare: under 5 % of the GPU
     assert verdict(9 * GiB) == "critical"  # the budget cannot be had
+
+
+def test_contention_advice_gives_the_utilization_that_fits_beside_the_others():
+    """What to change, with the figure: the largest --gpu-memory-utilization (two decimals) whose
+    budget fits beside what the others hold (9 GiB, and 0.4 GiB of the driver's), where one
+    server's budget is a share of the GPU; the bytes to give up where two servers share it."""
+    cfg = ContentionConfig()
+    notebook = lambda e: [proc(555, 9 * GiB, name="python3")] if e >= 120 else []  # noqa: E731
+    advice = run_detector(contention.DETECTOR, timeline(900, 30, lambda e: budgeted(e, notebook)), cfg)[-1][0].advice
+    said = re.search(r"--gpu-memory-utilization (\d\.\d\d) or less \(now 0\.90: 1\.39 GiB more than the others",
+                     advice[2])
+    assert said, advice
+    share, others = float(said.group(1)), 9 * GiB + BASE
+    assert share * 80 * GiB + others <= 80 * GiB < (share + 0.01) * 80 * GiB + others
+
+    def two_servers(e):  # two servers at 0.45 each, 32 GiB used each, beside the notebook
+        procs = [vllm_proc(10, 32 * GiB), vllm_proc(11, 32 * GiB, endpoint="http://127.0.0.1:8001"),
+                 *notebook(e)]
+        return snap(T0 + e, [gpu(procs)], vllm=[vllm_server(0, 0.4, util=0.45),
+                                                vllm_server(0, 0.4, endpoint="http://127.0.0.1:8001", util=0.45,
+                                                            pids=(11,))])
+    advice = run_detector(contention.DETECTOR, timeline(900, 30, two_servers), cfg)[-1][0].advice
+    assert "lower the vLLM budgets here by 1.39 GiB together" in advice[2], advice
 
 
 def test_contention_at_start_names_a_process_already_holding_the_memory():

@@ -30,6 +30,7 @@ size, 33 min in all": a notebook that grew is not a newcomer).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -49,7 +50,7 @@ from .alert_text import (
     largest_outside_vllm,
     process_list,
 )
-from .budget import memory_budgets
+from .budget import BASIS_UTILIZATION, memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
 from .process_names import named_evidence, process_name
@@ -325,9 +326,27 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
             "a serving GPU should not be shared without limits.",
             "In Kubernetes, check that no pod gets this GPU besides the server "
             "(time-slicing shares memory without limits); use MIG partitions for isolation.",
-            "If the GPU must be shared, lower vLLM's --gpu-memory-utilization so its budget "
-            "plus the others fit, or cap MPS clients with CUDA_MPS_PINNED_DEVICE_MEM_LIMIT.",
+            _smaller_budget(gpu, budgets, spare),
         ))
+
+
+def _smaller_budget(gpu: GpuSample, budgets: tuple[Budget, ...], spare: int | None) -> str:
+    """How far to lower the vLLM budget so it fits beside the others: the figure to restart with
+    where one server's budget is a share of the GPU (what the others and the driver leave of it,
+    rounded down: vLLM's start-up check wants that much free), else the bytes to give up."""
+    mps = "or cap MPS clients with CUDA_MPS_PINNED_DEVICE_MEM_LIMIT."
+    if spare is None or spare >= 0 or not gpu.total_bytes:
+        return ("If the GPU must be shared, lower vLLM's --gpu-memory-utilization so its budget plus the others "
+                f"fit, {mps}")
+    budget = budgets[0]
+    if len(budgets) == 1 and budget.basis == BASIS_UTILIZATION and budget.budget_bytes:
+        share = math.floor(100 * (max(budget.budget_bytes, budget.used_bytes or 0) + spare) / gpu.total_bytes) / 100
+        if share > 0:
+            return (f"If the GPU must be shared, restart vLLM with --gpu-memory-utilization {share:.2f} or less "
+                    f"(now {budget.budget_bytes / gpu.total_bytes:.2f}: {format_bytes(-spare)} more than the "
+                    f"others leave it), {mps}")
+    return (f"If the GPU must be shared, lower the vLLM budgets here by {format_bytes(-spare)} together "
+            f"(--gpu-memory-utilization, or --kv-cache-memory), {mps}")
 
 
 def _serving_pids(snapshot: Snapshot) -> set[int]:
