@@ -66,7 +66,7 @@ class ProcessSample:
     ns_pid: int | None = None  # PID inside the process's own PID namespace
     ppid: int | None = None  # parent PID: tells which vLLM server a worker belongs to
     # The parent's name: what started it, where its own name says nothing (a notebook kernel is
-    # a "python3" whose parent is "jupyter-noteboo"). "" when not known.
+    # a "python3" whose parent is "jupyter-notebook"). "" when not known.
     parent_name: str = ""
     role: str = "other"  # vllm | other
     endpoint: str = ""  # the vLLM endpoint this process serves, when role == vllm

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -21,6 +22,24 @@ def child():
     yield proc
     proc.kill()
     proc.wait()
+
+
+@pytest.mark.integration
+def test_a_script_run_through_its_shebang_is_named_in_full(tmp_path):
+    """The kernel cuts comm at 15 characters; psutil extends it from argv[0], which for a script
+    run through its shebang is the interpreter. A notebook server is then `jupyter-noteboo`
+    where its script's name is whole in argv[1]."""
+    script = tmp_path / "jupyter-notebook-lab"
+    script.write_text(f"#!{sys.executable}\nimport sys, time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    proc = subprocess.Popen([str(script), "--token=secret"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "jupyter-noteboo"
+        assert LocalHost().process(proc.pid).name == "jupyter-notebook-lab"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.integration

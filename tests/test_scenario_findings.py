@@ -128,11 +128,11 @@ def test_contention_names_the_notebook_for_as_long_as_it_holds_the_memory():
     episodes = [(f, cleared) for f, cleared in replay.episodes() if f.kind == "contention"]
     assert len(episodes) == 1 and 150 * 60 < episodes[0][1] - start <= 150 * 60 + 180
     finding = episodes[0][0]
-    assert re.search(r"pid 5230 \(python3, started by jupyter-noteboo\) 8\.[56]\d GiB", finding.summary)
-    assert finding.severity == "critical" and ("process_1_started_by", "jupyter-noteboo") in finding.evidence
+    assert re.search(r"pid 5230 \(python3, started by jupyter-notebook\) 8\.[56]\d GiB", finding.summary)
+    assert finding.severity == "critical" and ("process_1_started_by", "jupyter-notebook") in finding.evidence
     assert 30 * 60 < finding.first_detected_at - start < 40 * 60
     [pressure] = [f for f in replay.all_findings if f.kind == "pressure"]
-    assert "pid 5230 (python3, started by jupyter-noteboo)" in pressure.summary
+    assert "pid 5230 (python3, started by jupyter-notebook)" in pressure.summary
 
 
 @pytest.mark.slow

@@ -375,9 +375,9 @@ def test_the_findings_table_shows_the_processes_a_finding_names():
                         "Findings")
     rows = {re.search(r"<td>(contention|pressure)</td>", r).group(1): r
             for r in findings.split("<tr>") if re.search(r"<td>(contention|pressure)</td>", r)}
-    assert "<td>5230 python3 (started by jupyter-noteboo)</td>" in rows["contention"]
+    assert "<td>5230 python3 (started by jupyter-notebook)</td>" in rows["contention"]
     # The engine's name says what it is: no parent.
-    assert re.search(r"<td>5150 VLLM::EngineCore; 5230 python3 \(started by jupyter-noteboo\)[^<]*</td>",
+    assert re.search(r"<td>5150 VLLM::EngineCore; 5230 python3 \(started by jupyter-notebook\)[^<]*</td>",
                      rows["pressure"])
 
 

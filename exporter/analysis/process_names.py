@@ -11,7 +11,7 @@ _INTERPRETER = re.compile(r"(python[0-9.]*|ipython[0-9.]*|node|java|ruby|perl|ju
 
 
 def started_by(p: ProcessSample) -> str:
-    """The parent's name where the process's own says nothing (`jupyter-noteboo` for a
+    """The parent's name where the process's own says nothing (`jupyter-notebook` for a
     notebook kernel's `python3`), else ""."""
     if p.parent_name and p.parent_name != p.name and _INTERPRETER.fullmatch(p.name):
         return p.parent_name
@@ -19,7 +19,7 @@ def started_by(p: ProcessSample) -> str:
 
 
 def process_name(p: ProcessSample) -> str:
-    """`VLLM::EngineCore`; `python3, started by jupyter-noteboo`; `?` when the name is not known."""
+    """`VLLM::EngineCore`; `python3, started by jupyter-notebook`; `?` when the name is not known."""
     parent = started_by(p)
     return f"{p.name}, started by {parent}" if parent else p.name or "?"
 

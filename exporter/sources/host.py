@@ -36,10 +36,26 @@ TOP_PROCESSES = 8  # host processes read per tick where a GPU shares the host's 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+# The kernel keeps this many characters of a program's name (TASK_COMM_LEN - 1).
+_COMM_CHARS = 15
+
+
 def _name(proc: psutil.Process) -> str:
     """psutil's name, bounded: where the kernel's 15-character comm is cut, psutil takes the
-    name from the command line, which any process sets to what it likes, as long as it likes."""
-    return proc.name()[:MAX_NAME_CHARS]
+    name from the command line, which any process sets to what it likes, as long as it likes.
+    psutil looks at argv[0] only; a script run through its shebang has its interpreter there
+    and itself in argv[1] (`jupyter-noteboo` is /usr/local/bin/jupyter-notebook). Only the
+    basename that the cut name begins is taken: never the rest of a command line."""
+    name = proc.name()
+    if len(name) == _COMM_CHARS:
+        try:
+            args = proc.cmdline()[1:2]
+        except _PROCESS_ERRORS:
+            args = []
+        script = os.path.basename(args[0]) if args else ""
+        if script.startswith(name):
+            name = script
+    return name[:MAX_NAME_CHARS]
 
 
 def _name_of(pid: int | None) -> str:
