@@ -372,16 +372,31 @@ def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
 
 def test_contention_advice_gives_the_utilization_that_fits_beside_the_others():
     """What to change, with the figure: the largest --gpu-memory-utilization (two decimals) whose
-    budget fits beside what the others hold (9 GiB, and 0.4 GiB of the driver's), where one
-    server's budget is a share of the GPU; the bytes to give up where two servers share it."""
+    share of the total CUDA reports is free beside what the others hold (9 GiB, and the 0.4 GiB
+    no process holds) once a restarted server's CUDA context is made, where one server's budget
+    is a share of the GPU; the bytes to give up where two servers share it. A driver's reserve
+    (memory info v2: outside `used`) is no part of the total the share is of."""
     cfg = ContentionConfig()
     notebook = lambda e: [proc(555, 9 * GiB, name="python3")] if e >= 120 else []  # noqa: E731
-    advice = run_detector(contention.DETECTOR, timeline(900, 30, lambda e: budgeted(e, notebook)), cfg)[-1][0].advice
-    said = re.search(r"--gpu-memory-utilization (\d\.\d\d) or less \(now 0\.90: 1\.39 GiB more than the others",
-                     advice[2])
-    assert said, advice
-    share, others = float(said.group(1)), 9 * GiB + BASE
-    assert share * 80 * GiB + others <= 80 * GiB < (share + 0.01) * 80 * GiB + others
+    others = 9 * GiB + BASE
+
+    def finding_on(reserved):
+        def make(e):
+            return snap(T0 + e, [gpu([vllm_proc(10, 67 * GiB), *notebook(e)], reserved_bytes=reserved)],
+                        vllm=[vllm_server(0, 0.4, util=0.9)])
+        return run_detector(contention.DETECTOR, timeline(900, 30, make), cfg)[-1][0]
+
+    for reserved in (None, 512 * MiB):
+        found = finding_on(reserved)
+        total = 80 * GiB - (reserved or 0)
+        ev = dict(found.evidence)
+        assert ev["vllm_budget_bytes"] == int(0.9 * total) and ev["spare_bytes"] == total - int(0.9 * total) - others
+        said = re.search(r"--gpu-memory-utilization (\d\.\d\d) or less \(now 0\.90; its budget is ",
+                         found.advice[2])
+        assert said, found.advice
+        share = float(said.group(1))
+        room = total - others - contention.CUDA_CONTEXT_BYTES  # free once the new context is made
+        assert share * total <= room < (share + 0.01) * total, (share, reserved)
 
     def two_servers(e):  # two servers at 0.45 each, 32 GiB used each, beside the notebook
         procs = [vllm_proc(10, 32 * GiB), vllm_proc(11, 32 * GiB, endpoint="http://127.0.0.1:8001"),

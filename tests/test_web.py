@@ -300,13 +300,13 @@ def test_status_page_shows_each_vllm_budget_and_kv_use_and_why_a_full_gpu_is_fin
     assert "<h2>vLLM servers</h2>" in page
     row = page[page.index("<h2>vLLM servers</h2>"):page.index("<h2>Findings</h2>")]
     assert "Qwen/Qwen2.5-32B-Instruct" in row
-    assert re.search(r"GPU 0: 6\d\.\d\d GiB of 71\.68 GiB; GPU 1: 6\d\.\d\d GiB of 71\.68 GiB "
+    assert re.search(r"GPU 0: 6\d\.\d\d GiB of 71\.22 GiB; GPU 1: 6\d\.\d\d GiB of 71\.22 GiB "
                      r"\(gpu_memory_utilization 0\.9\)", row)
     assert re.search(r"<td>\d+% \([\d,]+ of 299,008 tokens\), 36\.50 GiB per GPU</td><td>\d+</td><td>\d+</td>"
                      r"<td>0</td>", row)
     assert "<th>running</th><th>waiting</th><th>preempted (total)</th>" in row
     gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
-    assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.68 GiB" in gpus
+    assert gpus.count("no finding: 86% used; ") == 2 and "inside its budget of 71.22 GiB" in gpus
 
 
 def test_status_page_says_a_vllm_server_is_still_loading():
@@ -315,7 +315,7 @@ def test_status_page_says_a_vllm_server_is_still_loading():
     from exporter.serve import status
     page = status.render(played("steady", 30, step=10), "simulated: scenario steady", 1.0, 15.0)
     gpus = page[page.index("<h2>GPUs</h2>"):page.index("<h2>vLLM servers</h2>")]
-    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.68 GiB budget so far" in gpus
+    assert gpus.count("loading: vLLM sim-0 holds ") == 2 and "of its 71.22 GiB budget so far" in gpus
     assert '<span class="ok">up</span> loading' in page
     page = status.render(played("steady", 300), "simulated: scenario steady", 1.0, 15.0)
     assert "loading" not in page

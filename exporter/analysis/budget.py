@@ -6,7 +6,8 @@ vLLM plans depends on how it was started (docs/metrics.md, "The vLLM memory budg
 
 - `gpu_memory_utilization` (every version, the usual case): the worker sizes the KV cache so
   that weights + activation peak + non-torch memory (+ CUDA graphs, estimated, 0.21+) + KV
-  cache fit in `gpu_memory_utilization x total` of each GPU, so the budget is that product.
+  cache fit in `gpu_memory_utilization x total` of each GPU, so the budget is that product
+  (the total CUDA reports: NVML's less the driver's reserve, `cuda_total`).
   There is no default to assume: the fraction is read from `vllm:cache_config_info` (its
   default changed across releases), and without it the budget is unknown.
 - `--kv-cache-memory` (V1 0.11+, `cache_config_info` label `kv_cache_memory_bytes`): the worker
@@ -27,10 +28,19 @@ Unknown budgets are None: the server's memory then counts as planned (pressure.p
 """
 from __future__ import annotations
 
-from ..model import Budget, MemoryProfile, Snapshot, VllmSample
+from ..model import Budget, GpuSample, MemoryProfile, Snapshot, VllmSample
 
 BASIS_UTILIZATION = "gpu_memory_utilization"
 BASIS_KV_CACHE_MEMORY = "kv_cache_memory"
+
+
+def cuda_total(gpu: GpuSample) -> int | None:
+    """The total CUDA reports (cudaMemGetInfo), of which gpu_memory_utilization is a share:
+    NVML's total less what the driver reserves (memory info v2, 503 MiB on an H100 with driver
+    580; v1 does not say, and counts it in used)."""
+    if gpu.total_bytes is None:
+        return None
+    return gpu.total_bytes - (gpu.reserved_bytes or 0)
 
 
 def server_budget(server: VllmSample | None, total_bytes: int | None) -> tuple[int | None, str]:
@@ -69,7 +79,7 @@ def memory_budgets(snapshot: Snapshot) -> tuple[Budget, ...]:
             if proc.role == "vllm" and proc.endpoint:
                 used.setdefault(proc.endpoint, []).append(proc.used_bytes)
         for endpoint, amounts in used.items():
-            budget, basis = server_budget(servers.get(endpoint), gpu.total_bytes)
+            budget, basis = server_budget(servers.get(endpoint), cuda_total(gpu))
             known = [a for a in amounts if a is not None]
             budgets.append(Budget(endpoint=endpoint, gpu=gpu.index, uuid=gpu.uuid, budget_bytes=budget,
                                   used_bytes=sum(known) if known else None, basis=basis))

@@ -50,7 +50,7 @@ from .alert_text import (
     largest_outside_vllm,
     process_list,
 )
-from .budget import BASIS_UTILIZATION, memory_budgets
+from .budget import BASIS_UTILIZATION, cuda_total, memory_budgets
 from .detector import DetectorSpec, FindingAlert, FindingKind, Tick
 from .pressure import unified_host_short
 from .process_names import named_evidence, process_name
@@ -60,6 +60,9 @@ if TYPE_CHECKING:
     from .history import History, SeriesView
 
 MIB = 1 << 20
+# What a new process's CUDA context holds before it allocates anything (gpu_checks/ measured 610
+# MiB on an H100 with driver 580; smaller cards hold less): room a restarted server needs at once.
+CUDA_CONTEXT_BYTES = 640 * MIB
 
 Evidence = list[tuple[str, float | int | str]]
 
@@ -172,12 +175,12 @@ def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
     """What is left of the GPU once the vLLM budgets are held in full beside what the other
     processes (and memory no live process holds, driver context) take; None where a budget is
     not known."""
-    if gpu.used_bytes is None or not gpu.total_bytes or not budgets \
-            or any(b.budget_bytes is None for b in budgets):
+    capacity = cuda_total(gpu)
+    if gpu.used_bytes is None or not capacity or not budgets or any(b.budget_bytes is None for b in budgets):
         return None
     planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
     serving = sum(p.used_bytes or 0 for p in gpu.processes if p.role == "vllm")
-    return gpu.total_bytes - planned - max(0, gpu.used_bytes - serving)
+    return capacity - planned - max(0, gpu.used_bytes - serving)
 
 
 def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
@@ -301,7 +304,8 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
     ratio = gpu.used_bytes / gpu.total_bytes
     spare = _spare(gpu, budgets)
     evidence: Evidence = [("held_by_others_bytes", held_all), ("utilization_ratio", round(ratio, 4)),
-                          ("free_bytes", max(0, gpu.total_bytes - gpu.used_bytes))]
+                          ("free_bytes", gpu.free_bytes if gpu.free_bytes is not None
+                           else max(0, gpu.total_bytes - gpu.used_bytes))]
     names, named_evidence = _named(held, config, now)
     if spare is not None:
         planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
@@ -331,20 +335,24 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
 
 
 def _smaller_budget(gpu: GpuSample, budgets: tuple[Budget, ...], spare: int | None) -> str:
-    """How far to lower the vLLM budget so it fits beside the others: the figure to restart with
-    where one server's budget is a share of the GPU (what the others and the driver leave of it,
-    rounded down: vLLM's start-up check wants that much free), else the bytes to give up."""
+    """How far to lower the vLLM budget so it fits beside the others: where one server's budget
+    is a share of the GPU, the share to restart with (rounded down); else the bytes to give up.
+    The share is what the others leave once the new server's CUDA context is made: vLLM's
+    start-up check wants `share x total` free at that point (gpu_worker.init_device)."""
     mps = "or cap MPS clients with CUDA_MPS_PINNED_DEVICE_MEM_LIMIT."
-    if spare is None or spare >= 0 or not gpu.total_bytes:
+    capacity = cuda_total(gpu)
+    if spare is None or spare >= 0 or not capacity:
         return ("If the GPU must be shared, lower vLLM's --gpu-memory-utilization so its budget plus the others "
                 f"fit, {mps}")
     budget = budgets[0]
     if len(budgets) == 1 and budget.basis == BASIS_UTILIZATION and budget.budget_bytes:
-        share = math.floor(100 * (max(budget.budget_bytes, budget.used_bytes or 0) + spare) / gpu.total_bytes) / 100
+        left = max(budget.budget_bytes, budget.used_bytes or 0) + spare - CUDA_CONTEXT_BYTES
+        share = math.floor(100 * left / capacity) / 100
         if share > 0:
             return (f"If the GPU must be shared, restart vLLM with --gpu-memory-utilization {share:.2f} or less "
-                    f"(now {budget.budget_bytes / gpu.total_bytes:.2f}: {format_bytes(-spare)} more than the "
-                    f"others leave it), {mps}")
+                    f"(now {budget.budget_bytes / capacity:.2f}; its budget is {format_bytes(-spare)} more than "
+                    "the others leave, and at start-up it wants the new share free beside its own CUDA context), "
+                    f"{mps}")
     return (f"If the GPU must be shared, lower the vLLM budgets here by {format_bytes(-spare)} together "
             f"(--gpu-memory-utilization, or --kv-cache-memory), {mps}")
 

@@ -44,7 +44,7 @@ server's memory then counts as planned.
 
 | vLLM | started with | budget per GPU |
 |---|---|---|
-| V0 (≤ 0.10) and V1 (0.8+) | `--gpu-memory-utilization` (`cache_config_info` label) | `gpu_memory_utilization × total`: weights, activation peak, non-torch memory and the KV cache are sized to fit in it (V1 0.21+ counts the CUDA-graph estimate in too; before, graphs come on top of it). |
+| V0 (≤ 0.10) and V1 (0.8+) | `--gpu-memory-utilization` (`cache_config_info` label) | `gpu_memory_utilization × total`, the total CUDA reports (NVML's total less the driver's reserve, `gpumem_gpu_memory_reserved_bytes`, as `torch.cuda.mem_get_info` gives it to vLLM): weights, activation peak, non-torch memory and the KV cache are sized to fit in it (V1 0.21+ counts the CUDA-graph estimate in too; before, graphs come on top of it). |
 | V1 0.11+ | `--kv-cache-memory` (`cache_config_info` label `kv_cache_memory_bytes`) | `kv_cache_memory_bytes` + the start-up log's non-KV memory (weights + activation peak + non-torch + CUDA graphs). vLLM skips memory profiling and takes exactly those bytes for the KV cache, ignoring `gpu_memory_utilization` (which only gates start-up: free memory must reach it), so no fraction of the total applies (`vllm/v1/worker/gpu_worker.py`, `Worker.determine_available_memory`). Without the log's weights figure the budget is unknown. In this mode vLLM logs neither the activation peak nor non-torch memory, so the budget is a lower bound by them (typically 1–3 GiB). |
 
 ### What vLLM's page has that is not exported
@@ -369,8 +369,8 @@ VLLM_CACHE_CONFIG_INFO = gauge(
         "reports it."))
 VLLM_MEMORY_BUDGET_BYTES = gauge(
     "gpumem_vllm_memory_budget_bytes",
-    "What the server planned to use on the GPU: gpu_memory_utilization x total, or --kv-cache-memory plus its "
-    "non-KV memory.",
+    "What the server planned to use on the GPU: gpu_memory_utilization x the GPU's total less the driver's "
+    "reserve (what vLLM sizes it from), or --kv-cache-memory plus its non-KV memory.",
     ("endpoint", "gpu", "uuid"),
     section=VLLM, unit="bytes", doc=(
         "What the server planned to hold on the GPU; the formula depends on how it was started "
