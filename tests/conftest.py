@@ -61,6 +61,15 @@ def pytest_unconfigure(config):
 
 
 _REAL_VLLM = pytest.StashKey[set]()
+# Carried by the reports of the group's tests (the marker, not the tests/real_vllm directory, whose
+# own few tests need no server and run with the rest).
+_IN_GROUP = ("real_vllm_group", True)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("real_vllm"):
+            item.user_properties.append(_IN_GROUP)
 
 
 def pytest_collection_finish(session):
@@ -77,7 +86,7 @@ def pytest_terminal_summary(terminalreporter, config):
     group = config.stash.get(_REAL_VLLM, set())
     # Under pytest-xdist the controller collects nothing: the group is what the workers' reports carry.
     group |= {r.nodeid for reports in terminalreporter.stats.values() for r in reports
-              if hasattr(r, "when") and "real_vllm" in r.keywords}  # tests' reports, not collection's
+              if hasattr(r, "when") and _IN_GROUP in r.user_properties}  # tests' reports, not collection's
     outcome: dict[str, str] = dict.fromkeys(group, "not run")
     for reports in terminalreporter.stats.values():
         for report in reports:

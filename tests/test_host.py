@@ -26,9 +26,9 @@ def child():
 
 @pytest.mark.integration
 def test_a_script_run_through_its_shebang_is_named_in_full(tmp_path):
-    """The kernel cuts comm at 15 characters; psutil extends it from argv[0], which for a script
-    run through its shebang is the interpreter. A notebook server is then `jupyter-noteboo`
-    where its script's name is whole in argv[1]."""
+    """The kernel cuts comm at 15 characters, and psutil extends a cut name from argv[0] only.
+    For a script run through its shebang argv[0] is the interpreter and argv[1] the script, so a
+    notebook server was named `jupyter-noteboo`. Its name is now the script's file name."""
     script = tmp_path / "jupyter-notebook-lab"
     script.write_text(f"#!{sys.executable}\nimport sys, time\nprint('ready', flush=True)\ntime.sleep(60)\n")
     script.chmod(0o755)
