@@ -525,7 +525,9 @@ def test_every_hop_shares_one_deadline(server):
     # and at 1.6 there is no time for a third
     assert sample.error_kind == "timeout"
     assert [t[0] for t in adapter.timeouts] == pytest.approx([0.6, 0.2])
-    assert [p for p, _ in server.seen] == ["/redirect_loop"] * 2
+    # Both hops were sent with those timeouts, and no third. (Whether the server had read hop 2
+    # when its real 0.2 s ran out depends on the machine's load: a loaded `make test` saw only the first.)
+    assert [p for p, _ in server.seen][:1] == ["/redirect_loop"] and len(server.seen) <= 2
 
 
 def test_redirects_stop_after_a_few_hops(server):
