@@ -178,9 +178,13 @@ def _spare(gpu: GpuSample, budgets: tuple[Budget, ...]) -> int | None:
     capacity = cuda_total(gpu)
     if gpu.used_bytes is None or not capacity or not budgets or any(b.budget_bytes is None for b in budgets):
         return None
-    planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
     serving = sum(p.used_bytes or 0 for p in gpu.processes if p.role == "vllm")
-    return capacity - planned - max(0, gpu.used_bytes - serving)
+    return capacity - _planned(budgets) - max(0, gpu.used_bytes - serving)
+
+
+def _planned(budgets: tuple[Budget, ...]) -> int:
+    """What the vLLM servers hold once their budgets are held in full (or more, where they use more)."""
+    return sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
 
 
 def _host_short(host: HostMemory, config: ContentionConfig) -> bool:
@@ -308,7 +312,7 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
                            else max(0, gpu.total_bytes - gpu.used_bytes))]
     names, named_evidence = _named(held, config, now)
     if spare is not None:
-        planned = sum(max(b.budget_bytes or 0, b.used_bytes or 0) for b in budgets)
+        planned = _planned(budgets)
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
         budget = "budgets" if len(budgets) > 1 else "budget"
         if spare < 0:
@@ -346,7 +350,7 @@ def _smaller_budget(gpu: GpuSample, budgets: tuple[Budget, ...], spare: int | No
                 f"fit, {mps}")
     budget = budgets[0]
     if len(budgets) == 1 and budget.basis == BASIS_UTILIZATION and budget.budget_bytes:
-        left = max(budget.budget_bytes, budget.used_bytes or 0) + spare - CUDA_CONTEXT_BYTES
+        left = _planned(budgets) + spare - CUDA_CONTEXT_BYTES  # what the others leave, less the context
         share = math.floor(100 * left / capacity) / 100
         if share > 0:
             return (f"If the GPU must be shared, restart vLLM with --gpu-memory-utilization {share:.2f} or less "
