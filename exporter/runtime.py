@@ -180,6 +180,10 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
     view = SimulatedHost(scenario, clock)
     logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumem-sim-"))
     endpoints = []
+    # Frozen in time (a replay, `snapshot --at`), nothing but the machine's load delays the
+    # in-process servers' answers: waited for as long as a hang would take, so a loaded
+    # machine's pause never reads as a server down.
+    timeout = 60.0 if at is not None else VllmEndpoint.timeout_seconds
     # One endpoint per port: servers the scenario starts on the same port one after the other
     # are one server restarted, with one log that grows with each start.
     first_on_port: dict[int, int] = {}
@@ -190,7 +194,8 @@ def open_host(config: Config, simulate: str | None = None, speed: float = 1.0,
         log_file = f"{logs}/vllm-{n}.log"  # what a real server logs at start-up about its memory
         server = stack.enter_context(FakeVllmServer(scenario, clock, server_index=i, log_file=log_file))
         view.alias_port(server.port, scenario.vllm[i].port)
-        endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{n}", log_file=log_file))
+        endpoints.append(VllmEndpoint(url=server.url, name=f"sim-{n}", log_file=log_file,
+                                      timeout_seconds=timeout))
         log_on_port[scenario.vllm[i].port] = log_file
     # The lines servers write while they run go to their port's log, as a restart's would.
     logged = {i: log_on_port[spec.port] for i, spec in enumerate(scenario.vllm) if spec.log_lines}

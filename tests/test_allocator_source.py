@@ -267,7 +267,8 @@ def _unshare_works() -> bool:
 @pytest.mark.skipif(not _unshare_works(), reason="no unprivileged PID namespaces on this machine")
 @pytest.mark.integration
 def test_probes_in_two_pid_namespaces_with_the_same_pid_are_each_matched_to_their_host_process(tmp_path):
-    env = dict(os.environ, GPUMEM_PROBE_DIR=str(tmp_path), GPUMEM_PROBE_INTERVAL="0.5",
+    # (The file is written at start; an interval of seconds keeps it fresh however slow the start.)
+    env = dict(os.environ, GPUMEM_PROBE_DIR=str(tmp_path), GPUMEM_PROBE_INTERVAL="5",
                PYTHONPATH=os.pathsep.join([str(STANDIN_TORCH), str(ROOT / "probe")]))
     containers = [subprocess.Popen(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", IN_NAMESPACE,
                                     str(n * GiB)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -123,7 +123,8 @@ def test_the_readme_recipe_run_twice_is_refused_not_mixed(tmp_path):
     config = tmp_path / "recorder.yml"
     config.write_text(f"recorder: {{directory: {traces}, tail_seconds: 300}}\n")
     for run in (1, 2):
-        d = Daemon("--config", str(config), "--simulate", "stale-memory", "--speed", "600",
+        # As the README: the server exits 5 s in, time for the first tick to see it serving.
+        d = Daemon("--config", str(config), "--simulate", "stale-memory", "--speed", "120",
                    "--interval", "5")
         try:
             d.wait_healthy()

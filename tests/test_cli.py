@@ -235,8 +235,9 @@ def test_analyze_input_errors_exit_2(tmp_path):
 def test_flight_recorder_writes_a_trace_when_a_serving_process_exits(tmp_path):
     cfg = tmp_path / "c.yml"
     cfg.write_text(f"recorder: {{directory: {tmp_path / 'traces'}, debounce_seconds: 0}}\n")
-    # stale-memory: the vLLM server exits at 600 s of scenario time (about 1 s here).
-    d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "600", "--interval", "5")
+    # stale-memory: the vLLM server exits at 600 s of scenario time (5 s here: the daemon's first
+    # tick, which must see it serving, has that long on a loaded machine).
+    d = Daemon("--config", str(cfg), "--simulate", "stale-memory", "--speed", "120", "--interval", "5")
     try:
         d.wait_healthy()
         deadline = time.monotonic() + HANG

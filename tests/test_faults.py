@@ -335,7 +335,8 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-TIMEOUT = 0.5
+# The good endpoint's every answer must come within it on a loaded machine; the bad one costs it once.
+TIMEOUT = 5.0
 
 
 @pytest.mark.parametrize("mode, kinds", [

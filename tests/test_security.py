@@ -254,7 +254,7 @@ def test_probes_get_their_own_listener_without_auth(tmp_path):
             try:
                 if requests.get(health + "/healthz", timeout=2).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or too busy starting to answer
                 pass
             time.sleep(0.1)
         assert requests.get(health + "/healthz", timeout=HANG_BOUND).json()["status"] == "ok"

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import ConfigError
 from exporter.model import Finding
+from exporter.serve import web
 from exporter.serve.auth import BasicAuth
 from exporter.serve.exposition import build_registry
 from exporter.serve.server import HttpServer
@@ -153,7 +154,7 @@ def test_web_config_errors(tmp_path, text, message):
         load_web_config(str(path))
 
 
-def test_metrics_render_once_per_state_not_per_scrape(clock):
+def test_metrics_render_once_per_state_not_per_scrape(clock, monkeypatch):
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import CollectorRegistry
 
@@ -168,6 +169,9 @@ def test_metrics_render_once_per_state_not_per_scrape(clock):
     registry = CollectorRegistry()
     registry.register(Counting())
     holder = {"state": make_state()}
+    # A rendering is reused for a second of real time at most: the scrapes below, on a loaded
+    # machine, may take longer than that.
+    monkeypatch.setattr(web.MetricsCache, "max_age", HANG)
     app = make_app(registry, lambda: holder["state"], clock.now, 15.0)
     server = HttpServer(app, "127.0.0.1", 0).start()
     try:
@@ -180,7 +184,7 @@ def test_metrics_render_once_per_state_not_per_scrape(clock):
         server.stop()
 
 
-def test_query_strings_other_than_name_share_one_rendering(clock):
+def test_query_strings_other_than_name_share_one_rendering(clock, monkeypatch):
     """issue 14: a unique query string per scrape (a cache-buster) must not cost a rendering."""
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import CollectorRegistry
@@ -196,6 +200,9 @@ def test_query_strings_other_than_name_share_one_rendering(clock):
     registry = CollectorRegistry(auto_describe=True)  # name[] needs to know which collector has which name
     registry.register(Counting())
     Counting.calls = 0
+    # A rendering is reused for a second of real time at most: the scrapes below, on a loaded
+    # machine, may take longer than that.
+    monkeypatch.setattr(web.MetricsCache, "max_age", HANG)
     state = make_state()
     server = HttpServer(make_app(registry, lambda: state, clock.now, 15.0), "127.0.0.1", 0).start()
     try:

@@ -30,10 +30,11 @@ class MetricsCache:
     samples. A rendering is reused for at most `max_age` seconds, so the sample age and the
     exporter's own process metrics stay current."""
 
-    def __init__(self, registry: CollectorRegistry, get_state: Callable[[], State], max_age: float = 1.0):
+    max_age = 1.0
+
+    def __init__(self, registry: CollectorRegistry, get_state: Callable[[], State]):
         self.registry = registry
         self.get_state = get_state
-        self.max_age = max_age
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, bool, tuple[str, ...]], tuple[State, float, bytes]] = {}
 
