@@ -16,7 +16,9 @@ and before it:
     estimates' inflation as much, and z stays 5.36.
   * mixed#2 under `GPU-test`, minute 26.5: a young series (no tooth seen yet) read through its
     medians, a warm-up's steps under a sawtooth of small teeth: a 17-minute line at z 9.82 against
-    the young bar 7.84.
+    the young bar 7.84. Fixed in round 11: the 5 s samples show the teeth (1.1 minutes), which
+    put a trough in most buckets, so no drop showed between bucket minima; such a series is now
+    read through block minima a tooth long (leak._teeth_block), not the medians that ride them.
   * mixed#14 under `GPU-test`, minute 160.5: a sawtooth read through its troughs (one minimum a
     tooth); a warm-up step of 11 MiB, then troughs that rise 2-6 MiB each (a bucket's minimum
     holds fewer samples of the tooth's lowest page at this phase); the troughs before the step
@@ -29,7 +31,7 @@ and before it:
     against the noise blind to steps, as the troughs were (the teeth, aliased by the buckets,
     inflate the noise read from second differences to 38 MiB, enough for the steps to hide).
 
-The first three are not fixed in this round: their tests are strict xfails, so fixing one turns
+The others in FOOLED are not fixed: their tests are strict xfails, so fixing one turns
 its test into a failure that asks for the mark to go. What must hold meanwhile: the same traces
 stay clean at the bench's phase, and a leak is still found at the phase that fooled the detector.
 """
@@ -49,13 +51,13 @@ from leak_corpus import T0, GiB, MiB, make_trace
 FOOLED = [
     ("warmup", 4, "GPU-test", 54.5, "an 8 MiB warm-up step straddling a bucket reads as a 9-minute line at z 5.4 "
                                     "(bar 5.2), the step model 4.7 noise variances worse; not fixed"),
-    ("mixed", 2, "GPU-test", 26.5, "a young series' warm-up steps under small teeth read as a 17-minute line "
-                                   "through the medians at z 9.8 (young bar 7.8); not fixed"),
     ("mixed", 14, "GPU-test", 160.5, "troughs after a warm-up step rise by the skew of bucket minima, their noise "
                                      "read under the floor: a 50-minute hinge at z 10; not fixed"),
 ]
 FIXED = [("mixed", 15, "GPU-c", 20.0, "a young series' warm-up steps under 1.6-minute teeth read as a 16-minute "
-                                      "line through per-minute minima at z 12 (young bar 7.8)")]
+                                      "line through per-minute minima at z 12 (young bar 7.8)"),
+         ("mixed", 2, "GPU-test", 26.5, "a young series' warm-up steps under 1.1-minute teeth read as a 17-minute "
+                                        "line through the medians at z 9.8 (young bar 7.8)")]
 IDS = [f"{f}#{s}-{u}" for f, s, u, _, _ in FOOLED]
 FIXED_IDS = [f"{f}#{s}-{u}" for f, s, u, _, _ in FIXED]
 

@@ -40,9 +40,10 @@ What is not a leak is modelled explicitly rather than waited out:
     correlation) bound the slope's error.
 One view of each series is tested: the per-minute medians, or where cycles faster than a
 minute make them jitter, the minima (over the block length that makes them quietest; a newest
-bucket an up-step fell in left out, its minimum read over part of it only), or the troughs
-under a sawtooth. The budget is shared among the series tested for one process (the
-allocator probe's parts, leak_detector.py).
+bucket an up-step fell in left out, its minimum read over part of it only; where the 5 s samples
+show teeth of a few minutes that the buckets alias and the blocks show no quieter length, over
+blocks a tooth long), or the troughs under a sawtooth. The budget is shared among the series
+tested for one process (the allocator probe's parts, leak_detector.py).
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
 pattern instead: at least `staircase_steps` up-shifts in a row at a steady pace, none much
@@ -65,7 +66,7 @@ from typing import Protocol, TypeVar
 
 from . import leak_samples
 from .history import SeriesView
-from .trend import mann_kendall, median, theil_sen, theil_sen_line
+from .trend import MAD_SIGMA, mad, mann_kendall, median, theil_sen, theil_sen_line
 from .trend_test import (
     Prefix,
     Wander,
@@ -389,8 +390,11 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # The quietest view of the level for a slope: the medians (white noise), or the minima
         # where cycles faster than a minute make the medians jitter, read over blocks of the
         # length that makes them quietest (a cycle of two or three minutes has a trough in
-        # every such block, where per-minute minima would alternate between trough and ramp).
-        block = memo.get("block", end, era, n - lo, config, lambda: _quietest_block(medians, lows, lo))
+        # every such block, where per-minute minima would alternate between trough and ramp);
+        # where the blocks show none quieter than the medians but the samples show teeth, blocks
+        # a tooth long.
+        block = memo.get("block", end, era, n - lo, config,
+                         lambda: _quietest_block(medians, lows, lo) or _teeth_block(raw, settled_from, config))
         if block == 0:
             tested = ("median", times[base:], medians[base:])
         else:
@@ -858,6 +862,12 @@ def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: L
 
 
 FLOOR_BLOCKS = (1, 2, 3, 4, 6)
+# Teeth in the 5 s samples (_sample_teeth): a fall more than this many times every rise in the
+# minute before it, this many such falls, and blocks this much longer than the typical tooth
+# (teeth vary in length) so that each holds a trough.
+FALL_OVER_RISE = 2.0
+SAMPLE_TEETH = 4
+TOOTH_JITTER = 1.25
 
 
 def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) -> int:
@@ -874,6 +884,38 @@ def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) ->
         if cost < (0.8 if b == 1 else 0.5) * best:  # longer blocks only where far quieter
             best, best_b = cost, b
     return best_b
+
+
+def _teeth_block(raw: RawSamples | None, since: float, config: LeakConfig) -> int:
+    """Where the 5 s samples since `since` show teeth of up to a few minutes, the block length
+    (minutes) that holds a trough of every tooth (0: none). Such teeth put a trough in most
+    buckets, so the bucket minima show no drop between them, and the medians ride them, aliased
+    into noise that hides a warm-up's steps (mixed#2 at +30 s, mixed#3003 at +50 s: a young
+    series' steps under teeth of 1-3 minutes read through the medians as a line at z 8-10 in
+    30-45 MiB of such noise). Not read where the blocks measured show a quieter length: blocks
+    a tooth long then hold so few points in a young series that a warm-up's steps pass for a
+    line (mixed#26, three phases)."""
+    period = _sample_teeth(raw(since), config) if raw is not None else None
+    if period is None:
+        return 0
+    return next((b for b in FLOOR_BLOCKS if 60 * b >= TOOTH_JITTER * period), 0)
+
+
+def _sample_teeth(samples: SeriesView, config: LeakConfig) -> float | None:
+    """The typical period (s) of a sawtooth in the samples, or None: falls of at least a drop
+    (min_drop_bytes, or drop_noise_factor x the noise of the samples' differences), each more
+    than FALL_OVER_RISE x every rise in the minute before it (a cache grows in segments and is
+    freed at once; a one-sample transient rises as far as it falls), SAMPLE_TEETH of them at
+    gaps of up to max_tooth_seconds."""
+    ts, vs = samples.times, samples.values
+    if len(vs) < 3:
+        return None
+    steps = [b - a for a, b in itertools.pairwise(vs)]
+    size = max(config.min_drop_bytes, config.drop_noise_factor * MAD_SIGMA * mad(steps))
+    falls = [ts[k + 1] for k, d in enumerate(steps) if -d >= size and
+             -d > FALL_OVER_RISE * max(steps[bisect.bisect_left(ts, ts[k] - 60):k], default=0.0)]
+    gaps = [b - a for a, b in itertools.pairwise(falls) if b - a <= config.max_tooth_seconds]
+    return median(gaps) if len(gaps) >= SAMPLE_TEETH - 1 else None
 
 
 def _block_floor(times: Sequence[float], lows: Sequence[float], base: int,

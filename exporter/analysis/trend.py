@@ -33,8 +33,11 @@ def median(values: Sequence[float]) -> float:
     return (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
+MAD_SIGMA = 1.4826  # MAD -> sigma for a normal distribution
+
+
 def mad(values: Sequence[float]) -> float:
-    """Median absolute deviation (unscaled); multiply by 1.4826 for a normal sigma."""
+    """Median absolute deviation (unscaled); multiply by MAD_SIGMA for a normal sigma."""
     centre = median(values)
     return median([abs(v - centre) for v in values])
 

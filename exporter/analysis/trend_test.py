@@ -39,9 +39,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from statistics import NormalDist
 
-from .trend import median
+from .trend import MAD_SIGMA, mad
 
-_MAD_SIGMA = 1.4826  # MAD -> sigma for a normal distribution
 _SQRT6 = math.sqrt(6.0)  # a second difference of white noise has deviation sqrt(6) sigma
 
 
@@ -53,9 +52,7 @@ def robust_sigma(values: Sequence[float], min_sigma: float = 0.0) -> float:
         return min_sigma
     d2 = list(map(operator.sub, map(operator.sub, values[2:], values[1:-1]),
                   map(operator.sub, values[1:-1], values[:-2])))
-    centre = median(d2)
-    spread = median([abs(d - centre) for d in d2])
-    return max(min_sigma, _MAD_SIGMA * spread / _SQRT6)
+    return max(min_sigma, MAD_SIGMA * mad(d2) / _SQRT6)
 
 
 def threshold_z(false_alarms_per_day: float, tests_per_day: float) -> float:
@@ -161,8 +158,7 @@ def kappas(prefix: Prefix, start: int, sigma1: float, scales: Sequence[int],
         means = [(sy[e] - sy[e - b]) / b for e in ends]
         step = b // stride  # blocks apart that are adjacent
         d2 = [means[k] - 2 * means[k + step] + means[k + 2 * step] for k in range(len(means) - 2 * step)]
-        centre = median(d2)
-        sb = _MAD_SIGMA * median([abs(d - centre) for d in d2]) / _SQRT6
+        sb = MAD_SIGMA * mad(d2) / _SQRT6
         out.append((b, max(1.0, b * sb * sb / (sigma1 * sigma1))))
     return out
 
@@ -229,8 +225,7 @@ def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
         # differences must be many more than that for their MAD to pass over it.
         if len(d2) < max(min_differences, 8 * k):
             break
-        centre = median(d2)
-        v = (_MAD_SIGMA * median([abs(d - centre) for d in d2])) ** 2
+        v = (MAD_SIGMA * mad(d2)) ** 2
         observed.append((k, v))
     if len(observed) < 2 or observed[0][1] <= 0:
         return None

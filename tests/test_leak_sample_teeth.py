@@ -1,0 +1,58 @@
+"""Teeth the minute buckets cannot show, read from the 5 s samples (leak._sample_teeth).
+
+A sawtooth of about a minute's teeth puts a trough in most minute buckets, so the bucket minima
+show no drop between them, and its teeth alias into the medians as noise: a young warm-up's steps
+under such teeth read through the medians as a line (mixed#2 under GPU-test at +30 s, mixed#3003
+under GPU-b at +50 s, false alerts at minutes 26.5 and 58.8; tests/test_leak_phase.py and
+tests/test_leak_untuned.py replay them). The samples show the teeth plainly:
+falls of a drop's size, each far larger than every rise in the minute before it."""
+import math
+import random
+
+import pytest
+
+from exporter.analysis.history import SeriesView
+from exporter.analysis.leak import DEFAULT_CONFIG, _sample_teeth
+
+MiB = 1 << 20
+PAGE = 2 * MiB  # NVML reports whole pages
+T0 = 1_700_000_000
+
+
+def samples(shape, minutes=30, noise=4 * MiB, seed=0, spikes=0.0) -> SeriesView:
+    """Every 5 s for `minutes`: 60 GiB plus shape(t), white noise, one-sample spikes of 64 MiB-1 GiB
+    with probability `spikes`, whole 2 MiB pages."""
+    rng = random.Random(seed)
+    times, values = [], []
+    for k in range(minutes * 12):
+        t = 5.0 * k
+        v = 60 * 1024 * MiB + shape(t) + rng.gauss(0, noise)
+        if rng.random() < spikes:
+            v += rng.uniform(64 * MiB, 1024 * MiB)
+        times.append(T0 + t)
+        values.append(float(int(v // PAGE) * PAGE))
+    return SeriesView(tuple(times), tuple(values))
+
+
+def teeth(period, height=300 * MiB):
+    """A cache growing in 20 MiB segments over `period` seconds, then freed."""
+    return lambda t: math.floor(height * (t % period) / period / (20 * MiB)) * 20 * MiB
+
+
+@pytest.mark.parametrize("period", [66, 150, 400])
+def test_a_sawtooth_in_the_samples_is_seen_with_its_period(period):
+    found = _sample_teeth(samples(teeth(period)), DEFAULT_CONFIG)
+    assert found == pytest.approx(period, abs=5)
+
+
+@pytest.mark.parametrize("name, view", [
+    ("white noise", samples(lambda t: 0.0, noise=24 * MiB)),
+    ("noise with one-sample transients", samples(lambda t: 0.0, minutes=60, noise=16 * MiB, spikes=0.01)),
+    ("a warm-up's steps", samples(lambda t: sum(s for a, s in ((60, 300 * MiB), (300, 150 * MiB), (900, 80 * MiB))
+                                                   if t >= a))),
+    ("a leak", samples(lambda t: 4 * MiB * t / 60)),
+    ("teeth too long for the buckets to miss", samples(teeth(1200), minutes=90)),
+])
+def test_no_sawtooth_where_the_samples_show_none(name, view):
+    assert _sample_teeth(view, DEFAULT_CONFIG) is None, name
+
