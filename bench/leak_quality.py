@@ -602,7 +602,7 @@ def main(argv=None) -> int:
 
     rule, _ = best_zero_false(outcomes, tuned_rules())
     print(f"# Leak detection near the limit\n\n{len(outcomes)} traces ({args.seeds} per family), 6 h each "
-          f"at 5 s; {elapsed:.0f} s on {args.workers} workers. Trees: "
+          f"at 5 s; {elapsed:.0f} s on {args.workers} worker{'s' if args.workers != 1 else ''}. Trees: "
           + ", ".join(f"{names[c]} ({c})" for c in codes) + ".")
     print(f"Best zero-false-alert PromQL rule over the traces run: `{rule.text if rule else 'none'}`.\n")
     new, old = codes[0], codes[1] if len(codes) > 1 else None

@@ -47,7 +47,7 @@ from helpers.leak_replay import episodes
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from leak_corpus import T0, GiB, MiB, make_trace
 
-# (family, seed, GPU UUID, the minute 66fad3c raised its false alert, why it is not fixed)
+# (family, seed, GPU UUID, the minute 66fad3c raised its false alert, what fooled it)
 FOOLED = [
     ("warmup", 4, "GPU-test", 54.5, "an 8 MiB warm-up step straddling a bucket reads as a 9-minute line at z 5.4 "
                                     "(bar 5.2), the step model 4.7 noise variances worse; not fixed"),

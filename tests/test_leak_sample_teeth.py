@@ -12,23 +12,23 @@ import random
 import pytest
 
 from exporter.analysis.history import SeriesView
-from exporter.analysis.leak import DEFAULT_CONFIG, _sample_teeth
+from exporter.analysis.leak import DEFAULT_CONFIG, _sample_teeth, _teeth_block
 
 MiB = 1 << 20
 PAGE = 2 * MiB  # NVML reports whole pages
 T0 = 1_700_000_000
 
 
-def samples(shape, minutes=30, noise=4 * MiB, seed=0, spikes=0.0) -> SeriesView:
-    """Every 5 s for `minutes`: 60 GiB plus shape(t), white noise, one-sample spikes of 64 MiB-1 GiB
-    with probability `spikes`, whole 2 MiB pages."""
+def samples(shape, minutes=30, noise=4 * MiB, seed=0, spikes=0.0, sign=1) -> SeriesView:
+    """Every 5 s for `minutes`: 60 GiB plus shape(t), white noise, one-sample transients of 64 MiB-1 GiB
+    (up, or down with sign -1) with probability `spikes`, whole 2 MiB pages."""
     rng = random.Random(seed)
     times, values = [], []
     for k in range(minutes * 12):
         t = 5.0 * k
         v = 60 * 1024 * MiB + shape(t) + rng.gauss(0, noise)
         if rng.random() < spikes:
-            v += rng.uniform(64 * MiB, 1024 * MiB)
+            v += sign * rng.uniform(64 * MiB, 1024 * MiB)
         times.append(T0 + t)
         values.append(float(int(v // PAGE) * PAGE))
     return SeriesView(tuple(times), tuple(values))
@@ -47,7 +47,8 @@ def test_a_sawtooth_in_the_samples_is_seen_with_its_period(period):
 
 @pytest.mark.parametrize("name, view", [
     ("white noise", samples(lambda t: 0.0, noise=24 * MiB)),
-    ("noise with one-sample transients", samples(lambda t: 0.0, minutes=60, noise=16 * MiB, spikes=0.01)),
+    ("noise with one-sample spikes", samples(lambda t: 0.0, minutes=60, noise=16 * MiB, spikes=0.01)),
+    ("noise with one-sample dips", samples(lambda t: 0.0, minutes=60, noise=16 * MiB, spikes=0.01, sign=-1)),
     ("a warm-up's steps", samples(lambda t: sum(s for a, s in ((60, 300 * MiB), (300, 150 * MiB), (900, 80 * MiB))
                                                    if t >= a))),
     ("a leak", samples(lambda t: 4 * MiB * t / 60)),
@@ -56,3 +57,11 @@ def test_a_sawtooth_in_the_samples_is_seen_with_its_period(period):
 def test_no_sawtooth_where_the_samples_show_none(name, view):
     assert _sample_teeth(view, DEFAULT_CONFIG) is None, name
 
+
+@pytest.mark.parametrize("period, block", [(66, 2), (150, 4), (280, 6), (300, 0), (600, 0)])
+def test_the_block_holds_a_trough_of_every_tooth_and_longer_teeth_are_left_to_the_troughs(period, block):
+    """Teeth vary by a fifth either way: a block of 1.25 teeth, in whole minutes, holds a trough
+    of each. Teeth longer than the longest block allows show as drops between bucket minima."""
+    view = samples(teeth(period), minutes=60)
+    assert _teeth_block(lambda since=None: view, T0, DEFAULT_CONFIG) == block
+    assert _teeth_block(None, T0, DEFAULT_CONFIG) == 0  # no raw samples kept: the medians

@@ -41,8 +41,8 @@ What is not a leak is modelled explicitly rather than waited out:
 One view of each series is tested: the per-minute medians, or where cycles faster than a
 minute make them jitter, the minima (over the block length that makes them quietest; a newest
 bucket an up-step fell in left out, its minimum read over part of it only; where the 5 s samples
-show teeth of a few minutes that the buckets alias and the blocks show no quieter length, over
-blocks a tooth long), or the troughs under a sawtooth. The budget is shared among the series
+show teeth of up to a few minutes that the buckets alias and the blocks show no quieter length,
+over blocks that hold a trough of every tooth), or the troughs under a sawtooth. The budget is shared among the series
 tested for one process (the allocator probe's parts, leak_detector.py).
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
@@ -362,8 +362,9 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
             raw: RawSamples | None = None) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
     memo, of the noise measured on them up to noise_refresh_seconds before; with `raw`, which
-    returns the same series' raw samples, of those where a leak's first minutes are in doubt),
-    so a caller may keep it for as long as it holds the same SeriesView."""
+    returns the same series' raw samples, of those where a leak's first minutes are in doubt,
+    and of the teeth they show, which may choose the view tested, measured with the noise), so
+    a caller may keep it for as long as it holds the same SeriesView."""
     memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
@@ -863,8 +864,8 @@ def _staircase(times: Sequence[float], steps: list[tuple[int, float]], config: L
 
 FLOOR_BLOCKS = (1, 2, 3, 4, 6)
 # Teeth in the 5 s samples (_sample_teeth): a fall more than this many times every rise in the
-# minute before it, this many such falls, and blocks this much longer than the typical tooth
-# (teeth vary in length) so that each holds a trough.
+# minute on either side of it, this many such falls, and blocks this much longer than the
+# typical tooth (teeth vary in length) so that each holds a trough.
 FALL_OVER_RISE = 2.0
 SAMPLE_TEETH = 4
 TOOTH_JITTER = 1.25
@@ -888,13 +889,14 @@ def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) ->
 
 def _teeth_block(raw: RawSamples | None, since: float, config: LeakConfig) -> int:
     """Where the 5 s samples since `since` show teeth of up to a few minutes, the block length
-    (minutes) that holds a trough of every tooth (0: none). Such teeth put a trough in most
-    buckets, so the bucket minima show no drop between them, and the medians ride them, aliased
-    into noise that hides a warm-up's steps (mixed#2 at +30 s, mixed#3003 at +50 s: a young
-    series' steps under teeth of 1-3 minutes read through the medians as a line at z 8-10 in
-    30-45 MiB of such noise). Not read where the blocks measured show a quieter length: blocks
-    a tooth long then hold so few points in a young series that a warm-up's steps pass for a
-    line (mixed#26, three phases)."""
+    (minutes) that holds a trough of every tooth: TOOTH_JITTER teeth, in whole minutes, at most
+    the longest of FLOOR_BLOCKS (0: no such teeth). Such teeth put a trough in most buckets, so
+    the bucket minima show no drop between them, and the medians ride them, aliased into noise
+    that hides a warm-up's steps (bench/README.md, round 11: steps under teeth of 1-3 minutes
+    read as a line at z 8-10 in 30-45 MiB of that noise). Longer teeth show as drops between
+    bucket minima and are read through their troughs. The caller asks only where the blocks
+    measured show no length quieter than the medians: blocks a tooth long then hold so few points
+    in a young series that a warm-up's steps pass for a line (round 11)."""
     period = _sample_teeth(raw(since), config) if raw is not None else None
     if period is None:
         return 0
@@ -904,16 +906,21 @@ def _teeth_block(raw: RawSamples | None, since: float, config: LeakConfig) -> in
 def _sample_teeth(samples: SeriesView, config: LeakConfig) -> float | None:
     """The typical period (s) of a sawtooth in the samples, or None: falls of at least a drop
     (min_drop_bytes, or drop_noise_factor x the noise of the samples' differences), each more
-    than FALL_OVER_RISE x every rise in the minute before it (a cache grows in segments and is
-    freed at once; a one-sample transient rises as far as it falls), SAMPLE_TEETH of them at
-    gaps of up to max_tooth_seconds."""
+    than FALL_OVER_RISE x every rise in the minute on either side of it (a cache grows in
+    segments and is freed at once; a one-sample transient, up or down, rises as far as it
+    falls), SAMPLE_TEETH of them at gaps of up to max_tooth_seconds."""
     ts, vs = samples.times, samples.values
     if len(vs) < 3:
         return None
     steps = [b - a for a, b in itertools.pairwise(vs)]
     size = max(config.min_drop_bytes, config.drop_noise_factor * MAD_SIGMA * mad(steps))
-    falls = [ts[k + 1] for k, d in enumerate(steps) if -d >= size and
-             -d > FALL_OVER_RISE * max(steps[bisect.bisect_left(ts, ts[k] - 60):k], default=0.0)]
+    falls = []
+    for k, d in enumerate(steps):  # steps[k] is the change from sample k to k + 1
+        if -d >= size:
+            around = steps[bisect.bisect_left(ts, ts[k] - 60):k] + \
+                steps[k + 1:bisect.bisect_right(ts, ts[k + 1] + 60) - 1]
+            if -d > FALL_OVER_RISE * max(around, default=0.0):
+                falls.append(ts[k + 1])
     gaps = [b - a for a, b in itertools.pairwise(falls) if b - a <= config.max_tooth_seconds]
     return median(gaps) if len(gaps) >= SAMPLE_TEETH - 1 else None
 
