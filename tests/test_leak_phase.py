@@ -18,7 +18,8 @@ and before it:
     medians, a warm-up's steps under a sawtooth of small teeth: a 17-minute line at z 9.82 against
     the young bar 7.84. Fixed in round 11: the 5 s samples show the teeth (1.1 minutes), which
     put a trough in most buckets, so no drop showed between bucket minima; such a series is now
-    read through block minima a tooth long (leak._teeth_block), not the medians that ride them.
+    read through minima over blocks that hold a trough of every tooth (leak._teeth_block), not
+    the medians that ride them.
   * mixed#14 under `GPU-test`, minute 160.5: a sawtooth read through its troughs (one minimum a
     tooth); a warm-up step of 11 MiB, then troughs that rise 2-6 MiB each (a bucket's minimum
     holds fewer samples of the tooth's lowest page at this phase); the troughs before the step

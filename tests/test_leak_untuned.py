@@ -46,7 +46,8 @@ And one that rounds 8-10 left (round 11 fixed it), on seeds 3000-3031:
   * mixed#3003 under GPU-b (+50 s): a young series' warm-up steps under teeth of 1-3 minutes,
     which put a trough in most minute buckets (no drop between bucket minima), read through the
     medians that ride them, in 43 MiB of aliased noise: a line at z 8-10 (young bar 8.0). The 5 s
-    samples show the teeth; the series is now read through block minima a tooth long.
+    samples show the teeth; the series is now read through minima over blocks that hold a trough
+    of every tooth.
 """
 import sys
 from pathlib import Path

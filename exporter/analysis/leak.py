@@ -393,7 +393,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # length that makes them quietest (a cycle of two or three minutes has a trough in
         # every such block, where per-minute minima would alternate between trough and ramp);
         # where the blocks show none quieter than the medians but the samples show teeth, blocks
-        # a tooth long.
+        # that hold a trough of every tooth.
         block = memo.get("block", end, era, n - lo, config,
                          lambda: _quietest_block(medians, lows, lo) or _teeth_block(raw, settled_from, config))
         if block == 0:
