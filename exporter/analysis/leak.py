@@ -42,8 +42,8 @@ One view of each series is tested: the per-minute medians, or where cycles faste
 minute make them jitter, the minima (over the block length that makes them quietest; a newest
 bucket an up-step fell in left out, its minimum read over part of it only; where the 5 s samples
 show teeth of up to a few minutes that the buckets alias and the blocks show no quieter length,
-over blocks that hold a trough of every tooth), or the troughs under a sawtooth. The budget is shared among the series
-tested for one process (the allocator probe's parts, leak_detector.py).
+over blocks that hold a trough of every tooth), or the troughs under a sawtooth. The budget is
+shared among the series tested for one process (the allocator probe's parts, leak_detector.py).
 
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
 pattern instead: at least `staircase_steps` up-shifts in a row at a steady pace, none much
@@ -889,7 +889,7 @@ def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) ->
 
 def _teeth_block(raw: RawSamples | None, since: float, config: LeakConfig) -> int:
     """Where the 5 s samples since `since` show teeth of up to a few minutes, the block length
-    (minutes) that holds a trough of every tooth: TOOTH_JITTER teeth, in whole minutes, at most
+    (minutes) that holds a trough of every tooth: TOOTH_JITTER periods, in whole minutes, at most
     the longest of FLOOR_BLOCKS (0: no such teeth). Such teeth put a trough in most buckets, so
     the bucket minima show no drop between them, and the medians ride them, aliased into noise
     that hides a warm-up's steps (bench/README.md, round 11: steps under teeth of 1-3 minutes
