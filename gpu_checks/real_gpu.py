@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,6 +89,20 @@ def start() -> dict:
     state = {"leaker_pid": leaker.pid, "daemon_pid": daemon.pid, "started": time.time()}
     STATE.write_text(json.dumps(state))
     return state
+
+
+def stop() -> dict:
+    """Ends what `start` started, so that a later step sees only its own processes."""
+    state = json.loads(STATE.read_text())
+    ended = {}
+    for name in ("leaker_pid", "daemon_pid"):
+        try:
+            os.killpg(state[name], signal.SIGTERM)
+            ended[name] = state[name]
+        except ProcessLookupError:
+            pass
+    STATE.unlink()
+    return {"ended": ended}
 
 
 def check(expect_leak: bool, watch_seconds: float) -> dict:
@@ -419,7 +434,7 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", choices=["nvml", "start", "check", "probe", "nvml-cost"], default="nvml")
+    ap.add_argument("what", nargs="?", choices=["nvml", "start", "check", "stop", "probe", "nvml-cost"], default="nvml")
     ap.add_argument("--expect-leak", action="store_true", help="check: fail without a leak finding")
     ap.add_argument("--watch", type=float, default=0, metavar="SECONDS",
                     help="check: first record the leaker's exported series every 5 s for this long")
@@ -431,11 +446,11 @@ def main() -> None:
                     help="probe: extra argument for `gpu-memory-exporter run` (repeat); the daemon is "
                          "given a config file naming the probes' directory")
     args = ap.parse_args()
-    if args.what == "check" and not STATE.exists():
+    if args.what in ("check", "stop") and not STATE.exists():
         ap.error(f"no {STATE}: run `start` first")
     what = args.what
     OUT.mkdir(parents=True, exist_ok=True)
-    result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak, args.watch),
+    result = {"nvml": nvml, "start": start, "check": lambda: check(args.expect_leak, args.watch), "stop": stop,
               "probe": lambda: probe(args.steps, args.step_mib, args.pause, args.port, args.daemon_arg),
               "nvml-cost": lambda: nvml_cost(4, 200)}[what]()
     (OUT / f"gpu-check-{what}.json").write_text(json.dumps(result, indent=1, default=str))
