@@ -323,7 +323,10 @@ def make_trace(family: str, seed: int) -> Trace:
             alloc = max(0.0, base - non_torch + leak_alloc + rng.gauss(0, act_sigma))
             res = alloc + max(0.0, (tooth[0](t - lag) if tooth else 0.0) + e + 64 * MiB)
             allocated.append(int(alloc))
-            reserved.append(int(min(res, v)))
+            # Up to one interval older than NVML's figure, as a real probe's: once the cache has
+            # shrunk, reserved may exceed NVML used, and that sample has no non-torch figure
+            # (ProcessSample.non_torch_bytes). Clipped to used, it read as non-torch 0.
+            reserved.append(int(res))
     trace = Trace(f"{family}#{seed}", family, times, values, rate, "staircase" if stair else "linear",
                   None if rate is None else T0 + onset, full_at, stair_interval=stair,
                   spec=(family, seed))

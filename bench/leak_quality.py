@@ -657,8 +657,9 @@ def main(argv=None) -> int:
         print(phase_table(fams, outcomes, codes, names, uuids, per_phase))
     if probed:
         print("\n## The allocator probe's signal (same traces, with and without the probe's numbers)\n")
-        print("| family | tree | delay without probe | with probe | caught without / with |")
-        print("|---|---|---|---|---|")
+        print("| family | tree | delay without probe | with probe | with probe ÷ NVML limit | caught without / with "
+              "| false without / with |")
+        print("|---|---|---|---|---|---|---|")
         for fam in fams:
             group = [o for o in outcomes if o.family == fam.name and (codes[0], "probe") in o.episodes]
             if not group:
@@ -666,8 +667,11 @@ def main(argv=None) -> int:
             for c in codes:
                 a = summary(group, c)
                 b = summary(group, (c, "probe"))
+                ratio = median_over_limit(group, (c, "probe"))
                 print(f"| {fam.name} | {names[c]} | {_min(a['median_delay'])} | {_min(b['median_delay'])} | "
-                      f"{a['caught']}/{a['leaks']} / {b['caught']}/{b['leaks']} |")
+                      f"{'–' if ratio is None else f'{ratio:.2f}x'} | {a['caught']}/{a['leaks']} / "
+                      f"{b['caught']}/{b['leaks']} | {a['false_traces']}/{a['traces']} / "
+                      f"{b['false_traces']}/{b['traces']} |")
     if reals:
         print("\n## Real series (../shared/real-traces), through the whole analysis\n")
         print("| series | label | length | " + " | ".join(f"{names[c]}: leak findings" for c in codes)
@@ -698,6 +702,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump([{"name": o.name, "family": o.family, "leak_rate": o.leak_rate, "leak_start": o.leak_start,
                         "limit": o.limit, **{names[c]: o.episodes[c] for c in codes},
+                        **{f"{names[c]} with probe": o.episodes[(c, "probe")] for c in codes
+                           if (c, "probe") in o.episodes},
                         "phases": {u: {names[c]: per_phase.get(u, {}).get(c, {}).get(k) for c in codes} for u in uuids}}
                        for k, o in enumerate(outcomes)], f, indent=1)
     return 0
