@@ -648,7 +648,7 @@ def main(argv=None) -> int:
     for c in codes:
         ds = [first_catch(o, c) for o in slow]
         within = sum(1 for d in ds if d is not None and d <= 1800)
-        print(f"- 1 MiB/min leaks found within 30 min, {names[c]}: {within}/{len(ds)}.")
+        print(f"- 1 MiB/min leaks found within 30 min on NVML's figure, {names[c]}: {within}/{len(ds)}.")
     if free:
         for u in uuids:
             for c in codes:

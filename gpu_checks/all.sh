@@ -22,7 +22,8 @@ timeout 60 python3 gpu_checks/real_gpu.py start || failed="$failed start"
 timeout 60 python3 gpu_checks/real_gpu.py nvml || failed="$failed nvml"
 timeout 240 python3 gpu_checks/real_gpu.py probe || failed="$failed probe"
 left=$(( RUN_SECONDS - ($(date +%s) - began) ))
-timeout $(( left + 60 )) python3 gpu_checks/real_gpu.py check --watch $(( left > 0 ? left : 0 )) || failed="$failed check"
+left=$(( left > 0 ? left : 0 ))
+timeout $(( left + 60 )) python3 gpu_checks/real_gpu.py check --watch $left || failed="$failed check"
 cp /tmp/gpumem-daemon.log "$OUT/" 2>/dev/null
 timeout 30 python3 gpu_checks/real_gpu.py stop || failed="$failed stop"
 # Last, with the leaker gone: the PyTorch processes it starts are then the GPU's only ones.

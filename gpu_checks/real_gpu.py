@@ -3,6 +3,7 @@
     python gpu_checks/real_gpu.py nvml            # real NVML through the exporter's source
     python gpu_checks/real_gpu.py start           # leave a leaking PyTorch process and the daemon running
     python gpu_checks/real_gpu.py check [--expect-leak]   # what the daemon reports about them
+    python gpu_checks/real_gpu.py stop            # end the leaker and the daemon `start` left running
     python gpu_checks/real_gpu.py probe           # the allocator probe's components, end to end
     python gpu_checks/real_gpu.py nvml-cost       # the NVML source's CPU per tick, real beside simulated
 
@@ -101,8 +102,23 @@ def stop() -> dict:
             ended[name] = state[name]
         except ProcessLookupError:
             pass
+    # Gone, not just told: the next step counts the GPU's processes. (Not our children: polled.)
+    deadline = time.time() + 20
+    while time.time() < deadline and any(_alive(pid) for pid in ended.values()):
+        time.sleep(0.2)
+    left = [pid for pid in ended.values() if _alive(pid)]
+    for pid in left:
+        os.killpg(pid, signal.SIGKILL)
     STATE.unlink()
-    return {"ended": ended}
+    return {"ended": ended, "killed": left}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def check(expect_leak: bool, watch_seconds: float) -> dict:
@@ -159,9 +175,17 @@ def nvml_cost(processes: int, ticks: int) -> dict:
         for h in holders:
             assert h.stdout is not None and h.stdout.readline().strip() == "ready", "a PyTorch process did not start"
         clock = FixedClock(float(int(time.time())), at=600.0)
+        pynvml.nvmlInit()  # the real GPU's name and size, for the simulated one
+        try:
+            gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(gpu)
+            name = name.decode() if isinstance(name, bytes) else name
+            mib = pynvml.nvmlDeviceGetMemoryInfo(gpu).total >> 20
+        finally:
+            pynvml.nvmlShutdown()
         fake_nvml.configure(from_dict({
             "name": "nvml-cost", "description": "the real GPU's processes", "duration": "1h",
-            "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory": "81559MiB", "reserved": "527MiB"}],
+            "gpus": [{"name": name, "memory": f"{mib}MiB", "reserved": "527MiB"}],
             "host": {"memory": "128GiB"},
             "processes": [{"pid": h.pid, "name": "python3", "gpu": 0, "memory": "1GiB"} for h in holders]}), clock)
         out = {}
