@@ -61,7 +61,8 @@ if TYPE_CHECKING:
 
 MIB = 1 << 20
 # What a new process's CUDA context holds before it allocates anything (gpu_checks/ measured 610
-# MiB on an H100 with driver 580; smaller cards hold less): room a restarted server needs at once.
+# MiB on an H100 and on an H200 with driver 580; smaller cards hold less): room a restarted
+# server needs at once.
 CUDA_CONTEXT_BYTES = 640 * MIB
 
 Evidence = list[tuple[str, float | int | str]]
