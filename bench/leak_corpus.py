@@ -6,7 +6,8 @@ Every trace is 6 h of 5 s samples on an 80 GiB card. It starts with a vLLM start
 context, weights in shards, the profiling run's peak, KV cache preallocation, CUDA graph
 capture); then the family's normal shape; then, in the leak families, a leak from a random
 moment. NVML reports whole 2 MiB pages. The probed families also carry what the allocator probe
-would read (torch allocated and reserved, every 5 s), with the leak in one component.
+would read (torch allocated and reserved, every 5 s), with the leak, where there is one, in one
+component.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ FAMILIES = (
     Family("probed_leak_under_sawtooth", "1 MiB/min outside torch under the cache's cycles (probed)", True,
            (1.0,)),
     Family("probed_slow_leak", "1 MiB/min in torch allocated, the cache breathing (probed)", True, (1.0,)),
+    Family("probed_sawtooth", "the cache's cycles of 256 MiB-2 GiB, nothing leaking (probed)", False),
+    Family("probed_mixed", "warm-up, a small sawtooth and a step, nothing leaking (probed)", False),
 )
 FAMILY = {f.name: f for f in FAMILIES}
 
@@ -259,6 +262,8 @@ def make_trace(family: str, seed: int) -> Trace:
         background = "level_shifts"
     elif family == "noisy_leak":
         background = "noisy"
+    elif family == "probed_mixed":
+        background = "mixed"
     if background == "warmup":
         parts.append(warming(rng, traffic))
     elif background == "sawtooth" or "sawtooth" in family:
