@@ -6,9 +6,9 @@ and the PromQL rules people write instead, and at what cost per tick?
 
 The corpus (bench/leak_corpus.py) is one family per shape real vLLM memory takes: start-up,
 warm-up plateaus, allocator sawtooth, level shifts (a second model, a sleep and wake), noise
-that wanders, heavy noise; and leaks: slow, fast, late, in steps, under a sawtooth, after a
-level shift, in heavy noise, and two where the allocator probe reports on the process. Each
-trace is 6 h of 5 s samples.
+that wanders, heavy noise, and two where the allocator probe reports on the process; and leaks:
+slow, fast, late, in steps, under a sawtooth, after a level shift, in heavy noise, and two where
+the allocator probe reports on the process. Each trace is 6 h of 5 s samples.
 
 For every family it prints, side by side from one run:
   * the statistical limit: how long after the onset a least-squares slope over the samples
@@ -19,7 +19,8 @@ For every family it prints, side by side from one run:
     LeakDetector.detect with its latch): false alerts, leaks caught, median delay;
   * the best zero-false-alert PromQL rule (picked with hindsight over the whole corpus, a
     generous baseline): its delay and false alerts per family.
-Probed families run twice per tree, with and without the probe's numbers: the gain.
+Probed families run twice per tree, with and without the probe's numbers: the gain. With the
+probe's numbers they run at the bench's own bucket phase only.
 With ../shared/real-traces beside the checkout, every real series is replayed through the
 whole analysis (`analyze`'s replay): the leak-free ones must raise no leak, and a 4 MiB/min leak
 laid over each long one must be caught (first finding per tree).
@@ -673,10 +674,10 @@ def main(argv=None) -> int:
                 a = summary(group, c)
                 b = summary(group, (c, "probe"))
                 ratio = median_over_limit(group, (c, "probe"))
+                caught = f"{a['caught']}/{a['leaks']} / {b['caught']}/{b['leaks']}" if fam.leak else "–"
                 print(f"| {fam.name} | {names[c]} | {_min(a['median_delay'])} | {_min(b['median_delay'])} | "
-                      f"{'–' if ratio is None else f'{ratio:.2f}x'} | {a['caught']}/{a['leaks']} / "
-                      f"{b['caught']}/{b['leaks']} | {a['false_traces']}/{a['traces']} / "
-                      f"{b['false_traces']}/{b['traces']} |")
+                      f"{'–' if ratio is None else f'{ratio:.2f}x'} | {caught} | "
+                      f"{a['false_traces']}/{a['traces']} / {b['false_traces']}/{b['traces']} |")
     if reals:
         print("\n## Real series (../shared/real-traces), through the whole analysis\n")
         print("| series | label | length | " + " | ".join(f"{names[c]}: leak findings" for c in codes)

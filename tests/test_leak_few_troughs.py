@@ -28,4 +28,3 @@ def test_a_slow_leak_under_long_teeth_is_tested_from_six_troughs(seed, within, b
     assert all(m >= onset for m in found), f"a finding before the leak began: {found}"
     delay = found[0] - onset if found else None
     assert delay is not None and delay <= within, (trace.name, delay, f"cf21d1a: {before} min")
-

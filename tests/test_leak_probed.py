@@ -20,7 +20,7 @@ from leak_corpus import T0, make_trace
 # seed 0 took 48 min too: it is the one that guards round 12; seed 6 took 9.9 min either way)
 @pytest.mark.parametrize("seed,within", [(0, 20), (6, 20)])
 def test_a_slow_leak_outside_torch_under_the_cache_s_cycles_is_found_sooner_with_the_probe(seed, within):
-    # 1 MiB/min outside torch (NCCL, CUDA graphs) under teeth of 64-512 MiB. The probe reads
+    # 1 MiB/min outside torch (NCCL, CUDA graphs) under teeth of 256 MiB-2 GiB. The probe reads
     # reserved up to a sample before NVML reads used, so non-torch (used - reserved) jumps by a
     # 20 MiB segment where the cache grew in between, and has no figure where it shrank past it.
     trace = make_trace("probed_leak_under_sawtooth", seed)
@@ -35,7 +35,8 @@ def test_a_slow_leak_outside_torch_under_the_cache_s_cycles_is_found_sooner_with
 @pytest.mark.parametrize("family,seed", [("probed_sawtooth", 0), ("probed_sawtooth", 1), ("probed_mixed", 0),
                                          ("probed_mixed", 1)])
 def test_leak_free_probed_traces_raise_nothing_with_the_probe_s_numbers(family, seed):
-    # A warm-up's steps land in torch allocated; the cache's cycles in reserved, read late, put
-    # segment-sized jumps and missing samples in non-torch.
+    # probed_sawtooth: the cache's cycles in reserved, read late, put segment-sized jumps in
+    # non-torch, and no figure at all where a tooth's fall exceeds what is outside torch.
+    # probed_mixed: a warm-up's steps in torch allocated, under smaller teeth.
     trace = make_trace(family, seed)
     assert episodes(trace.times, trace.values, allocated=trace.allocated, reserved=trace.reserved) == []
