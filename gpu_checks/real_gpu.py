@@ -108,7 +108,10 @@ def stop() -> dict:
         time.sleep(0.2)
     left = [pid for pid in ended.values() if _alive(pid)]
     for pid in left:
-        os.killpg(pid, signal.SIGKILL)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone since
     STATE.unlink()
     return {"ended": ended, "killed": left}
 
