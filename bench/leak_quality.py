@@ -19,8 +19,8 @@ For every family it prints, side by side from one run:
     LeakDetector.detect with its latch): false alerts, leaks caught, median delay;
   * the best zero-false-alert PromQL rule (picked with hindsight over the whole corpus, a
     generous baseline): its delay and false alerts per family.
-Probed families run twice per tree, with and without the probe's numbers: the gain. With the
-probe's numbers they run at the bench's own bucket phase only.
+Probed families run twice per tree, with and without the probe's numbers: the gain; with them
+also at the other bucket phases where the trace is replayed at every phase.
 With ../shared/real-traces beside the checkout, every real series is replayed through the
 whole analysis (`analyze`'s replay): the leak-free ones must raise no leak, and a 4 MiB/min leak
 laid over each long one must be caught (first finding per tree).
@@ -572,6 +572,9 @@ def main(argv=None) -> int:
         requests[i]["uuid"] = uuids[0]
     phased = [(i, u) for u in uuids[1:] for i in free]
     requests += [{"op": "replay", "spec": list(specs[i]), "probe": False, "uuid": u} for i, u in phased]
+    # The probed traces with the probe's numbers at the other phases too (those replayed at every phase).
+    probed_phased = [(i, u) for u in uuids[1:] for i in probed if i in free]
+    requests += [{"op": "replay", "spec": list(specs[i]), "probe": True, "uuid": u} for i, u in probed_phased]
     reals = real_entries()
     long_real = []
     for e in reals:
@@ -593,7 +596,11 @@ def main(argv=None) -> int:
     for j, (i, u) in enumerate(phased):
         for c in codes:
             per_phase.setdefault(u, {}).setdefault(c, {})[i] = answers[c][phase_base + j]["episodes"]
-    real_base = phase_base + len(phased)
+    probe_base = phase_base + len(phased)
+    for j, (i, u) in enumerate(probed_phased):
+        for c in codes:
+            outcomes[i].episodes[(c, "probe", u)] = answers[c][probe_base + j]["episodes"]
+    real_base = probe_base + len(probed_phased)
     real_free = {e["file"]: {c: answers[c][real_base + k] for c in codes} for k, e in enumerate(reals)}
     long_real = [e for e in reals if e["label"] == "no_leak"
                  and real_free[e["file"]][codes[0]]["end"] - real_free[e["file"]][codes[0]]["start"] >= 45 * 60]
@@ -678,6 +685,20 @@ def main(argv=None) -> int:
                 print(f"| {fam.name} | {names[c]} | {_min(a['median_delay'])} | {_min(b['median_delay'])} | "
                       f"{'–' if ratio is None else f'{ratio:.2f}x'} | {caught} | "
                       f"{a['false_traces']}/{a['traces']} / {b['false_traces']}/{b['traces']} |")
+        if probed_phased:
+            print("\nWith the probe's numbers at the other phases (cells: traces with a false alert; for the leak "
+                  "families, [median delay, caught]):\n")
+            print("| family | tree | " + " | ".join(f"{u} (+{bucket_phase(u)} s)" for u in uuids[1:]) + " |")
+            print("|---|---|" + "---|" * len(uuids[1:]))
+            for fam in fams:
+                group = [o for k, o in enumerate(outcomes) if o.family == fam.name and k in probed and k in free]
+                for c in codes if group else ():
+                    cells = []
+                    for u in uuids[1:]:
+                        sm = summary(group, (c, "probe", u))
+                        found = f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]" if fam.leak else ""
+                        cells.append(f"{sm['false_traces']}/{sm['traces']}{found}")
+                    print(f"| {fam.name} | {names[c]} | " + " | ".join(cells) + " |")
     if reals:
         print("\n## Real series (../shared/real-traces), through the whole analysis\n")
         print("| series | label | length | " + " | ".join(f"{names[c]}: leak findings" for c in codes)

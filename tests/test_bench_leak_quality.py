@@ -29,3 +29,5 @@ def test_the_leak_bench_reports_the_probed_families_with_and_without_the_probe(t
     assert "1 MiB/min leaks found within 30 min on NVML's figure, this tree: 0/1." in run.stdout
     assert "1 MiB/min leaks found within 30 min with the probe's numbers (the probed families), " \
            "this tree: 1/1." in run.stdout
+    # The leak-free trace, replayed at every phase, is replayed there with the probe's numbers too.
+    assert "| probed_mixed | this tree | 0/1 | 0/1 | 0/1 |" in run.stdout
