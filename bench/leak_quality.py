@@ -43,6 +43,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -686,8 +687,8 @@ def main(argv=None) -> int:
                       f"{'–' if ratio is None else f'{ratio:.2f}x'} | {caught} | "
                       f"{a['false_traces']}/{a['traces']} / {b['false_traces']}/{b['traces']} |")
         if probed_phased:
-            print("\nWith the probe's numbers at the other phases (cells: traces with a false alert; for the leak "
-                  "families, [median delay, caught]):\n")
+            print("\nWith the probe's numbers at the other phases (cells: traces with a false alert (episodes); for "
+                  "the leak families, [median delay, caught]):\n")
             print("| family | tree | " + " | ".join(f"{u} (+{bucket_phase(u)} s)" for u in uuids[1:]) + " |")
             print("|---|---|" + "---|" * len(uuids[1:]))
             for fam in fams:
@@ -695,9 +696,7 @@ def main(argv=None) -> int:
                 for c in codes if group else ():
                     cells = []
                     for u in uuids[1:]:
-                        sm = summary(group, (c, "probe", u))
-                        found = f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]" if fam.leak else ""
-                        cells.append(f"{sm['false_traces']}/{sm['traces']}{found}")
+                        cells.append(phase_cell(summary(group, (c, "probe", u)), fam.leak))
                     print(f"| {fam.name} | {names[c]} | " + " | ".join(cells) + " |")
     if reals:
         print("\n## Real series (../shared/real-traces), through the whole analysis\n")
@@ -736,6 +735,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def phase_cell(sm: dict[str, Any], leak: bool) -> str:
+    """One family at one phase: traces with a false alert (episodes), and for a leak family
+    [median delay, caught]."""
+    cell = f"{sm['false_traces']}/{sm['traces']}"
+    cell += f" ({sm['false_episodes']})" if sm["false_traces"] else ""
+    if leak:
+        cell += f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]"
+    return cell
+
+
 def phase_table(fams, outcomes, codes, names, uuids, per_phase) -> str:
     """False alerts at each bucket phase, per family: traces with one before any leak's onset
     (episodes), and for the leak families replayed at every phase (--phase-leaks), the median
@@ -755,12 +764,7 @@ def phase_table(fams, outcomes, codes, names, uuids, per_phase) -> str:
         row = [fam.name]
         for c in codes:
             for u in uuids:
-                sm = summary(group, (c, u))
-                cell = f"{sm['false_traces']}/{sm['traces']}"
-                cell += f" ({sm['false_episodes']})" if sm["false_traces"] else ""
-                if fam.leak:
-                    cell += f" [{_min(sm['median_delay'])}, {sm['caught']}/{sm['leaks']}]"
-                row.append(cell)
+                row.append(phase_cell(summary(group, (c, u)), fam.leak))
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for c in codes:
