@@ -51,6 +51,7 @@ REAL_TRACES = ROOT.parent / "shared" / "real-traces"
 sys.path.insert(0, str(BENCH))
 
 from leak_corpus import FAMILIES, FAMILY, T0, TOTAL, MiB, Trace, limit_seconds, make_trace  # noqa: E402
+from leak_replay import PID, replay  # noqa: E402
 
 # --- the phase of History's minute buckets ---------------------------------------------------
 # History cuts each series into minutes at an offset drawn from its key (crc32 of the key's
@@ -59,7 +60,6 @@ from leak_corpus import FAMILIES, FAMILY, T0, TOTAL, MiB, Trace, limit_seconds, 
 # process series' minutes open at phases spread over the minute; a false alert at any of them
 # is one a real host can raise. The first UUID is the one the leak families' delays use.
 PHASES = ("GPU-bench", "GPU-test", "GPU-b", "GPU-c")
-PID = 4242
 
 
 def bucket_phase(uuid: str) -> int:
@@ -86,40 +86,16 @@ def phase_uuids() -> list[str]:
 # request per line on stdin and answers one JSON line each.
 
 def _replay(spec: list, probe: bool, uuid: str = "GPU-bench") -> dict:
-    """Replay one trace through History + LeakDetector.detect, tick by tick as the daemon does:
-    the start of each leak-finding episode, and the first finding's evidence after the onset.
-    `uuid` names the GPU: History's minute buckets start at an offset drawn from the series'
-    key, so another UUID reads the same samples through buckets of another phase."""
-    from exporter.analysis.history import History
-    from exporter.analysis.leak import LeakConfig
-    from exporter.analysis.leak_detector import LeakDetector
-    from exporter.model import AllocatorStats, GpuSample, ProcessSample, Snapshot
-
+    """One trace through leak_replay.replay: the start of each leak-finding episode, and the
+    evidence of the first that began after the onset."""
     trace = make_trace(*spec)
-    history, detector, config = History(), LeakDetector(), LeakConfig()
-    episodes: list[float] = []
-    evidence = None
-    active = False
-    cpu = 0.0
-    for k, (t, v) in enumerate(zip(trace.times, trace.values, strict=True)):
-        alloc = None
-        if probe and trace.allocated is not None and trace.reserved is not None:
-            alloc = AllocatorStats(allocated_bytes=trace.allocated[k], reserved_bytes=trace.reserved[k])
-        proc = ProcessSample(pid=PID, used_bytes=v, name="python3", start_time=T0 - 1.0, role="vllm",
-                             allocator=alloc)
-        snap = Snapshot(timestamp=float(t), gpus=(GpuSample(index="0", uuid=uuid, total_bytes=TOTAL,
-                                                            used_bytes=v, processes=(proc,)),))
-        c0 = time.thread_time()
-        history.update(snap)
-        result = detector.detect(history, snap, (), config, 3600.0)
-        cpu += time.thread_time() - c0
-        leaks = [f for f in result.findings if f.kind == "leak" and f.gpu is not None]
-        if leaks and not active:
-            episodes.append(float(t))
-            if evidence is None and trace.leak_start is not None and t >= trace.leak_start:
-                evidence = {k2: v2 for k2, v2 in leaks[0].evidence}
-        active = bool(leaks)
-    return {"episodes": episodes, "evidence": evidence, "cpu": cpu, "ticks": len(trace.times)}
+    probed = probe and trace.allocated is not None
+    out = replay(trace.times, trace.values, uuid, trace.allocated if probed else None,
+                 trace.reserved if probed else None)
+    after = [f for t, f in zip(out.starts, out.first, strict=True)
+             if trace.leak_start is not None and t >= trace.leak_start]
+    return {"episodes": out.starts, "evidence": dict(after[0].evidence) if after else None,
+            "cpu": out.cpu_seconds, "ticks": out.ticks}
 
 
 def _real(entry: dict, leak_mib_min: float) -> dict:
