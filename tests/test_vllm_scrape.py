@@ -235,6 +235,12 @@ def closed_port() -> int:
     return port
 
 
+def answering(address: str, **kwargs) -> VllmEndpoint:
+    """An endpoint on a route that answers. Its deadline runs on the real clock, and the default
+    2 s could pass on a loaded machine before a loopback answer arrives: it gets HANG instead."""
+    return VllmEndpoint(address, timeout_seconds=HANG, **kwargs)
+
+
 def timed_scrape(endpoint, clock=time.monotonic):
     """The sample and how long it took on the scraper's clock (pass the server's to time it)."""
     with requests.Session() as session:
@@ -244,7 +250,7 @@ def timed_scrape(endpoint, clock=time.monotonic):
 
 
 def test_success_normalises_the_page(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/metrics"), name="llama"))
+    sample, _ = timed_scrape(answering(url(server, "/metrics"), name="llama"))
     assert sample.up and sample.error_kind == "" and sample.endpoint == "llama"
     assert [e.engine for e in sample.engines] == ["0", "1"]
     assert sample.engines[0].kv_cache_usage_ratio == 0.9134
@@ -253,13 +259,13 @@ def test_success_normalises_the_page(server):
 
 
 def test_bare_base_url_gets_metrics_path(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "")))
+    sample, _ = timed_scrape(answering(url(server, "")))
     assert sample.up
     assert server.seen[-1][0] == "/metrics"
 
 
 def test_chunked_body_is_read_whole(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/chunked")))
+    sample, _ = timed_scrape(answering(url(server, "/chunked")))
     assert sample.up and len(sample.engines) == 2
 
 
@@ -277,28 +283,28 @@ def test_timeout_when_server_does_not_answer(server):
 
 
 def test_http_500(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/error")))
+    sample, _ = timed_scrape(answering(url(server, "/error")))
     assert sample.error_kind == "http_status" and "500" in sample.error
 
 
 def test_body_not_exposition_format(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/html")))
+    sample, _ = timed_scrape(answering(url(server, "/html")))
     assert sample.error_kind == "parse" and not sample.up
 
 
 def test_truncated_body(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/truncated")))
+    sample, _ = timed_scrape(answering(url(server, "/truncated")))
     assert sample.error_kind == "truncated"
     assert "200 bytes" in sample.error
 
 
 def test_declared_size_over_limit(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/huge"), max_response_bytes=len(FIXTURE)))
+    sample, _ = timed_scrape(answering(url(server, "/huge"), max_response_bytes=len(FIXTURE)))
     assert sample.error_kind == "too_large"
 
 
 def test_streamed_size_over_limit(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/huge_chunked"), max_response_bytes=len(FIXTURE) * 2))
+    sample, _ = timed_scrape(answering(url(server, "/huge_chunked"), max_response_bytes=len(FIXTURE) * 2))
     assert sample.error_kind == "too_large"
 
 
@@ -316,17 +322,17 @@ def test_silent_body_after_late_headers_is_cut_at_the_deadline(server):
 
 
 def test_bearer_token_is_sent_and_never_shown(server):
-    good, _ = timed_scrape(VllmEndpoint(url(server, "/auth/metrics"), bearer_token=TOKEN))
+    good, _ = timed_scrape(answering(url(server, "/auth/metrics"), bearer_token=TOKEN))
     assert good.up
     assert server.seen[-1][1] == f"Bearer {TOKEN}"
-    bad_endpoint = VllmEndpoint(url(server, "/auth/metrics"), bearer_token="wrong-" + TOKEN)
+    bad_endpoint = answering(url(server, "/auth/metrics"), bearer_token="wrong-" + TOKEN)
     bad, _ = timed_scrape(bad_endpoint)
     assert bad.error_kind == "http_status" and "401" in bad.error
     assert TOKEN not in bad.error and TOKEN not in repr(bad_endpoint) and TOKEN not in repr(bad)
 
 
 def test_redirect_on_the_same_host_is_followed_with_the_token(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/redirect"), bearer_token=TOKEN))
+    sample, _ = timed_scrape(answering(url(server, "/redirect"), bearer_token=TOKEN))
     assert sample.up
     assert server.seen[-1] == ("/auth/metrics", f"Bearer {TOKEN}")
 
@@ -358,7 +364,7 @@ def test_bad_endpoint_config_is_a_clear_error(kwargs, message):
 
 def test_source_does_not_let_a_slow_endpoint_delay_the_others(server):
     source = VllmSource([VllmEndpoint(url(server, "/slow"), name="slow", timeout_seconds=0.5),
-                         VllmEndpoint(url(server, "/metrics"), name="fast")], clock=server.clock)
+                         answering(url(server, "/metrics"), name="fast")], clock=server.clock)
     try:
         started, wall = server.clock(), time.monotonic()
         slow, fast = source.sample()
@@ -410,7 +416,7 @@ class FakeHost:
 def test_source_resolves_server_pids_even_when_down(server):
     down_port = closed_port()
     host = FakeHost({server.server_address[1]: 100, down_port: 200})
-    source = VllmSource([VllmEndpoint(url(server, "/metrics")),
+    source = VllmSource([answering(url(server, "/metrics")),
                          VllmEndpoint(f"http://127.0.0.1:{down_port}/metrics")], host=host)
     try:
         up, down = source.sample()
@@ -430,7 +436,7 @@ def test_source_ignores_a_proxy_from_the_environment(server, monkeypatch):
         monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.getsockname()[1]}")
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
-    source = VllmSource([VllmEndpoint(url(server, "/auth/metrics"), bearer_token=TOKEN)])
+    source = VllmSource([answering(url(server, "/auth/metrics"), bearer_token=TOKEN)])
     try:
         (sample,) = source.sample()
     finally:
@@ -505,7 +511,7 @@ def test_a_redirect_body_is_never_read(server, path):
 
 
 def test_a_redirect_to_a_huge_answer_is_too_large_not_a_timeout(server):
-    endpoint = VllmEndpoint(url(server, "/redirect_to_huge"), max_response_bytes=len(FIXTURE) * 2)
+    endpoint = answering(url(server, "/redirect_to_huge"), max_response_bytes=len(FIXTURE) * 2)
     sample, adapter = counting_scrape(endpoint)
     assert sample.error_kind == "too_large"
     assert adapter.read["/huge_chunked"] <= len(FIXTURE) * 2 + (16 << 10)
@@ -539,7 +545,7 @@ def test_redirects_stop_after_a_few_hops(server):
 
 
 def test_a_redirect_to_another_host_is_not_followed_and_gets_no_token(server):
-    sample, _ = counting_scrape(VllmEndpoint(url(server, "/redirect_elsewhere"), bearer_token=TOKEN))
+    sample, _ = counting_scrape(answering(url(server, "/redirect_elsewhere"), bearer_token=TOKEN))
     assert sample.error_kind == "http_status" and "another host" in sample.error
     assert server.seen == [("/redirect_elsewhere", f"Bearer {TOKEN}")]  # nothing sent to localhost
     assert TOKEN not in sample.error
@@ -547,7 +553,7 @@ def test_a_redirect_to_another_host_is_not_followed_and_gets_no_token(server):
 
 # -- what the server sends back ------------------------------------------------------------
 def test_a_token_echoed_in_pieces_is_redacted_in_every_label(server):
-    sample, _ = timed_scrape(VllmEndpoint(url(server, "/echo_split"), bearer_token=TOKEN))
+    sample, _ = timed_scrape(answering(url(server, "/echo_split"), bearer_token=TOKEN))
     assert sample.up
     (engine,) = sample.engines
     assert (engine.model, engine.engine) == ("<redacted>", "<redacted>")
@@ -558,7 +564,7 @@ def test_a_token_echoed_in_pieces_is_redacted_in_every_label(server):
 
 
 def test_impossible_values_are_dropped_named_and_logged_once(server, caplog):
-    source = VllmSource([VllmEndpoint(url(server, "/impossible"), name="odd")])
+    source = VllmSource([answering(url(server, "/impossible"), name="odd")])
     try:
         with caplog.at_level(logging.WARNING, logger="exporter.sources.vllm"):
             first, = source.sample()
