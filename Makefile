@@ -73,7 +73,10 @@ $(VLLM_VENV)/.installed-probe: probe/pyproject.toml tests/real_vllm/leak_plugin/
 
 vllm-env: $(VLLM_VENV)/.installed-probe
 
-deps: $(VENV)/.installed-test system-deps vllm-env
+# The three installs are independent, mostly downloads: run side by side (vLLM's is the longest, about
+# 4 min; the others end within it), each line of output whole.
+deps:
+	@$(MAKE) -s --no-print-directory -j3 --output-sync=line $(VENV)/.installed-test system-deps vllm-env
 
 # A host with the NVIDIA driver runs for real; anywhere else (or with SCENARIO=...) the
 # built-in simulated host runs instead.
