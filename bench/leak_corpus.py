@@ -47,6 +47,7 @@ FAMILIES = (
     Family("correlated", "noise that wanders (AR(1), 0.5-8 min memory, 4-16 MiB)", False),
     Family("noisy", "16-32 MiB white noise with 1 % one-sample spikes", False),
     Family("mixed", "warm-up, a small sawtooth and a step together", False),
+    Family("sleep_wake", "sleeps and wakes, the cache warming up again after each (cycles or steps)", False),
     Family("slow_leak", "1 MiB/min on a flat or warmed-up background", True, (1.0,)),
     Family("leak_4", "4 MiB/min on a flat, warmed-up or wandering background", True, (4.0,)),
     Family("fast_leak", "16-50 MiB/min", True, (16.0, 50.0)),
@@ -209,6 +210,31 @@ def level_shifts(rng: random.Random, start: float) -> Curve:
     return f
 
 
+def sleeping(rng: random.Random, start: float) -> Curve:
+    """vLLM's sleep mode: 1-2 sleeps of 5-40 min, 20-100 min apart. Asleep, the weights and KV
+    cache are offloaded and the cache emptied; on wake they are back and the cache is empty again
+    (CuMemAllocator.sleep() and wake_up() both end with empty_cache()), so after each wake the
+    caching allocator warms up as it did after start-up: its cycles start over, a first tooth
+    included (half the traces), or it climbs to its plateau in shrinking steps again."""
+    cache = sawtooth(rng, start, (64 * MiB, 2 * GiB))[0] if rng.random() < 0.5 else warming(rng, start)
+    naps: list[tuple[float, float]] = []
+    t = start
+    for _ in range(rng.randint(1, 2)):
+        t += rng.uniform(20, 100) * 60
+        naps.append((t, t + rng.uniform(5, 40) * 60))
+        t = naps[-1][1]
+
+    def f(tt: float) -> float:
+        woke = start
+        for asleep, awake in naps:
+            if asleep <= tt < awake:
+                return -0.44 * TOTAL
+            if tt >= awake:
+                woke = awake
+        return cache(start + (tt - woke))  # the cache as it began after start-up
+    return f
+
+
 def steps(rng: random.Random, start: float) -> Curve:
     """One level shift of 256 MiB-3 GiB 30-120 min after `start`."""
     t = start + rng.uniform(30, 120) * 60
@@ -281,6 +307,8 @@ def make_trace(family: str, seed: int) -> Trace:
     elif background == "noisy":
         sigma = rng.uniform(16, 32) * MiB
         spike_p = 0.01
+    elif background == "sleep_wake":
+        parts.append(sleeping(rng, traffic))
     elif background == "mixed":
         parts.append(warming(rng, traffic))
         parts.append(steps(rng, traffic))

@@ -8,7 +8,9 @@ them. Each names what the detector of f1862f7 did with the same trace.
   * a level far above, left behind by a give-back or a sleep, kept a leak "below an earlier
     level" for half an hour however slowly it grew (leak_after_shift#4, #5);
   * a fast leak's first minutes at the newest end of the series were taken for a level shift
-    (two jumps split over a bucket, nothing after them yet to show the pace going on).
+    (two jumps split over a bucket, nothing after them yet to show the pace going on);
+  * (round 13) a leak soon after a wake waited out the young period, kept for a first tooth
+    that comes only where the cache cycled before the sleep (leak_after_shift#3; sleep_wake).
 """
 import sys
 from pathlib import Path
@@ -54,6 +56,27 @@ def test_a_leak_during_a_sleep_is_found_before_the_wake():
                 if t > onset and b - a > 10 * GiB)
     delay = found_after(trace)
     assert delay is not None and onset_minute(trace) + delay < wake, (delay, wake, "f1862f7: after the wake")
+
+
+def test_a_leak_soon_after_a_wake_without_cycles_before_the_sleep_is_not_held_as_young():
+    # 8 MiB/min from 17 minutes after a wake (36 GiB back in one step), no cycles before the
+    # sleep: 4ee512a held it for the young period after the wake, found 15.5 min after onset.
+    trace = make_trace("leak_after_shift", 3)
+    delay = found_after(trace)
+    assert delay is not None and delay <= 6, (delay, "4ee512a: 15.5 min")
+
+
+# sleep_wake traces whose cache cycles before the sleep and starts over after the wake: with no
+# young period after a wake, each raised a false alert at this phase (a first tooth after the
+# wake, read as a line); the young period stays where cycles came before the sleep.
+CYCLES_BEFORE_THE_SLEEP = [(0, "GPU-bench"), (5, "GPU-test"), (6, "GPU-b"), (8, "GPU-c"), (11, "GPU-bench")]
+
+
+@pytest.mark.parametrize("seed,gpu", CYCLES_BEFORE_THE_SLEEP)
+def test_a_first_tooth_after_a_wake_raises_nothing_where_cycles_came_before_the_sleep(seed, gpu):
+    trace = make_trace("sleep_wake", seed)
+    assert trace.leak_rate is None
+    assert episodes(trace.times, trace.values, gpu) == []
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -14,7 +14,9 @@ What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
     young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
-    a sawtooth's first tooth (timed from where it begins, not from the window's start);
+    a sawtooth's first tooth (timed from where it begins, not from the window's start). After
+    a wake with no cycles before the sleep, no young period: its cache warms up in steps the
+    warm-up model below explains, and no first tooth comes;
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step (or, over a leak's
@@ -167,6 +169,11 @@ class LeakConfig:
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
     first_tooth_seconds: float = 900
+    # ... except after a wake from sleep where the series showed no cycles before it fell asleep:
+    # a large up-step that gives back at least this fraction of a large fall before it. The cache,
+    # emptied on wake, warms up again in steps the warm-up model explains; with cycles before the
+    # sleep, their first tooth comes again and the young period stays (bench family sleep_wake).
+    wake_give_back_ratio: float = 0.75
     # The growth must take the level above every earlier one of this long before it by this
     # fraction of itself.
     earlier_level_seconds: float = 1800
@@ -384,7 +391,8 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     threshold = config.threshold(signals)
     lo = max(base, n - config.noise_points)
     low_noise = memo.get("series", end, era, n - lo, config, lambda: robust_sigma(lows[lo:]))
-    drops = _drops(times, lows, base, max(config.min_drop_bytes, config.drop_noise_factor * low_noise), config)
+    drop_bytes = max(config.min_drop_bytes, config.drop_noise_factor * low_noise)
+    drops = _drops(times, lows, base, drop_bytes, config)
     tooth = _tooth(drops, times[base], config)
     tested: tuple[str, Sequence[float], Sequence[float]]
     if tooth is None:
@@ -406,8 +414,10 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
             tested = ("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
         tested = ("troughs", *_troughs(times, lows, base, drops))
-    # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming.
-    young_until = settled_from + config.young_seconds if tooth is None else -math.inf
+    # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming;
+    # not after a wake where none came before the sleep.
+    young = tooth is None and not _woke_without_cycles(times, medians, lows, base, drop_bytes, config)
+    young_until = settled_from + config.young_seconds if young else -math.inf
     name, ts, ys = tested
     found: _Found | str = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
                                        raw if name == "median" else None)
@@ -994,6 +1004,24 @@ def _drops(times: Sequence[float], values: Sequence[float], base: int, threshold
             else:
                 out.append(times[i])
     return out
+
+
+def _woke_without_cycles(times: Sequence[float], medians: Sequence[float], lows: Sequence[float], base: int,
+                        drop_bytes: float, config: LeakConfig) -> bool:
+    """Whether the large up-step at `base` is a wake (it gives back most of a large fall before
+    it: weights and KV cache back from sleep) after a stretch with no cycles (drops of at least
+    `drop_bytes` that recur), from the large step before the fall to the fall."""
+    if base < 2:
+        return False
+    def fell(j: int) -> float:
+        return medians[j - 1] - medians[j]
+
+    fall = next((j for j in range(base - 1, 0, -1)
+                 if fell(j) >= config.large_step_bytes and fell(j) >= config.large_step_fraction * medians[j]), None)
+    if fall is None or -fell(base) < config.wake_give_back_ratio * fell(fall):
+        return False
+    before = last_large_step(medians[:fall], config)
+    return _tooth(_drops(times, lows[:fall], before, drop_bytes, config), times[before], config) is None
 
 
 def _tooth(drops: list[float], since: float, config: LeakConfig) -> float | None:
