@@ -626,8 +626,8 @@ def main(argv=None) -> int:
                   for r in [median_over_limit([o for o in outcomes if o.family == fam.name], c)] if r is not None]
         if ratios:
             best, worst = min(ratios), max(ratios)
-            print(f"- Delay over the limit (median of each leak's own), per leak family, {names[c]}: "
-                  f"{_ratio(best[0])} ({best[1]}) to {_ratio(worst[0])} ({worst[1]}); "
+            span = f"{_ratio(best[0])} ({best[1]})" + ("" if best == worst else f" to {_ratio(worst[0])} ({worst[1]})")
+            print(f"- Delay over the limit (median of each leak's own), per leak family, {names[c]}: {span}; "
                   f"within 1.5x: {sum(1 for r, _ in ratios if r <= 1.5)}/{len(ratios)} families.")
     slow = [o for o in outcomes if o.leak_rate == 1.0]
     for c in codes:

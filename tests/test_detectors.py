@@ -319,7 +319,8 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     assert all(len(f) == 1 for f in held)  # raised at once and never cleared while it holds
     first, last = held[0][0], held[-1][0]
     assert first.severity == last.severity == "critical"  # 72 + 9 + 0.4 GiB > 80 GiB
-    assert "pid 555 (python3) 9.00 GiB" in last.summary and "vLLM cannot get 1.39 GiB of its budget (72.00 GiB)" in last.summary
+    assert "pid 555 (python3) 9.00 GiB" in last.summary
+    assert "hold 9.00 GiB; 1.39 GiB more than the vLLM budget (72.00 GiB) leaves them" in last.summary
     assert dict(first.evidence)["process_1_grew_bytes"] == 9 * GiB
     assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
 
@@ -367,7 +368,7 @@ def test_contention_weighs_what_the_others_hold_against_the_vllm_budget():
         return findings[0].severity if findings else None
     assert verdict(2 * GiB) is None  # 72 + 2 + 0.4 of 80 GiB: 5.6 GiB spare, room to spare
     assert verdict(6 * GiB) == "warning"  # 1.6 GiB spare: under 5 % of the GPU
-    assert verdict(9 * GiB) == "critical"  # vLLM cannot get its whole budget
+    assert verdict(9 * GiB) == "critical"  # the vLLM budget does not fit beside the others
 
 
 def test_contention_advice_gives_the_utilization_that_fits_beside_the_others():

@@ -4,7 +4,7 @@
   other processes on it hold memory too. When what is left beside the budgets and the others
   (and memory no live process holds) falls under `min_spare_ratio` of the GPU, the others are
   named, every one of them, with what each holds and how much it grew within the window; when
-  nothing is left vLLM cannot get its whole budget (critical). Where a server's budget is not
+  nothing is left, the budget itself does not fit (critical). Where a server's budget is not
   known, the GPU being `min_utilization_ratio` full decides instead. The finding lasts as long
   as the others hold the memory, however long ago they took it.
 - Unified memory (GB10, Grace Hopper): the GPU's memory *is* host memory, so while the host is
@@ -164,7 +164,7 @@ def _room_short(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionC
 
 
 def _room_critical(gpu: GpuSample, budgets: tuple[Budget, ...], config: ContentionConfig) -> bool:
-    """Discrete, critical: vLLM cannot get its whole budget beside the others, or the GPU is at the
+    """Discrete, critical: the vLLM budget does not fit beside the others, or the GPU is at the
     critical utilisation."""
     spare = _spare(gpu, budgets)
     return ((spare is not None and spare < 0)
@@ -317,12 +317,11 @@ def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budget
         evidence += [("vllm_budget_bytes", planned), ("spare_bytes", spare)]
         budget = "budgets" if len(budgets) > 1 else "budget"
         if spare < 0:
-            whose = "the vLLM servers cannot get {} of their budgets" if len(budgets) > 1 \
-                else "vLLM cannot get {} of its budget"
-            why = f"{whose.format(format_bytes(-spare))} ({format_bytes(planned)}) while they hold it"
+            why = (f"{format_bytes(-spare)} more than the vLLM {budget} ({format_bytes(planned)}) "
+                   f"{'leave' if len(budgets) > 1 else 'leaves'} them")
         else:
             why = (f"beside the vLLM {budget} ({format_bytes(planned)}) only {format_bytes(spare)} "
-                   f"({spare / gpu.total_bytes:.0%}) is left")
+                   f"({spare / gpu.total_bytes:.0%} of the GPU) is left")
     else:
         why = f"the GPU is {ratio:.0%} used and the vLLM budget is not known"
     evidence += [("window_seconds", config.window_seconds), *named_evidence]
