@@ -392,7 +392,7 @@ def test_contention_advice_gives_the_utilization_that_fits_beside_the_others():
         total = 80 * GiB - (reserved or 0)
         ev = dict(found.evidence)
         assert ev["vllm_budget_bytes"] == int(0.9 * total) and ev["spare_bytes"] == total - int(0.9 * total) - others
-        said = re.search(r"--gpu-memory-utilization (\d\.\d\d) or less \(now 0\.90; its budget is ",
+        said = re.search(r"--gpu-memory-utilization (\d\.\d\d) or less \(now 0\.90: its budget is ",
                          found.advice[2])
         assert said, found.advice
         share = float(said.group(1))

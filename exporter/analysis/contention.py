@@ -355,8 +355,9 @@ def _smaller_budget(gpu: GpuSample, budgets: tuple[Budget, ...], spare: int | No
         share = math.floor(100 * left / capacity) / 100
         if share > 0:
             return (f"If the GPU must be shared, restart vLLM with --gpu-memory-utilization {share:.2f} or less "
-                    f"(now {budget.budget_bytes / capacity:.2f}; its budget is {format_bytes(-spare)} more than "
-                    "the others leave, and at start-up it wants the new share free beside its own CUDA context), "
+                    f"(now {budget.budget_bytes / capacity:.2f}: its budget is {format_bytes(-spare)} more than "
+                    f"the others leave it; at {share:.2f} the share vLLM checks for at start-up is free, its own CUDA "
+                    "context included), "
                     f"{mps}")
     return (f"If the GPU must be shared, lower the vLLM budgets here by {format_bytes(-spare)} together "
             f"(--gpu-memory-utilization, or --kv-cache-memory), {mps}")

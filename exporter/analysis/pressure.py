@@ -195,7 +195,8 @@ def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, s
                                         "still open (it closes on the GPU's use): route away from it by hand."),
         (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets, which is not their plan: free it first "
          "(stop or move the processes named outside vLLM, or a server past its budget). Lowering vLLM's "
-         "--gpu-memory-utilization makes room only at its next start, and only where the others must stay."
+         "--gpu-memory-utilization takes effect only at its next start: do it only if those processes must stay "
+         "on this GPU."
          if outside is not None else
          "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
          "spread the model over more GPUs (tensor parallelism)."),
