@@ -1008,19 +1008,20 @@ def _drops(times: Sequence[float], values: Sequence[float], base: int, threshold
 
 def _woke_without_cycles(times: Sequence[float], medians: Sequence[float], lows: Sequence[float], base: int,
                         drop_bytes: float, config: LeakConfig) -> bool:
-    """Whether the large up-step at `base` is a wake (it gives back most of a large fall before
-    it: weights and KV cache back from sleep) after a stretch with no cycles (drops of at least
-    `drop_bytes` that recur), from the large step before the fall to the fall."""
+    """Whether the large up-step at `base` is a wake (it gives back most of a large fall since the
+    large up-step before it: weights and KV cache back from sleep) after a stretch with no cycles
+    (drops of at least `drop_bytes` that recur), from that earlier up-step to the fall."""
     if base < 2:
         return False
+
     def fell(j: int) -> float:
         return medians[j - 1] - medians[j]
 
-    fall = next((j for j in range(base - 1, 0, -1)
+    before = last_large_step(medians[:base], config)
+    fall = next((j for j in range(base - 1, before, -1)
                  if fell(j) >= config.large_step_bytes and fell(j) >= config.large_step_fraction * medians[j]), None)
     if fall is None or -fell(base) < config.wake_give_back_ratio * fell(fall):
         return False
-    before = last_large_step(medians[:fall], config)
     return _tooth(_drops(times, lows[:fall], before, drop_bytes, config), times[before], config) is None
 
 
