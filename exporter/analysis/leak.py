@@ -314,10 +314,15 @@ def last_large_step(values: Sequence[float], config: LeakConfig = DEFAULT_CONFIG
     if len(values) < 2 or max(map(operator.sub, values[1:], values[:-1])) < config.large_step_bytes:
         return 0  # the usual case, found without a loop in Python
     for i in range(len(values) - 1, 0, -1):
-        jump = values[i] - values[i - 1]
-        if jump >= config.large_step_bytes and jump >= config.large_step_fraction * values[i - 1]:
+        if _large_step(values[i] - values[i - 1], values[i - 1], config):
             return i
     return 0
+
+
+def _large_step(jump: float, lower: float, config: LeakConfig) -> bool:
+    """A jump (up or down, as a positive size) of at least large_step_bytes and
+    large_step_fraction of the level below it."""
+    return jump >= config.large_step_bytes and jump >= config.large_step_fraction * lower
 
 
 @dataclass(frozen=True)
@@ -1013,14 +1018,12 @@ def _woke_without_cycles(times: Sequence[float], medians: Sequence[float], lows:
     (drops of at least `drop_bytes` that recur), from that earlier up-step to the fall."""
     if base < 2:
         return False
-
-    def fell(j: int) -> float:
-        return medians[j - 1] - medians[j]
-
     before = last_large_step(medians[:base], config)
     fall = next((j for j in range(base - 1, before, -1)
-                 if fell(j) >= config.large_step_bytes and fell(j) >= config.large_step_fraction * medians[j]), None)
-    if fall is None or -fell(base) < config.wake_give_back_ratio * fell(fall):
+                 if _large_step(medians[j - 1] - medians[j], medians[j], config)), None)
+    if fall is None:
+        return False
+    if medians[base] - medians[base - 1] < config.wake_give_back_ratio * (medians[fall - 1] - medians[fall]):
         return False
     return _tooth(_drops(times, lows[:fall], before, drop_bytes, config), times[before], config) is None
 
