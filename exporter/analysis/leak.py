@@ -47,6 +47,12 @@ show teeth of up to a few minutes that the buckets alias and the blocks show no 
 over blocks that hold a trough of every tooth), or the troughs under a sawtooth. The budget is
 shared among the series tested for one process (the allocator probe's parts, leak_detector.py).
 
+Growth the medians or the minima show must show at another phase of the buckets too: the same
+view is read again with the buckets the raw samples cover (the newest hour) cut half a bucket
+later, and must pass there at `other_phase_bar` of the bar. A step or a tooth's edge straddling a
+bucket puts that bucket's median or minimum between two levels, which with the noise on either
+side can read as a line at one phase only; a leak shows at every phase.
+
 A staircase whose steps are each a level shift (a leak that grows in chunks) is caught by its
 pattern instead: at least `staircase_steps` up-shifts in a row at a steady pace, none much
 smaller than the others, neither shrinking nor slowing, the last one recent.
@@ -182,6 +188,12 @@ class LeakConfig:
     # interval, climbs in this long: a cache refilling climbs back within minutes, a leak after a
     # give-back or during a sleep would take hours.
     refill_seconds: float = 3600
+    # Growth the medians or minima show must pass at this fraction of the bar where the raw samples
+    # are cut into buckets half a bucket later (_other_phase). Not higher: each phase's z scatters
+    # about the other's, and requiring both at the full bar delays white-noise leaks (noisy_leak
+    # 1.43x -> 1.55x its limit); not lower: at 0.45 a young warm-up under small teeth (mixed#21
+    # at +0 s) passes at both phases.
+    other_phase_bar: float = 0.6
     # The noise (its deviation and correlations) is measured again this often per series.
     noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first: a
@@ -206,6 +218,8 @@ class LeakConfig:
     stale_seconds: float = 300
 
     def __post_init__(self) -> None:
+        if not 0 < self.other_phase_bar <= 1:
+            raise ValueError("leak: other_phase_bar must be > 0 and at most 1")
         if not 0 < self.false_alarms_per_day < MINUTES_PER_DAY:
             raise ValueError("leak: false_alarms_per_day must be > 0 and below one a minute")
         if not self.windows_minutes or list(self.windows_minutes) != sorted(self.windows_minutes) \
@@ -348,7 +362,7 @@ class NoiseMemo:
     cost). Measured afresh after a large step, and each time a signal has a quarter more points
     than when last measured (a young series' first estimates rest on few)."""
 
-    __slots__ = ("base_time", "measured_at", "samples_since", "values")
+    __slots__ = ("base_time", "measured_at", "other", "samples_since", "values")
 
     def __init__(self) -> None:
         self.base_time: float | None = None
@@ -357,6 +371,7 @@ class NoiseMemo:
         # Where the last verdict found the samples' test applies: the samples it reads from
         # (None: it does not apply).
         self.samples_since: float | None = None
+        self.other: NoiseMemo | None = None  # the same series cut at another phase (_other_phase)
 
     def get(self, name: str, now: float, base_time: float, points: int, config: LeakConfig,
             measure: Callable[[], _T]) -> _T:
@@ -371,12 +386,14 @@ class NoiseMemo:
 
 def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DEFAULT_CONFIG,
             signals: int = 1, memo: NoiseMemo | None = None,
-            raw: RawSamples | None = None) -> LeakAssessment:
+            raw: RawSamples | None = None, block: int | None = None, bar: float = 1.0) -> LeakAssessment:
     """assess() without the staleness check: a function of the series' points (and, with a
     memo, of the noise measured on them up to noise_refresh_seconds before; with `raw`, which
     returns the same series' raw samples, of those where a leak's first minutes are in doubt,
     and of the teeth they show, which may choose the view tested, measured with the noise), so
-    a caller may keep it for as long as it holds the same SeriesView."""
+    a caller may keep it for as long as it holds the same SeriesView. `block` and `bar` are the
+    other phase's reading of a finding (_other_phase): the view given, not chosen (0 the
+    medians, else the minima over blocks of that many points), and the bar lowered."""
     memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
@@ -393,13 +410,14 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     era = times[base] if base else -math.inf
     if end - 60 * config.windows_minutes[0] < settled_from:
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
-    threshold = config.threshold(signals)
+    threshold = config.threshold(signals) * bar
     lo = max(base, n - config.noise_points)
     low_noise = memo.get("series", end, era, n - lo, config, lambda: robust_sigma(lows[lo:]))
     drop_bytes = max(config.min_drop_bytes, config.drop_noise_factor * low_noise)
     drops = _drops(times, lows, base, drop_bytes, config)
-    tooth = _tooth(drops, times[base], config)
+    tooth = _tooth(drops, times[base], config) if block is None else None
     tested: tuple[str, Sequence[float], Sequence[float]]
+    chosen = block is None  # else this is the other phase's reading, which confirms nothing itself
     if tooth is None:
         # The quietest view of the level for a slope: the medians (white noise), or the minima
         # where cycles faster than a minute make the medians jitter, read over blocks of the
@@ -407,8 +425,9 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # every such block, where per-minute minima would alternate between trough and ramp);
         # where the blocks show none quieter than the medians but the samples show teeth, blocks
         # that hold a trough of every tooth.
-        block = memo.get("block", end, era, n - lo, config,
-                         lambda: _quietest_block(medians, lows, lo) or _teeth_block(raw, settled_from, config))
+        if block is None:
+            block = memo.get("block", end, era, n - lo, config,
+                             lambda: _quietest_block(medians, lows, lo) or _teeth_block(raw, settled_from, config))
         if block == 0:
             tested = ("median", times[base:], medians[base:])
         else:
@@ -434,7 +453,34 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         found = _samples_test(raw(), memo.samples_since, config, signals) or found
     if isinstance(found, str):
         return LeakAssessment(False, slope, (("reason", found),))
+    if chosen and raw is not None and found.signal in ("median", "floor"):
+        memo.other = memo.other or NoiseMemo()
+        if not verdict(_other_phase(series, raw()), total_bytes, config, signals, memo.other, raw,
+                       block=block, bar=config.other_phase_bar).suspected:
+            return LeakAssessment(False, slope, (("reason", "not_at_another_phase"),))
     return _assessment(found, config, tooth, total_bytes, medians[-1])
+
+
+def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView:
+    """The series with the buckets its raw samples cover cut again half a bucket later: each from
+    one bucket's mean time to the next (the newest up to the newest sample). Older buckets are
+    kept as they are."""
+    times, medians = series.times, series.values
+    lows = series.lows if len(series.lows) == len(times) else medians
+    rt, rv = raw.times, raw.values
+    first = bisect.bisect_left(times, rt[0]) if rt else len(times)
+    ts, vs, ls = list(times[:first]), list(medians[:first]), list(lows[:first])
+    edges = [*times[first:], math.inf]
+    j = bisect.bisect_left(rt, edges[0])
+    for b in edges[1:]:
+        k = bisect.bisect_left(rt, b, j)
+        if k > j:
+            chunk = rv[j:k]
+            ts.append(sum(rt[j:k]) / (k - j))
+            vs.append(median(chunk))
+            ls.append(min(chunk))
+        j = k
+    return SeriesView(tuple(ts), tuple(vs), tuple(ls))
 
 
 def _samples_test(raw: SeriesView, since: float, config: LeakConfig, signals: int) -> _Found | None:
