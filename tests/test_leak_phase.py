@@ -13,7 +13,8 @@ and before it:
     5.23, and the best single step (its straddling point left out) fits 4.7 noise variances worse
     than the line, past min_step_margin (4). The noise is not underestimated: a floor from the
     raw samples' own noise (2.5 MiB for the medians, where 2 MiB was read) lowers the block
-    estimates' inflation as much, and z stays 5.36.
+    estimates' inflation as much, and z stays 5.36. (The bar has since become 5.35, the samples'
+    test taking half the budget.) Fixed by the other phase's reading, below.
   * mixed#2 under `GPU-test`, minute 26.5: a young series (no tooth seen yet) read through its
     medians, a warm-up's steps under a sawtooth of small teeth: a 17-minute line at z 9.82 against
     the young bar 7.84. Fixed in round 11: the 5 s samples show the teeth (1.1 minutes), which
@@ -44,13 +45,14 @@ stay clean at the bench's phase, and a leak is still found at the phase that foo
 """
 import math
 import random
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 
 from exporter.analysis.history import SeriesView
-from exporter.analysis.leak import _other_phase
+from exporter.analysis.leak import _other_phase, verdict
 from helpers.leak_replay import episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -97,14 +99,37 @@ def test_growth_read_at_one_bucket_phase_only_raises_nothing_at_any_phase(family
 
 
 def test_the_other_phase_cuts_the_raw_samples_from_one_buckets_mean_time_to_the_next():
-    # Buckets of a minute, their samples every 5 s; the raw samples kept from t=60 on.
+    # Buckets of a minute, their samples every 5 s (each sample's value is its time); the raw
+    # samples kept from t=60 on.
     series = SeriesView((27.5, 87.5, 147.5), (100.0, 200.0, 300.0), (90.0, 190.0, 290.0))
     raw = SeriesView(tuple(float(t) for t in range(60, 180, 5)), tuple(float(t) for t in range(60, 180, 5)))
     other = _other_phase(series, raw)
-    # The bucket older than the raw samples kept as it was; then [87.5, 147.5) and [147.5, newest].
+    assert other is not None
+    # The bucket older than the raw samples kept as it was; the samples before the next bucket's
+    # mean time (60-85) left out; then [87.5, 147.5) and [147.5, the newest sample].
     assert other.times == (27.5, 117.5, 162.5)
     assert other.values == (100.0, 117.5, 162.5)
     assert other.lows == (90.0, 90.0, 150.0)
+    # Raw samples that stop before the newest bucket cannot cut it again: no other phase to read.
+    assert _other_phase(series, SeriesView((60.0, 65.0, 70.0), (1.0, 2.0, 3.0))) is None
+    assert _other_phase(series, SeriesView((), ())) is None
+
+
+def test_a_leak_is_not_held_back_where_the_raw_samples_cannot_give_another_phase():
+    # A 20 MiB/min leak from minute 90 in 4 MiB of noise, read at minute 140 through buckets
+    # of a minute: found with the newest hour's samples (both phases show it), and found where
+    # the only raw samples kept are older than every bucket (no other phase to read).
+    rng = random.Random(3)
+    samples = [(T0 + 5.0 * k, 40 * GiB + max(0.0, 5.0 * k - 5400) / 60 * 20 * MiB + rng.gauss(0, 4 * MiB))
+               for k in range(140 * 12)]
+    minutes = [samples[12 * m:12 * m + 12] for m in range(140)]
+    series = SeriesView(tuple(sum(t for t, _ in b) / 12 for b in minutes),
+                        tuple(statistics.median(v for _, v in b) for b in minutes),
+                        tuple(min(v for _, v in b) for b in minutes))
+    newest_hour = SeriesView(tuple(t for t, _ in samples[-720:]), tuple(v for _, v in samples[-720:]))
+    oldest = SeriesView(tuple(t for t, _ in samples[:100]), tuple(v for _, v in samples[:100]))
+    for raw in (newest_hour, oldest):
+        assert verdict(series, 80 * GiB, raw=lambda since=None, raw=raw: raw).suspected, len(raw)
 
 
 @pytest.mark.parametrize("family,seed,uuid,minute,why", [

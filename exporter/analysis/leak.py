@@ -453,22 +453,28 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         found = _samples_test(raw(), memo.samples_since, config, signals) or found
     if isinstance(found, str):
         return LeakAssessment(False, slope, (("reason", found),))
-    if chosen and raw is not None and found.signal in ("median", "floor"):
+    other = _other_phase(series, raw()) if chosen and raw is not None and found.signal in ("median", "floor") \
+        else None
+    if other is not None:
         memo.other = memo.other or NoiseMemo()
-        if not verdict(_other_phase(series, raw()), total_bytes, config, signals, memo.other, raw,
-                       block=block, bar=config.other_phase_bar).suspected:
+        again = verdict(other, total_bytes, config, signals, memo.other, raw, block=block, bar=config.other_phase_bar)
+        # Only a reading that was judged refutes (not one too short to judge).
+        if not again.suspected and dict(again.evidence)["reason"] not in ("too_few_points", "settling"):
             return LeakAssessment(False, slope, (("reason", "not_at_another_phase"),))
     return _assessment(found, config, tooth, total_bytes, medians[-1])
 
 
-def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView:
+def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView | None:
     """The series with the buckets its raw samples cover cut again half a bucket later: each from
-    one bucket's mean time to the next (the newest up to the newest sample). Older buckets are
-    kept as they are."""
+    one bucket's mean time to the next (the newest up to the newest sample); samples before the
+    first such bucket's mean time are left out, older buckets kept as they are. None where the
+    raw samples do not reach the newest bucket."""
     times, medians = series.times, series.values
     lows = series.lows if len(series.lows) == len(times) else medians
     rt, rv = raw.times, raw.values
-    first = bisect.bisect_left(times, rt[0]) if rt else len(times)
+    if not rt or not times or rt[-1] < times[-1]:
+        return None
+    first = bisect.bisect_left(times, rt[0])
     ts, vs, ls = list(times[:first]), list(medians[:first]), list(lows[:first])
     edges = [*times[first:], math.inf]
     j = bisect.bisect_left(rt, edges[0])

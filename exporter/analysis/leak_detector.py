@@ -327,7 +327,8 @@ DETECTOR = DetectorSpec(
             "A leak that fills the GPU (for host memory: the host's available memory) sooner than this at its "
             "current rate is critical."),
         "false_alarms_per_day": (
-            "False leak findings the trend tests may raise per process and day on noise alone, half for the test "
+            "False leak findings the trend tests may raise per process and day on noise alone (above 0, below 1440), "
+            "half for the test "
             "of the per-minute medians and half for the test of the raw samples (which runs where nothing but "
             "noise or a leak climbs: past the young period, no sawtooth, no drop or wandering noise in the raw "
             "hour): it sets the z the growth must reach (at 0.01 about 5.35 for the medians and 5.5 for the "
