@@ -77,7 +77,7 @@ SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75}
 FRESH = [("sawtooth", 2004, "GPU-bench", 95.2, "troughs of 6-minute teeth in 2 MiB of noise: a 23-minute line "
                                                "of 16 MiB at z 6.2 (bar 5.35)"),
          ("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2 MiB: a 9-minute hinge of 16 MiB "
-                                                  "at z 5.6 (bar 5.35); at every phase"),
+                                                  "at z 5.6 (bar 5.35); at +15, +50 and +0 s"),
          ("mixed", 2012, "GPU-test", 28.5, "a young series: a 17-minute line of 369 MiB through the medians at "
                                            "z 9.3 (young bar 8.0); at +30, +50 and +0 s"),
          ("probed_mixed", 2014, "GPU-bench", 185.2, "troughs of 6-minute teeth in 4 MiB of noise: a 32-minute "
