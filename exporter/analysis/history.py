@@ -40,7 +40,7 @@ import bisect
 import zlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, cast
 
@@ -86,6 +86,12 @@ class RawSpan(NamedTuple):
     last_time: float
     low: float  # the least value
     flat: bool  # every value the same (then low is that value)
+
+
+def bucket_point(time_sum: float, values: Sequence[float]) -> tuple[float, float, float]:
+    """A bucket's point in the tier, from its samples' times summed and their values: the mean
+    time, the median and the least value."""
+    return time_sum / len(values), median(values), min(values)
 
 
 def bucket_offset(key: SeriesKey, bucket_seconds: float) -> float:
@@ -197,9 +203,10 @@ class _Series:
     def _close_bucket(self, now: float, retention_seconds: float) -> None:
         vals = self.bucket_vals
         if vals:
-            self.tier_t.append(self.bucket_tsum / len(vals))
-            self.tier_v.append(median(vals))
-            self.tier_lo.append(min(vals))
+            t, value, low = bucket_point(self.bucket_tsum, vals)
+            self.tier_t.append(t)
+            self.tier_v.append(value)
+            self.tier_lo.append(low)
             self.tier_start = _trim(self.tier_t, self.tier_start, now - retention_seconds,
                                     self.tier_v, self.tier_lo)
             self.view = None

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from . import leak_samples
-from .history import SeriesView
+from .history import SeriesView, bucket_point
 from .trend import MAD_SIGMA, mad, mann_kendall, median, theil_sen, theil_sen_line
 from .trend_test import (
     Prefix,
@@ -481,10 +481,10 @@ def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView | None:
     for b in edges[1:]:
         k = bisect.bisect_left(rt, b, j)
         if k > j:
-            chunk = rv[j:k]
-            ts.append(sum(rt[j:k]) / (k - j))
-            vs.append(median(chunk))
-            ls.append(min(chunk))
+            t, value, low = bucket_point(sum(rt[j:k]), rv[j:k])
+            ts.append(t)
+            vs.append(value)
+            ls.append(low)
         j = k
     return SeriesView(tuple(ts), tuple(vs), tuple(ls))
 
