@@ -29,9 +29,9 @@ What is not a leak is modelled explicitly rather than waited out:
     included); under a sawtooth, troughs that climb in two or three shrinking steps (judged
     against the troughs' noise read blind to steps);
   * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
-    tooth) instead of the medians, so a tooth's ramp is never taken for growth while growth
-    under the teeth lifts the troughs; cycles of a few minutes are read through the minima of
-    blocks of a few minutes;
+    tooth; the newest tooth's once the cache has grown off its floor) instead of the medians, so
+    a tooth's ramp is never taken for growth while growth under the teeth lifts the troughs;
+    cycles of a few minutes are read through the minima of blocks of a few minutes;
   * a cache emptied and filling up again, the next tooth of a sawtooth: growth that does not
     take the level clearly above every level of the half hour before it, nor above the level
     before a drop inside its window, is no leak (unless that level is too far above for the
@@ -437,7 +437,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
                                   max(config.min_shift_bytes, config.shift_noise_factor * low_noise))
             tested = ("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
-        tested = ("troughs", *_troughs(times, lows, base, drops))
+        tested = ("troughs", *_troughs(times, lows, base, drops, 2 * config.min_noise_bytes, tooth))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming;
     # not after a wake where none came before the sleep.
     young = tooth is None and not _woke_without_cycles(times, medians, lows, base, drop_bytes, config)
@@ -1033,10 +1033,15 @@ def _unstraddled(times: Sequence[float], medians: Sequence[float], lows: Sequenc
     return [t for k, t in enumerate(ts) if k not in drop], [v for k, v in enumerate(ls) if k not in drop]
 
 
-def _troughs(times: Sequence[float], lows: Sequence[float], base: int,
-             drops: list[float]) -> tuple[list[float], list[float]]:
+def _troughs(times: Sequence[float], lows: Sequence[float], base: int, drops: list[float],
+             floor_left: float, tooth: float) -> tuple[list[float], list[float]]:
     """One point per tooth of a sawtooth: the least minimum from the bucket of each drop (the
-    cache just freed) to the one before the next drop, at the time it occurred."""
+    cache just freed) to the one before the next drop, at the time it occurred. The newest
+    tooth's, while younger than a `tooth` period, only once its newest bucket's minimum stands
+    `floor_left` above it (the cache has grown off its floor): until then its floor is still
+    being sampled, and a minimum read over fewer samples than a whole floor's stands higher
+    (sawtooth#2004: the newest trough read over two samples, 8 MiB above the floor in 2.6 MiB of
+    noise, ended a 23-minute line at z 6.2)."""
     ts: list[float] = []
     vs: list[float] = []
     cuts = [bisect.bisect_left(times, d, base) for d in drops]
@@ -1044,6 +1049,8 @@ def _troughs(times: Sequence[float], lows: Sequence[float], base: int,
         if b > a:
             seg = lows[a:b]
             m = min(seg)
+            if b == len(times) and times[-1] - times[a] < tooth and seg[-1] - m < floor_left:
+                break
             ts.append(times[a + seg.index(m)])
             vs.append(m)
     return ts, vs
