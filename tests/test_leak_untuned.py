@@ -81,8 +81,8 @@ SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75}
 
 
 # Seeds 2000-2015 and 4000-4015 of every leak-free family, first replayed by 5e0fb52 (round 14) and
-# round 15 at the four bucket phases: the false alerts raised there, not fixed. Strict xfails, so that fixing one asks for
-# its mark to go. (family, seed, GPU UUID, minute, what it read)
+# round 15 at the four bucket phases: the false alerts raised there, not fixed. Strict xfails, so
+# that fixing one asks for its mark to go. (family, seed, GPU UUID, minute, what it read)
 FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2 MiB: a 9-minute hinge of 16 MiB "
                                                   "at z 5.6 (bar 5.35); at +15, +50 and +0 s"),
          ("mixed", 2012, "GPU-test", 28.5, "a young series: a 17-minute line of 369 MiB through the medians at "
