@@ -39,7 +39,8 @@ What is not a leak is modelled explicitly rather than waited out:
     drop and the climb back after it are left out of the noise measurement (its kinks would pass
     for noise that wanders);
   * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
-    correlation) bound the slope's error.
+    correlation) bound the slope's error; where a model of it is fitted, its inflation of the
+    slope's error allows for the few stretches of a window's length it was measured on.
 One view of each series is tested: the per-minute medians, or where cycles faster than a
 minute make them jitter, the minima (over the block length that makes them quietest; a newest
 bucket an up-step fell in left out, its minimum read over part of it only; where the 5 s samples
@@ -437,6 +438,9 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
                                   max(config.min_shift_bytes, config.shift_noise_factor * low_noise))
             tested = ("floor", ft, fl) if block == 1 else ("floor", *_block_floor(ft, fl, 0, block))
     else:  # the medians ride the teeth: only the troughs say whether the level grows
+        # Off its floor by two NVML pages: a cache grows in segments of several MiB, and under
+        # noise that lifts a bucket's minimum off the floor by as much, the trough is then read
+        # over a bucket or more of it, its bias already smaller.
         tested = ("troughs", *_troughs(times, lows, base, drops, 2 * config.min_noise_bytes, tooth))
     # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming;
     # not after a wake where none came before the sleep.
@@ -642,7 +646,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
             break
     if best is None:
         return why
-    rate = refine(prefix, best, sigma, table, config.min_points, wander)  # the onset to the point, for the rate
+    rate = refine(prefix, best, sigma, table, config.min_points, wander, n - settled)  # the onset to the point
     seconds = times[-1] - times[rate.onset]
     return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
                   rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)
@@ -1038,10 +1042,10 @@ def _troughs(times: Sequence[float], lows: Sequence[float], base: int, drops: li
     """One point per tooth of a sawtooth: the least minimum from the bucket of each drop (the
     cache just freed) to the one before the next drop, at the time it occurred. The newest
     tooth's, while younger than a `tooth` period, only once its newest bucket's minimum stands
-    `floor_left` above it (the cache has grown off its floor): until then its floor is still
-    being sampled, and a minimum read over fewer samples than a whole floor's stands higher
-    (sawtooth#2004: the newest trough read over two samples, 8 MiB above the floor in 2.6 MiB of
-    noise, ended a 23-minute line at z 6.2)."""
+    `floor_left` above the tooth's least (the cache has grown off its floor): until then its
+    floor is still being sampled, and a minimum read over fewer samples than a whole floor's
+    stands higher (sawtooth#2004: the newest trough read over two samples, 8 MiB above the floor
+    in 2.6 MiB of noise, ended a 23-minute line at z 6.2)."""
     ts: list[float] = []
     vs: list[float] = []
     cuts = [bisect.bisect_left(times, d, base) for d in drops]

@@ -262,13 +262,27 @@ def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
     return best[1] if best else None
 
 
+# Where the noise wanders, its excess over white noise is raised by this many of its estimate's
+# standard errors (kappa_for).
+WANDER_UNCERTAINTY = 2.0
+
+
 def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander | None = None,
-              sigma1: float = 0.0) -> float:
+              sigma1: float = 0.0, measured: int = 0) -> float:
     """kappa_from_table, or where the noise was fitted as a Wander model, the larger of that and
-    the model's exact inflation for this window."""
+    the model's exact inflation for this window, its excess over white noise raised by
+    WANDER_UNCERTAINTY standard errors of its estimate from `measured` points: the wander at a
+    window's scale is read from about measured / window_points stretches that long, whose variance
+    has a relative standard error of sqrt(2 window_points / measured), and a few stretches of noise
+    with minutes of memory can be far quieter than its long run (correlated#4001 in
+    bench/leak_corpus.py: measured on 211 points, a 7-minute memory, a 54-point slope's
+    inflation read as 68 where the trace's own AR(1) gives about 240, and its noise passed for a
+    line at z 5.41). White noise, which never fits a Wander model, keeps its estimate."""
     k = kappa_from_table(window_points, table)
     if wander is not None:
         k = max(k, wander.kappa(window_points, sigma1))
+        if measured > 0 and k > 1.0:
+            k = 1.0 + (k - 1.0) * (1.0 + WANDER_UNCERTAINTY * math.sqrt(2.0 * min(window_points, measured) / measured))
     return k
 
 
@@ -483,13 +497,13 @@ def best_hinge(prefix: Prefix, b: int, onsets: range, sigma1: float, kappa_of: C
 
 
 def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
-           min_points: int, wander: Wander | None = None) -> WindowResult:
+           min_points: int, wander: Wander | None = None, measured: int = 0) -> WindowResult:
     """The growth `w` found, its onset read to the point: over the same points, the joined
     line (flat, then growing) with the least residual, where it fits better than `w` (a free
     line over a window that began before the onset dilutes the rate with the flat stretch it
     holds). For the rate and its interval; the decision stays `w`'s."""
     h = best_hinge(prefix, w.start, range(w.start + 2, len(prefix.u) - 1), sigma1,
-                   lambda points: kappa_for(points, table, wander, sigma1), min_points)
+                   lambda points: kappa_for(points, table, wander, sigma1, measured), min_points)
     return h if h is not None and h.rss < w.rss else w
 
 
@@ -605,7 +619,7 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
     def kappa_of(points: int) -> float:
         k = kappa_at.get(points)
         if k is None:
-            k = kappa_at[points] = kappa_for(points, table, wander, sigma1)
+            k = kappa_at[points] = kappa_for(points, table, wander, sigma1, n - start)
         return k
     for w in windows_minutes:
         i = bisect.bisect_left(u, end_u - w + 1e-9)
