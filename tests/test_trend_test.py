@@ -184,11 +184,6 @@ def test_the_wanders_inflation_allows_for_its_estimate_from_few_stretches():
             passed[name] += abs(slope) / math.sqrt(sigma1 * sigma1 * kappa / sxx) > 2.5
     expected = 600 * 2 * (1 - NormalDist().cdf(2.5))
     assert passed["allowed for"] <= expected < passed["as measured"], passed
-    # White noise fits no Wander model: its inflation is the block estimates', however few points.
-    noise = white(n, 5.0, seed=3)
-    prefix = Prefix(times(n), noise)
-    table = kappas(prefix, 0, robust_sigma(noise), (2, 4, 8, 16, 32))
-    assert kappa_for(m, table, None, 5.0, measured=n) == kappa_for(m, table, None, 5.0)
 
 
 def test_step_models_split_only_the_segment_a_step_falls_in():

@@ -270,14 +270,16 @@ WANDER_UNCERTAINTY = 2.0
 def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander | None = None,
               sigma1: float = 0.0, measured: int = 0) -> float:
     """kappa_from_table, or where the noise was fitted as a Wander model, the larger of that and
-    the model's exact inflation for this window, its excess over white noise raised by
-    WANDER_UNCERTAINTY standard errors of its estimate from `measured` points: the wander at a
-    window's scale is read from about measured / window_points stretches that long, whose variance
-    has a relative standard error of sqrt(2 window_points / measured), and a few stretches of noise
-    with minutes of memory can be far quieter than its long run (correlated#4001 in
-    bench/leak_corpus.py: measured on 211 points, a 7-minute memory, a 54-point slope's
-    inflation read as 68 where the trace's own AR(1) gives about 240, and its noise passed for a
-    line at z 5.41). White noise, which never fits a Wander model, keeps its estimate."""
+    the model's exact inflation for this window, its excess over white noise then raised by
+    WANDER_UNCERTAINTY standard errors of an estimate from `measured` points. The standard error
+    is a rule of thumb, not the fit's own: the wander at a window's scale shows in about
+    measured / window_points stretches that long, and a variance read from k stretches has a
+    relative error of sqrt(2 / k). A few stretches of noise with minutes of memory can be far
+    quieter than its long run (correlated#4001 in bench/leak_corpus.py: measured on 211 points,
+    a 7-minute memory, a 54-point slope's inflation read as 68 where the trace's own AR(1) gives
+    about 240, and its noise passed for a line at z 5.41). The price: slow leaks in such noise
+    are found later (bench/README.md, round 15). White noise rarely fits a Wander model (it asks
+    a clear rise of the variance with the lag) and then keeps its estimate."""
     k = kappa_from_table(window_points, table)
     if wander is not None:
         k = max(k, wander.kappa(window_points, sigma1))
