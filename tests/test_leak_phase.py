@@ -58,6 +58,9 @@ from helpers.leak_replay import episodes
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from leak_corpus import T0, GiB, MiB, make_trace
 
+# GPU UUIDs whose series History cuts into minutes at +15, +30, +50 and +0 s.
+PHASES = ("GPU-bench", "GPU-test", "GPU-b", "GPU-c")
+
 # (family, seed, GPU UUID, the minute 66fad3c raised its false alert, what fooled it)
 FIXED = [("mixed", 15, "GPU-c", 20.0, "a young series' warm-up steps under 1.6-minute teeth read as a 16-minute "
                                       "line through per-minute minima at z 12 (young bar 7.8)"),
@@ -89,7 +92,7 @@ def test_a_young_warm_up_under_fast_teeth_raises_nothing_at_any_phase(family, se
 def test_growth_read_at_one_bucket_phase_only_raises_nothing_at_any_phase(family, seed, uuid, minute, why):
     trace = make_trace(family, seed)
     assert trace.leak_rate is None
-    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+    for gpu in PHASES:
         assert episodes(trace.times, trace.values, gpu) == [], (gpu, f"f5ea522 under {uuid}: minute {minute}")
 
 
@@ -132,7 +135,7 @@ def test_a_newest_trough_read_on_its_floor_raises_nothing_at_any_phase():
     # newest trough read over the first samples of the tooth's floor.
     trace = make_trace("mixed", 14)
     assert trace.leak_rate is None
-    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+    for gpu in PHASES:
         assert episodes(trace.times, trace.values, gpu) == [], gpu
 
 
@@ -221,7 +224,7 @@ def test_first_teeth_shorter_than_the_longest_tooth_raise_nothing_at_any_phase(t
     # 1a0cac6 raised these at every phase, at minute 19-20: 4 flat minutes and the first tooth's
     # 12-13 ramp minutes read as one 15-minute line.
     times, values = _first_teeth(tooth)
-    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+    for gpu in PHASES:
         assert episodes(times, values, gpu) == [], gpu
 
 
@@ -234,5 +237,5 @@ def test_a_second_tooth_just_after_the_young_period_raises_nothing():
     # window, taken as earlier levels, clear it, but cost leak_under_sawtooth_slow#2 30 min at
     # +30 s (its block floor's falls are noise): not kept.
     times, values = _first_teeth(13, flat_minutes=7, minutes=75)
-    for gpu in ("GPU-bench", "GPU-test", "GPU-b", "GPU-c"):
+    for gpu in PHASES:
         assert episodes(times, values, gpu) == [], gpu
