@@ -328,8 +328,8 @@ DETECTOR = DetectorSpec(
             "current rate is critical."),
         "false_alarms_per_day": (
             "False leak findings the trend tests may raise per process and day on noise alone (above 0, below 1440), "
-            "half for the test "
-            "of the per-minute medians and half for the test of the raw samples (which runs where nothing but "
+            "half for the test of the per-minute medians and half for the test of the raw samples (which runs "
+            "where nothing but "
             "noise or a leak climbs: past the young period, no sawtooth, no drop or wandering noise in the raw "
             "hour): it sets the z the growth must reach (at 0.01 about 5.35 for the medians and 5.5 for the "
             "samples, at 1 about 4.45 and 4.6). Larger finds leaks sooner, smaller later; "
