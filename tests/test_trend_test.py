@@ -7,6 +7,7 @@ from statistics import NormalDist
 import pytest
 
 from exporter.analysis.trend_test import (
+    NoiseModel,
     Prefix,
     ar1_slope_factor,
     best_split,
@@ -94,7 +95,7 @@ def test_scan_finds_a_line_and_the_joined_line_uses_the_baseline():
     prefix = Prefix(times(n), ys)
     sigma = robust_sigma(ys)
     table = kappas(prefix, 0, sigma, (2, 4, 8))
-    found = scan(prefix, 0, sigma, table, (10, 15, 20, 30), 5, threshold=5.0)
+    found = scan(prefix, 0, NoiseModel(sigma, table), (10, 15, 20, 30), 5, threshold=5.0)
     assert found, "a 20-minute line of z > 10 was missed"
     best = found[0]
     assert best.z == max(w.z for w in found)
@@ -105,8 +106,8 @@ def test_scan_finds_a_line_and_the_joined_line_uses_the_baseline():
     # Pure noise reaches no high threshold.
     quiet = white(n, 2.0, seed=6)
     qp = Prefix(times(n), quiet)
-    assert scan(qp, 0, robust_sigma(quiet), kappas(qp, 0, robust_sigma(quiet), (2, 4, 8)),
-                (10, 15, 20, 30, 60), 5, threshold=5.0) == []
+    noise = NoiseModel(robust_sigma(quiet), kappas(qp, 0, robust_sigma(quiet), (2, 4, 8)))
+    assert scan(qp, 0, noise, (10, 15, 20, 30, 60), 5, threshold=5.0) == []
 
 
 def test_a_short_window_of_wandering_noise_is_not_a_trend():
@@ -121,7 +122,7 @@ def test_a_short_window_of_wandering_noise_is_not_a_trend():
     sigma = robust_sigma(ys)
     table = kappas(prefix, 0, sigma, (2, 4, 8, 16))
     windows = (5, 8, 12, 16, 24, 32, 48)
-    assert scan(prefix, 0, sigma, table, windows, 5, threshold=5.0) == []
+    assert scan(prefix, 0, NoiseModel(sigma, table), windows, 5, threshold=5.0) == []
 
 
 def ar1(n, sd, rho, seed):

@@ -77,8 +77,8 @@ from . import leak_samples
 from .history import SeriesView, bucket_point
 from .trend import MAD_SIGMA, mad, mann_kendall, median, theil_sen, theil_sen_line
 from .trend_test import (
+    NoiseModel,
     Prefix,
-    Wander,
     WindowResult,
     best_hinge,
     best_split,
@@ -565,7 +565,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
     few = n - settled < MIN_NOISE_POINTS
     prefix = Prefix(times, values, cuts)
 
-    def noise() -> tuple[float, list[tuple[int, float]], dict[int, float], Wander | None]:
+    def noise() -> NoiseModel:
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes)
         # Steps down, left in for the test, would pass for wandering noise at the block sizes
         # that span them: the noise is measured with them taken out too.
@@ -582,16 +582,17 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # (Not for the troughs: one point a tooth, too few for the lags to show wandering apart
         # from a leak's onset.)
         wander = wander_fit(quiet, start) if name != "troughs" else None
-        return sigma, kappas(quiet, start, sigma, KAPPA_SCALES), {}, wander
-    sigma, table, kappa_at, wander = memo.get(name, end, base_time, n - settled, config, noise)
+        return NoiseModel(sigma, kappas(quiet, start, sigma, KAPPA_SCALES), wander, len(quiet.u) - start)
+    model = memo.get(name, end, base_time, n - settled, config, noise)
+    sigma = model.sigma
     if young or few:  # warm-up and first cycles are expected, or the noise is read on few points
         threshold *= config.young_threshold_factor
     # Windows longer than an hour move slowly: each is tested every third minute only (which
     # third, from the clock), a third of the cost for a minute more at most on slow leaks.
     turn = int(end // 60) % 3
     lengths = [w for k, w in enumerate(config.windows_minutes) if w <= 60 or k % 3 == turn]
-    windows = scan(prefix, settled, sigma, table, lengths, config.min_points, threshold, kappa_at=kappa_at,
-                   wander=wander, half_kink_minutes=config.half_kink_minutes)
+    windows = scan(prefix, settled, model, lengths, config.min_points, threshold,
+                   half_kink_minutes=config.half_kink_minutes)
     if not young:
         # Growth that began while the series was young (a warm-up's steps, a first tooth) keeps
         # the young bar after the young period: the period's end is no evidence against them.
@@ -646,7 +647,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
             break
     if best is None:
         return why
-    rate = refine(prefix, best, sigma, table, config.min_points, wander, n - settled)  # the onset to the point
+    rate = refine(prefix, best, model, config.min_points)  # the onset to the point
     seconds = times[-1] - times[rate.onset]
     return _Found(name, "hinge" if best.hinge else "line", rate.slope / 60.0, rate.se / 60.0, best.z, seconds,
                   rate.slope * seconds / 60.0, sigma, best.kappa, best.end - rate.onset, threshold)

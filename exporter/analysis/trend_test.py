@@ -35,7 +35,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from statistics import NormalDist
 
@@ -288,6 +288,26 @@ def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander
     return k
 
 
+@dataclass
+class NoiseModel:
+    """A series' noise as measured: the deviation of its points (`sigma`), the slope's variance
+    inflation at the block sizes measured (`table`, from kappas), a Wander model where it
+    wanders, and the points it was measured on. kappa() is kappa_for's, kept per window length
+    (a scan asks the same lengths every minute while the noise is not measured again)."""
+
+    sigma: float
+    table: list[tuple[int, float]]
+    wander: Wander | None = None
+    measured: int = 0
+    _kappas: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+
+    def kappa(self, points: int) -> float:
+        k = self._kappas.get(points)
+        if k is None:
+            k = self._kappas[points] = kappa_for(points, self.table, self.wander, self.sigma, self.measured)
+        return k
+
+
 def kappa_from_table(window_points: int, table: list[tuple[int, float]]) -> float:
     """The slope's variance inflation for a window of this many points: kappa at a block size of
     0.7 x the window, interpolated (log-log) between the block sizes measured, never below a
@@ -498,14 +518,13 @@ def best_hinge(prefix: Prefix, b: int, onsets: range, sigma1: float, kappa_of: C
     return best
 
 
-def refine(prefix: Prefix, w: WindowResult, sigma1: float, table: list[tuple[int, float]],
-           min_points: int, wander: Wander | None = None, measured: int = 0) -> WindowResult:
+def refine(prefix: Prefix, w: WindowResult, noise: NoiseModel, min_points: int) -> WindowResult:
     """The growth `w` found, its onset read to the point: over the same points, the joined
     line (flat, then growing) with the least residual, where it fits better than `w` (a free
     line over a window that began before the onset dilutes the rate with the flat stretch it
     holds). For the rate and its interval; the decision stays `w`'s."""
-    h = best_hinge(prefix, w.start, range(w.start + 2, len(prefix.u) - 1), sigma1,
-                   lambda points: kappa_for(points, table, wander, sigma1, measured), min_points)
+    h = best_hinge(prefix, w.start, range(w.start + 2, len(prefix.u) - 1), noise.sigma, noise.kappa,
+                   min_points)
     return h if h is not None and h.rss < w.rss else w
 
 
@@ -593,10 +612,8 @@ class Shape:
     warm_three_margin: float = math.inf
 
 
-def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float]],
-         windows_minutes: Sequence[float], min_points: int, threshold: float,
-         baseline: float = 2.0, kappa_at: dict[int, float] | None = None,
-         wander: Wander | None = None, half_kink_minutes: float = 0.0) -> list[WindowResult]:
+def scan(prefix: Prefix, start: int, noise: NoiseModel, windows_minutes: Sequence[float], min_points: int,
+         threshold: float, baseline: float = 2.0, half_kink_minutes: float = 0.0) -> list[WindowResult]:
     """Every growth ending at the newest point, begun a window length ago (the given lengths),
     at or after `start`, whose slope reaches `threshold`, in two models:
       free line   y = a + r t over the window;
@@ -612,17 +629,11 @@ def scan(prefix: Prefix, start: int, sigma1: float, table: list[tuple[int, float
     n = len(prefix.u)
     u = prefix.u
     out: list[WindowResult] = []
+    sigma1, kappa_of = noise.sigma, noise.kappa
     if sigma1 <= 0 or n - start < min_points:
         return out
     end_u = u[-1]
     sy = prefix.sy
-    kappa_at = {} if kappa_at is None else kappa_at  # (a caller's cache for this table)
-
-    def kappa_of(points: int) -> float:
-        k = kappa_at.get(points)
-        if k is None:
-            k = kappa_at[points] = kappa_for(points, table, wander, sigma1, n - start)
-        return k
     for w in windows_minutes:
         i = bisect.bisect_left(u, end_u - w + 1e-9)
         if i < start:
