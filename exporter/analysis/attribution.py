@@ -53,7 +53,7 @@ def attribute(history: History, uuid: str, p: ProcessSample, window_seconds: flo
     for name in ALLOCATOR_COMPONENTS:
         view = history.process_allocator(name, uuid, p.identity)
         times = view.times
-        values = view.lows if len(view.lows) == len(times) else view.values
+        values = view.least
         j = bisect.bisect_left(times, now - window_seconds)
         if len(times) - j < MIN_POINTS:
             continue

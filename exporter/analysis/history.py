@@ -75,6 +75,11 @@ class SeriesView:
     def __len__(self) -> int:
         return len(self.times)
 
+    @property
+    def least(self) -> tuple[float, ...]:
+        """The bucket minima, or a raw view's samples (which have none)."""
+        return self.lows if len(self.lows) == len(self.times) else self.values
+
 
 EMPTY = SeriesView((), ())
 

@@ -398,7 +398,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
-    lows = series.lows if len(series.lows) == len(times) else medians
+    lows = series.least
     n = len(times)
     if n < config.min_points:
         return LeakAssessment(False, None, (("reason", "too_few_points"), ("points", n)))
@@ -474,7 +474,7 @@ def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView | None:
     first such bucket's mean time are left out, older buckets kept as they are. None where the
     raw samples do not reach the newest bucket."""
     times, medians = series.times, series.values
-    lows = series.lows if len(series.lows) == len(times) else medians
+    lows = series.least
     rt, rv = raw.times, raw.values
     if not rt or not times or rt[-1] < times[-1]:
         return None
