@@ -2,6 +2,7 @@
 noise estimates, correlations, fits, step models and the scan over windows."""
 import math
 import random
+import statistics
 from statistics import NormalDist
 
 import pytest
@@ -9,9 +10,11 @@ import pytest
 from exporter.analysis.trend_test import (
     NoiseModel,
     Prefix,
+    Wander,
     ar1_slope_factor,
     best_split,
     kappa_for,
+    kappa_from_table,
     kappas,
     robust_sigma,
     scan,
@@ -185,6 +188,46 @@ def test_the_wanders_inflation_allows_for_its_estimate_from_few_stretches():
             passed[name] += abs(slope) / math.sqrt(sigma1 * sigma1 * kappa / sxx) > 2.5
     expected = 600 * 2 * (1 - NormalDist().cdf(2.5))
     assert passed["allowed for"] <= expected < passed["as measured"], passed
+
+
+def test_a_wander_model_reads_the_block_kappas_its_noise_gives():
+    # White noise of deviation 2 plus AR(1) of deviation 5 and rho 0.85, a long series: what
+    # kappas() measures at each block size is what the model says it reads there.
+    rng = random.Random(21)
+    n, rho = 6000, 0.85
+    ys = [a + rng.gauss(0, 2.0) for a in ar1(n, 5.0, rho, seed=22)]
+    sigma1 = robust_sigma(ys)
+    model = Wander(4.0, 25.0, rho)
+    for b, k in kappas(Prefix(times(n), ys), 0, sigma1, (2, 4, 8, 16)):
+        assert model.block_kappa(b, sigma1) == pytest.approx(k, rel=0.2), b
+    assert Wander(4.0, 0.0, 0.0).block_kappa(8, 2.0) == pytest.approx(1.0)  # white noise: 1
+
+
+def test_beyond_the_largest_block_a_model_that_explains_the_blocks_says_how_kappa_grows():
+    # Two hours of AR(1) noise with a memory of about 6 points, 100 draws: blocks up to 8 are
+    # measured, between which kappa grows almost as a random walk's would. Carried on at that
+    # rate to a 150-point window, the inflation is several times what the noise gives it; a
+    # Wander model that accounts for the blocks gives about the exact one.
+    n, m, rho, sd = 120, 150, 0.85, 5.0
+    extrapolated, modelled = [], []
+    for seed in range(100):
+        ys = ar1(n, sd, rho, seed)
+        prefix = Prefix(times(n), ys)
+        sigma1 = robust_sigma(ys)
+        table = kappas(prefix, 0, sigma1, (2, 4, 8, 16, 32))
+        model = wander_fit(prefix, 0)
+        exact = sd * sd * ar1_slope_factor(rho, m) / (sigma1 * sigma1)
+        extrapolated.append(kappa_from_table(m, table) / exact)
+        if model is not None and model.explains(table, sigma1):
+            modelled.append(kappa_for(m, table, model, sigma1) / exact)
+    assert len(modelled) >= 50
+    assert statistics.median(extrapolated) > 2.5
+    assert 0.67 <= statistics.median(modelled) <= 1.5
+    # A model that falls short of what the blocks measured leaves their extrapolation in force.
+    table = [(2, 1.1), (4, 1.5), (8, 2.4)]
+    short = Wander(0.0, 0.5, 0.2)
+    assert not short.explains(table, 2.0)
+    assert kappa_for(m, table, short, 2.0) == kappa_from_table(m, table) > 2.4
 
 
 def test_step_models_split_only_the_segment_a_step_falls_in():

@@ -40,7 +40,8 @@ What is not a leak is modelled explicitly rather than waited out:
     for noise that wanders);
   * noise that wanders: besides the block estimates, the window's own residuals (their lag-1
     correlation) bound the slope's error; where a model of it is fitted, its inflation of the
-    slope's error allows for the few stretches of a window's length it was measured on.
+    slope's error allows for the few stretches of a window's length it was measured on, and
+    where it accounts for the blocks measured, it says how the inflation grows beyond them.
 One view of each series is tested: the per-minute medians, or where cycles faster than a
 minute make them jitter, the minima (over the block length that makes them quietest; a newest
 bucket an up-step fell in left out, its minimum read over part of it only; where the 5 s samples

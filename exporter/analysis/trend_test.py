@@ -184,6 +184,25 @@ class Wander:
             return 1.0
         return (self.white + self.var * ar1_slope_factor(self.rho, points)) / (sigma1 * sigma1)
 
+    def block_kappa(self, b: int, sigma1: float) -> float:
+        """What kappas() reads at block size b under this model: b times the variance of the
+        second difference of adjacent b-point means, over 6 sigma1^2."""
+        if sigma1 <= 0 or b < 1:
+            return 1.0
+        rho = self.rho
+
+        def cov(j: int) -> float:
+            # Of two b-point means j blocks apart, the AR(1) part of unit variance: their b^2
+            # pairs of points grouped by distance (b - |d| pairs d apart within the blocks).
+            return sum((b - abs(d)) * rho ** abs(j * b + d) for d in range(1 - b, b)) / (b * b)
+        second = 6.0 * cov(0) - 8.0 * cov(1) + 2.0 * cov(2)
+        return (self.white + b * self.var * second / 6.0) / (sigma1 * sigma1)
+
+    def explains(self, table: list[tuple[int, float]], sigma1: float) -> bool:
+        """Whether the model accounts for the wander the blocks measured, at the largest block
+        size (within BLOCK_SCATTER of it)."""
+        return bool(table) and self.block_kappa(table[-1][0], sigma1) >= table[-1][1] / BLOCK_SCATTER
+
 
 def ar1_slope_factor(rho: float, m: int) -> float:
     """Var(least-squares slope) over m equally spaced points of an AR(1) process of unit variance
@@ -265,13 +284,27 @@ def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
 # Where the noise wanders, its excess over white noise is raised by this many of its estimate's
 # standard errors (kappa_for).
 WANDER_UNCERTAINTY = 2.0
+# How far below the largest block's kappa a Wander model's may fall and still account for it: the
+# scatter of a kappa read from eight blocks (a relative error of about 0.5).
+BLOCK_SCATTER = 1.5
 
 
 def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander | None = None,
               sigma1: float = 0.0, measured: int = 0) -> float:
     """kappa_from_table, or where the noise was fitted as a Wander model, the larger of that and
     the model's exact inflation for this window, its excess over white noise then raised by
-    WANDER_UNCERTAINTY standard errors of an estimate from `measured` points. The standard error
+    WANDER_UNCERTAINTY standard errors of an estimate from `measured` points.
+
+    Beyond the largest block measured, a Wander model that accounts for the wander the blocks
+    measured (Wander.explains) says how the inflation grows, not the blocks' own growth: between
+    small blocks an AR(1) of several minutes' memory grows as a random walk's would, and carried
+    on at that rate to a long window it overstated the inflation tenfold (wandering_leak#4 in
+    bench/leak_corpus.py: 400-770 where the model gave 50-130, and its 1 MiB/min leak was found
+    after 193 minutes, 4.4x its limit). A model that falls short of the blocks (a quiet stretch
+    fitted with a memory of a minute where the blocks still grew at eight points: correlated#2013
+    at +30 s) leaves the blocks' extrapolation in force.
+
+    The standard error
     is a rule of thumb, not the fit's own: the wander at a window's scale shows in about
     measured / window_points stretches that long, and a variance read from k stretches has a
     relative error of sqrt(2 / k). A few stretches of noise with minutes of memory can be far
@@ -280,7 +313,8 @@ def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander
     about 240, and its noise passed for a line at z 5.41). The price: slow leaks in such noise
     are found later (bench/README.md, round 15). White noise rarely fits a Wander model (it asks
     a clear rise of the variance with the lag) and then keeps its estimate."""
-    k = kappa_from_table(window_points, table)
+    explained = wander is not None and wander.explains(table, sigma1)
+    k = kappa_from_table(window_points, table, extrapolate=not explained)
     if wander is not None:
         k = max(k, wander.kappa(window_points, sigma1))
         if measured > 0 and k > 1.0:
@@ -308,14 +342,15 @@ class NoiseModel:
         return k
 
 
-def kappa_from_table(window_points: int, table: list[tuple[int, float]]) -> float:
+def kappa_from_table(window_points: int, table: list[tuple[int, float]], extrapolate: bool = True) -> float:
     """The slope's variance inflation for a window of this many points: kappa at a block size of
-    0.7 x the window, interpolated (log-log) between the block sizes measured, never below a
-    smaller block's. For AR(1) noise of any memory this lies within about 25 % of the exact
-    inflation of a least-squares slope (kappa at half the window would fall short by up to 2x,
-    at the whole window overshoot by as much). A window longer than the largest block measured
+    the window's own length, interpolated (log-log) between the block sizes measured, never below
+    a smaller block's. For AR(1) noise this errs on the safe side, up to about 2x above the exact
+    inflation of a least-squares slope (at 0.7 x the window it would lie within about 25 %, at
+    half the window fall short by up to 2x). A window longer than the largest block measured
     gets that kappa extrapolated at the rate it grew between the two largest blocks (noise
-    still wandering at the longest scale seen is assumed to go on wandering)."""
+    still wandering at the longest scale seen is assumed to go on wandering); without
+    `extrapolate`, the largest block's kappa."""
     x = float(window_points)
     prev_b, prev_k = 1.0, 1.0
     best = 1.0
@@ -327,6 +362,8 @@ def kappa_from_table(window_points: int, table: list[tuple[int, float]]) -> floa
             f = math.log(x / prev_b) / math.log(b / prev_b)
             return max(best, float(prev_k * (k / prev_k) ** f))
         best, prev_b, prev_k = k, float(b), k
+    if not extrapolate:
+        return best
     if len(table) >= 2:  # beyond the largest block measured: at the rate it last grew
         (b1, k1), (b2, k2) = table[-2], table[-1]
         growth = min(1.0, max(0.0, math.log(max(k2, 1.0) / max(k1, 1.0)) / math.log(b2 / b1)))
