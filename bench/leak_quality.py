@@ -392,10 +392,20 @@ def false_alerts(o: Outcome, method) -> int:
     return sum(1 for e in o.episodes[method] if e < onset)
 
 
+def cleared_while_leaking(o: Outcome, method) -> bool:
+    """Whether the finding cleared and was raised again while the leak went on (a page that
+    resolves in the middle of a leak)."""
+    if o.leak_start is None:
+        return False
+    deadline = o.full_at if o.full_at is not None else o.end
+    return sum(1 for e in o.episodes[method] if o.leak_start <= e <= deadline) > 1
+
+
 def summary(outcomes: list[Outcome], method) -> dict:
     leaks = [o for o in outcomes if o.leak_rate is not None]
     delays = [d for d in (first_catch(o, method) for o in leaks) if d is not None]
     return {"false_traces": sum(1 for o in outcomes if false_alerts(o, method)),
+            "cleared": sum(1 for o in leaks if cleared_while_leaking(o, method)),
             "false_episodes": sum(false_alerts(o, method) for o in outcomes),
             "traces": len(outcomes), "leaks": len(leaks), "caught": len(delays),
             "median_delay": statistics.median(delays) if delays else None,
@@ -616,7 +626,7 @@ def main(argv=None) -> int:
         s = summary(outcomes, method)
         print(f"- {label}: false alerts on {s['false_traces']}/{s['traces']} traces ({s['false_episodes']} episodes), "
               f"leaks caught {s['caught']}/{s['leaks']}, median delay {_min(s['median_delay'])}, "
-              f"max {_min(s['max_delay'])}.")
+              f"max {_min(s['max_delay'])}, cleared while leaking {s['cleared']}/{s['leaks']}.")
     for r in SPEC_RULES:
         s = summary(outcomes, r)
         print(f"- PromQL `{r.text}`: false alerts on {s['false_traces']}/{s['traces']} traces, "

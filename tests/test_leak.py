@@ -258,6 +258,21 @@ def test_verdict_is_memoised_per_view_and_config():
     assert not strict.suspected and first.suspected
 
 
+def test_a_raised_findings_series_is_judged_at_the_hold_bar():
+    # What the detector asks while a finding is raised (LeakConfig.hold_bar): the same view at a
+    # lower bar is judged again, not served the full bar's verdict, and its threshold is lowered.
+    times = tuple(T0 + 60 * i for i in range(120))
+    view = SeriesView(times, tuple(float(GiB + i * 50 * MiB) for i in range(120)))
+    assessor, config = LeakAssessor(), LeakConfig()
+    full = assessor("p", view, TOTAL, times[-1], config)
+    held = assessor("p", view, TOTAL, times[-1], config, bar=config.hold_bar)
+    assert full.suspected and held.suspected and held is not full
+    assert dict(held.evidence)["threshold_z"] == pytest.approx(config.hold_bar * dict(full.evidence)["threshold_z"],
+                                                              abs=0.01)
+    with pytest.raises(ValueError, match="hold_bar"):
+        LeakConfig(hold_bar=0.0)
+
+
 def test_pid_reuse_does_not_inherit_a_leak_verdict():
     history = History()
     old, new = (77, T0 - 10), (77, T0 + 7300)

@@ -8,6 +8,11 @@ random walk's would; the detector of 3a46a8c carried that growth on to windows o
 more, read the slope's inflation several times too high, and found the leak after 149 minutes.
 A Wander model that accounts for what the blocks measured now says how the inflation grows
 beyond them (trend_test.kappa_for).
+
+Found, it must stay found while the leak goes on: the noise is measured again every ten minutes,
+and read again it put the leak's z from 9-13 back to 4 for 40 minutes, longer than the latch's
+half hour, so the finding cleared at minute 169 and came back at 179. A raised finding is now
+judged at half the bar (LeakConfig.hold_bar).
 """
 import sys
 from pathlib import Path
@@ -18,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from leak_corpus import T0, limit_seconds, make_trace
 
 
-def test_a_slow_leak_in_noise_that_wanders_is_found_within_one_and_a_half_times_its_limit():
+def test_a_slow_leak_in_noise_that_wanders_is_found_within_one_and_a_half_times_its_limit_and_stays_found():
     trace = make_trace("wandering_leak", 10)
-    assert trace.leak_rate == 1.0 and trace.noise_sigma > 0
+    assert trace.leak_rate == 1.0 and trace.noise_sigma > 0 and trace.full_at is None
     onset = (trace.leak_start - T0) / 60
     limit = limit_seconds(trace) / 60
-    end = int((onset + 1.5 * limit + 5) * 12)  # samples, 5 s each
-    found = episodes(trace.times[:end], trace.values[:end])
-    assert found, f"not found within {1.5 * limit:.0f} min of its onset (limit {limit:.0f} min)"
+    found = episodes(trace.times, trace.values)  # the whole 6 h: the leak goes on to the end
+    assert found, "not found"
     assert onset <= found[0] <= onset + 1.5 * limit, (onset, limit, found)
+    assert len(found) == 1, f"the finding cleared and came back while the leak went on: {found}"

@@ -196,6 +196,12 @@ class LeakConfig:
     # 1.43x -> 1.55x its limit); not lower: at 0.45 a young warm-up under small teeth (mixed#21
     # at +0 s) passes at both phases.
     other_phase_bar: float = 0.6
+    # A raised leak stays raised while its growth passes this fraction of the bar (the latch
+    # holds it through quiet minutes besides). The noise is measured again every ten minutes, and
+    # read again it can put a leak found at z 9-13 back to z 4: 10 of 96 leaks in the corpus, and
+    # 7 of 16 slow ones in noise that wanders, cleared and were raised again while they went on
+    # (bench/leak_quality.py: "cleared while leaking").
+    hold_bar: float = 0.5
     # The noise (its deviation and correlations) is measured again this often per series.
     noise_refresh_seconds: float = 600
     # Windows whose shape (steps, curvature) is examined per verdict at most, highest z first: a
@@ -220,8 +226,8 @@ class LeakConfig:
     stale_seconds: float = 300
 
     def __post_init__(self) -> None:
-        if not 0 < self.other_phase_bar <= 1:
-            raise ValueError("leak: other_phase_bar must be > 0 and at most 1")
+        if not 0 < self.other_phase_bar <= 1 or not 0 < self.hold_bar <= 1:
+            raise ValueError("leak: other_phase_bar and hold_bar must be > 0 and at most 1")
         if not 0 < self.false_alarms_per_day < MINUTES_PER_DAY:
             raise ValueError("leak: false_alarms_per_day must be > 0 and below one a minute")
         if not self.windows_minutes or list(self.windows_minutes) != sorted(self.windows_minutes) \
@@ -293,20 +299,22 @@ class LeakAssessor:
     forgotten, so it holds only the series still asked about."""
 
     def __init__(self) -> None:
-        # key -> (view, total_bytes, config, signals, verdict, the series' noise memo)
-        Kept = tuple[SeriesView, int | None, LeakConfig, int, LeakAssessment, NoiseMemo]
+        # key -> (view, total_bytes, config, (signals, bar), verdict, the series' noise memo)
+        Kept = tuple[SeriesView, int | None, LeakConfig, tuple[int, float], LeakAssessment, NoiseMemo]
         self._kept: dict[Hashable, Kept] = {}
         self._asked: dict[Hashable, Kept] = {}
 
     def __call__(self, key: Hashable, series: SeriesView, total_bytes: int | None, now: float,
                  config: LeakConfig = DEFAULT_CONFIG, signals: int = 1,
-                 raw: RawSamples | None = None) -> LeakAssessment:
+                 raw: RawSamples | None = None, bar: float = 1.0) -> LeakAssessment:
+        """The verdict on `series`, its threshold lowered to `bar` of the budget's (a raised
+        finding's hold, LeakConfig.hold_bar)."""
         times = series.times
         if times and now - times[-1] > config.stale_seconds:
             return assess(series, total_bytes, now, config)  # no verdict on a stale series
         kept = self._kept.get(key) or self._asked.get(key)
         memo = kept[5] if kept is not None and (kept[2] is config or kept[2] == config) else NoiseMemo()
-        if kept is not None and kept[0] is series and kept[1] == total_bytes and kept[3] == signals and \
+        if kept is not None and kept[0] is series and kept[1] == total_bytes and kept[3] == (signals, bar) and \
                 (kept[2] is config or kept[2] == config):
             result = kept[4]
             # A fast leak's first minute: the samples' test between the medians' minutes, on
@@ -317,8 +325,8 @@ class LeakAssessor:
                 if found is not None:
                     result = _assessment(found, config, None, total_bytes, series.values[-1])
         else:
-            result = verdict(series, total_bytes, config, signals, memo, raw)
-        self._asked[key] = (series, total_bytes, config, signals, result, memo)
+            result = verdict(series, total_bytes, config, signals, memo, raw, bar=bar)
+        self._asked[key] = (series, total_bytes, config, (signals, bar), result, memo)
         return result
 
     def prune(self) -> None:
@@ -393,9 +401,10 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     memo, of the noise measured on them up to noise_refresh_seconds before; with `raw`, which
     returns the same series' raw samples, of those where a leak's first minutes are in doubt,
     and of the teeth they show, which may choose the view tested, measured with the noise), so
-    a caller may keep it for as long as it holds the same SeriesView. `block` and `bar` are the
-    other phase's reading of a finding (_other_phase): the view given, not chosen (0 the
-    medians, else the minima over blocks of that many points), and the bar lowered."""
+    a caller may keep it for as long as it holds the same SeriesView. `bar` lowers the threshold
+    (a raised finding's hold, or the other phase's reading); `block` is the other phase's reading
+    of a finding (_other_phase): the view given, not chosen (0 the medians, else the minima over
+    blocks of that many points)."""
     memo = memo or NoiseMemo()
     times = series.times
     medians = series.values
@@ -462,7 +471,8 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         else None
     if other is not None:
         memo.other = memo.other or NoiseMemo()
-        again = verdict(other, total_bytes, config, signals, memo.other, raw, block=block, bar=config.other_phase_bar)
+        again = verdict(other, total_bytes, config, signals, memo.other, raw, block=block,
+                        bar=config.other_phase_bar * bar)
         # Only a reading that was judged refutes (not one too short to judge).
         if not again.suspected and dict(again.evidence)["reason"] not in ("too_few_points", "settling"):
             return LeakAssessment(False, slope, (("reason", "not_at_another_phase"),))

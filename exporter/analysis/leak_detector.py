@@ -95,7 +95,8 @@ class LeakDetector:
                 leaking = self._latched(key, mem, via, p.endpoint not in asleep, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
                     a = self._assess(("rss", p.identity), history.process_rss(p.identity),
-                                     host_total, now, config, SIGNALS_PER_SERIES)
+                                     host_total, now, config, SIGNALS_PER_SERIES,
+                                     bar=self._bar(("rss", p.identity), config))
                     rss[p.identity] = (a, self._latched(("rss", p.identity), a, "", True, now))
                 host, host_leaking = rss.get(p.identity, (None, False))
                 rss_leak = p.role == "vllm" and host_leaking
@@ -122,7 +123,7 @@ class LeakDetector:
                 if p.host_rss_bytes is None or p.identity in rss:
                     continue
                 a = self._assess(("rss", p.identity), history.process_rss(p.identity), host_total, now, config,
-                                 SIGNALS_PER_SERIES)
+                                 SIGNALS_PER_SERIES, bar=self._bar(("rss", p.identity), config))
                 leaking = self._latched(("rss", p.identity), a, "", p.endpoint not in asleep, now)
                 rss[p.identity] = (a, leaking)
                 if leaking:
@@ -132,6 +133,11 @@ class LeakDetector:
         self._raised = {k: v for k, v in self._raised.items() if k in self._latch}
         self._assess.prune()  # only the series of live processes are kept
         return LeakResult(tuple(trends), tuple(findings))
+
+    def _bar(self, key: Hashable, config: LeakConfig) -> float:
+        """The fraction of the budget's threshold `key`'s series is judged at: lower while its
+        finding is raised, so a leak stays found while it goes on (LeakConfig.hold_bar)."""
+        return config.hold_bar if key in self._latch else 1.0
 
     def _latched(self, key: Hashable, a: LeakAssessment, via: str, judged: bool, now: float) -> bool:
         """The latch updated with this tick's verdict (counted only where `judged`); the verdict
@@ -153,13 +159,15 @@ class LeakDetector:
                     parts.append((name, view))
         signals = SIGNALS_PER_SERIES * (1 + len(parts))
         key = (gpu.uuid, p.identity)
+        bar = self._bar(key, config)
         mem = self._assess(key, history.process_memory(gpu.uuid, p.identity), gpu.total_bytes, now,
                            config, signals,
-                           lambda since=None: history.process_memory(gpu.uuid, p.identity, raw=True, since=since))
+                           lambda since=None: history.process_memory(gpu.uuid, p.identity, raw=True, since=since),
+                           bar)
         if mem.suspected:
             return mem, ""
         for name, view in parts:
-            a = self._assess((name, *key), view, None, now, config, signals)
+            a = self._assess((name, *key), view, None, now, config, signals, bar=bar)
             if a.suspected:
                 return LeakAssessment(True, a.slope_bytes_per_second,
                                       (("series", name),) + a.evidence, a.interval), name
