@@ -90,11 +90,18 @@ SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75, ("mixed"
           ("correlated", 4001): 50}
 
 
-# Seeds 2000-2015 and 4000-4015 of every leak-free family, first replayed by 5e0fb52 (round 14) and
-# round 15 at the four bucket phases: the false alerts raised there, not fixed. Strict xfails, so
-# that fixing one asks for its mark to go. (family, seed, GPU UUID, minute, what it read)
+# Seeds 2000-2015, 4000-4015 and 6000-6015 of every leak-free family, first replayed by 5e0fb52
+# (round 14), round 15 and round 16 at the four bucket phases: the false alerts raised there, not
+# fixed. Strict xfails, so that fixing one asks for its mark to go. (family, seed, GPU UUID,
+# minute, what it read)
 FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2 MiB: a 9-minute hinge of 16 MiB "
-                                                  "at z 5.6 (bar 5.35); since round 15 at +15 s only")]
+                                                  "at z 5.6 (bar 5.35); at +15 s and, since round 16, +50 s"),
+         ("mixed", 6007, "GPU-bench", 99.2, "a warm-up's steps under a small sawtooth, read through the block floor: a "
+                                            "79-minute line of 81 MiB at z 12.8 (young bar 8.0)"),
+         ("sleep_wake", 6009, "GPU-bench", 108.2, "the cache warming up in steps after a wake with no cycles before "
+                                                  "the sleep (no young period): a 6-minute line of 114 MiB at z 5.7"),
+         ("probed_mixed", 6001, "GPU-bench", 106.2, "a warm-up's steps under the cache's cycles, read through the "
+                                                    "troughs: an 89-minute line of 198 MiB at z 8.5")]
 
 
 @pytest.mark.parametrize("family,seed,uuid", [
