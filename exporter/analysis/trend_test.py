@@ -304,15 +304,15 @@ def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander
     fitted with a memory of a minute where the blocks still grew at eight points: correlated#2013
     at +30 s) leaves the blocks' extrapolation in force.
 
-    The standard error
-    is a rule of thumb, not the fit's own: the wander at a window's scale shows in about
-    measured / window_points stretches that long, and a variance read from k stretches has a
-    relative error of sqrt(2 / k). A few stretches of noise with minutes of memory can be far
-    quieter than its long run (correlated#4001 in bench/leak_corpus.py: measured on 211 points,
-    a 7-minute memory, a 54-point slope's inflation read as 68 where the trace's own AR(1) gives
-    about 240, and its noise passed for a line at z 5.41). The price: slow leaks in such noise
-    are found later (bench/README.md, round 15). White noise rarely fits a Wander model (it asks
-    a clear rise of the variance with the lag) and then keeps its estimate."""
+    The standard error is a rule of thumb, not the fit's own: the wander at a window's scale
+    shows in about measured / window_points stretches that long, and a variance read from k
+    stretches has a relative error of sqrt(2 / k). A few stretches of noise with minutes of
+    memory can be far quieter than its long run (correlated#4001 in bench/leak_corpus.py:
+    measured on 211 points, a 7-minute memory, a 54-point slope's inflation read as 68 where the
+    trace's own AR(1) gives about 240, and its noise passed for a line at z 5.41). The price:
+    slow leaks in such noise are found later (bench/README.md, rounds 15 and 16). White noise
+    rarely fits a Wander model (it asks a clear rise of the variance with the lag) and then keeps
+    its estimate."""
     explained = wander is not None and wander.explains(table, sigma1)
     k = kappa_from_table(window_points, table, extrapolate=not explained)
     if wander is not None:
