@@ -379,12 +379,17 @@ def _rules_one(spec) -> tuple[Outcome, dict]:
     return out, eps
 
 
-def first_catch(o: Outcome, method) -> float | None:
+def while_leaking(o: Outcome, method) -> list[float]:
+    """The episodes begun between the leak's onset and the card filling (or the trace's end)."""
     if o.leak_start is None:
-        return None
+        return []
     deadline = o.full_at if o.full_at is not None else o.end
-    hits = [e for e in o.episodes[method] if o.leak_start <= e <= deadline]
-    return hits[0] - o.leak_start if hits else None
+    return [e for e in o.episodes[method] if o.leak_start <= e <= deadline]
+
+
+def first_catch(o: Outcome, method) -> float | None:
+    hits = while_leaking(o, method)
+    return hits[0] - o.leak_start if hits and o.leak_start is not None else None
 
 
 def false_alerts(o: Outcome, method) -> int:
@@ -395,10 +400,7 @@ def false_alerts(o: Outcome, method) -> int:
 def cleared_while_leaking(o: Outcome, method) -> bool:
     """Whether the finding cleared and was raised again while the leak went on (a page that
     resolves in the middle of a leak)."""
-    if o.leak_start is None:
-        return False
-    deadline = o.full_at if o.full_at is not None else o.end
-    return sum(1 for e in o.episodes[method] if o.leak_start <= e <= deadline) > 1
+    return len(while_leaking(o, method)) > 1
 
 
 def summary(outcomes: list[Outcome], method) -> dict:
