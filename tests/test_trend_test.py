@@ -18,6 +18,7 @@ from exporter.analysis.trend_test import (
     kappas,
     robust_sigma,
     scan,
+    shrinking,
     step_models,
     steps_fit,
     threshold_z,
@@ -259,13 +260,27 @@ def test_steps_fit_places_several_steps_where_they_fit_best():
     rng = random.Random(3)
     ys = [v + rng.gauss(0, 1.0) for v in levels]
     p = Prefix(times(len(ys)), ys)
-    three, sizes = steps_fit(p, 0, len(ys), 3)
+    three, sizes, counts = steps_fit(p, 0, len(ys), 3)
     assert three < 4 * 1.0 * len(ys)  # the noise's scatter, not the steps'
     assert sizes == pytest.approx([40.0, 28.0, 24.0], abs=4.0)
+    assert counts == [1, 2, 2, 2]
     assert steps_fit(p, 0, len(ys), 2)[0] > 10 * three  # two steps cannot place the three
     assert three < p.line(0, len(ys))[4] / 10  # nor can a line
     # On a line the steps fit worse than the line does, and with no room for them not at all.
     ramp = [2.0 * k + g for k, g in enumerate(white(12, 1.0, seed=4))]
     q = Prefix(times(12), ramp)
     assert steps_fit(q, 0, 12, 3)[0] > q.line(0, 12)[4]
-    assert steps_fit(q, 0, 6, 3) == (math.inf, [])
+    assert steps_fit(q, 0, 6, 3) == (math.inf, [], [])
+
+
+def test_a_warm_ups_steps_shrink_within_what_the_levels_noise_allows():
+    # mixed#6007's block floor (7.3 MiB of noise): a warm-up's steps of 24, 24 and 16 MiB read as
+    # 26, 38 and 27 from levels of 3, 14, 7 and 16 points. 38 is 1.5x 26, within the noise of
+    # levels that short; read from levels of a hundred points each, it is a step that grew.
+    sizes = [26.0, 38.0, 27.0]
+    assert shrinking(sizes, [3, 14, 7, 16], 7.3)
+    assert not shrinking(sizes, [100, 100, 100, 100], 7.3)
+    assert not shrinking(sizes, [3, 14, 7, 16], 0.0)  # as read: 38 > 1.25 x 26
+    assert shrinking([40.0, 30.0, 25.0], [100, 100, 100, 100], 7.3)  # shrinking outright
+    assert not shrinking([26.0, -4.0, 27.0], [3, 14, 7, 16], 7.3)  # a warm-up only grows
+    assert not shrinking([], [], 7.3)

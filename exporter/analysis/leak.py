@@ -13,10 +13,10 @@ long enough for its rate has passed, close to what the noise allows (bench/leak_
 What is not a leak is modelled explicitly rather than waited out:
   * start-up: nothing is judged until `settle_seconds` after the last large up-step (weights,
     KV cache preallocation, a second model, a wake from sleep); then, while the series is
-    young, a higher bar (kept afterwards for growth that began then) and no rise shorter than
-    a sawtooth's first tooth (timed from where it begins, not from the window's start). After
-    a wake with no cycles before the sleep, no young period: its cache warms up in steps the
-    warm-up model below explains, and no first tooth comes;
+    young (no sawtooth measured), a higher bar and a warm-up's shrinking steps as a model (both
+    kept afterwards for growth that began then), and no rise shorter than a sawtooth's first
+    tooth (timed from where it begins, not from the window's start); not that after a wake
+    with no cycles before the sleep, where none comes;
   * level shifts: a jump that stands out from the jumps on either side is taken out, each
     segment between them fitted with its own intercept, so the slope is read within segments
     only; within a window the line must fit clearly better than one step (or, over a leak's
@@ -26,8 +26,9 @@ What is not a leak is modelled explicitly rather than waited out:
     (small steps below the shift size);
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
     up to a plateau; a staircase that shrinks or slows is one too (the step before its run
-    included); under a sawtooth, troughs that climb in two or three shrinking steps (judged
-    against the troughs' noise read blind to steps);
+    included); under a sawtooth, troughs that climb in two or three shrinking steps, and so
+    does growth begun while young (judged against the noise read blind to steps; a step
+    shrinks unless it is larger than the one before by more than the levels' noise allows);
   * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
     tooth; the newest tooth's once the cache has grown off its floor) instead of the medians, so
     a tooth's ramp is never taken for growth while growth under the teeth lifts the troughs;
@@ -171,16 +172,21 @@ class LeakConfig:
     drop_noise_factor: float = 4.0
     max_tooth_seconds: float = 900
     # For this long after the settling period, while no sawtooth was measured, the series is
-    # young: an allocator warms up and a sawtooth's first tooth comes then. Rises shorter than
-    # first_tooth_seconds are not judged (they may be that first tooth), the threshold is this
-    # factor higher, and no staircase is called (a warm-up's first steps make one).
+    # young: an allocator warms up and a sawtooth's first tooth comes then. Growth begun then is
+    # held to a threshold this factor higher (afterwards too) and to a warm-up's shrinking
+    # steps, rises shorter than first_tooth_seconds are not judged (they may be that first
+    # tooth), and no staircase is called (a warm-up's first steps make one). (Under a sawtooth
+    # the troughs are held to a warm-up's steps at any age, and a young bar there would hold a
+    # leak begun after the young period too: few troughs show it but in windows that begin
+    # earlier.)
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
     first_tooth_seconds: float = 900
-    # ... except after a wake from sleep where the series showed no cycles before it fell asleep:
-    # a large up-step that gives back at least this fraction of a large fall before it. The cache,
-    # emptied on wake, warms up again in steps the warm-up model explains; with cycles before the
-    # sleep, their first tooth comes again and the young period stays (bench family sleep_wake).
+    # No first tooth is waited for after a wake from sleep where the series showed no cycles
+    # before it fell asleep: a large up-step that gives back at least this fraction of a large
+    # fall before it. The cache, emptied on wake, warms up again in steps (the young bar and a
+    # warm-up's steps judge them); with cycles before the sleep, their first tooth comes again
+    # (bench family sleep_wake).
     wake_give_back_ratio: float = 0.75
     # The growth must take the level above every earlier one of this long before it by this
     # fraction of itself.
@@ -452,17 +458,17 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # noise that lifts a bucket's minimum off the floor by as much, the trough is then read
         # over a bucket or more of it, its bias already smaller.
         tested = ("troughs", *_troughs(times, lows, base, drops, 2 * config.min_noise_bytes, tooth))
-    # Young (soon after the large step) and no cycle measured yet: the first tooth may be coming;
-    # not after a wake where none came before the sleep.
-    young = tooth is None and not _woke_without_cycles(times, medians, lows, base, drop_bytes, config)
-    young_until = settled_from + config.young_seconds if young else -math.inf
+    # Young (soon after the large step, no cycle measured yet): the allocator warms up, and a
+    # sawtooth's first tooth may come; not that after a wake where none came before the sleep.
+    young_until = settled_from + config.young_seconds if tooth is None else -math.inf
+    first_tooth = tooth is None and not _woke_without_cycles(times, medians, lows, base, drop_bytes, config)
     name, ts, ys = tested
-    found: _Found | str = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, memo, era,
-                                       raw if name == "median" else None)
+    found: _Found | str = _test_signal(name, ts, ys, settled_from, threshold, config, young_until, first_tooth,
+                                       memo, era, raw if name == "median" else None)
     # The samples' own test, where nothing but noise or a leak climbs so: read through the
     # medians (no cycle), past the young period. Between minutes LeakAssessor runs it again.
-    memo.samples_since = max(settled_from, young_until) if config.samples_minutes > 0 and \
-        name == "median" and end >= young_until else None
+    memo.samples_since = young_until if config.samples_minutes > 0 and name == "median" and end >= young_until \
+        else None
     if isinstance(found, str) and raw is not None and memo.samples_since is not None:
         found = _samples_test(raw(), memo.samples_since, config, signals) or found
     if isinstance(found, str):
@@ -544,10 +550,11 @@ def _assessment(found: _Found, config: LeakConfig, tooth: float | None, total_by
 
 
 def _test_signal(name: str, times: Sequence[float], values: Sequence[float], settled_from: float,
-                 threshold: float, config: LeakConfig, young_until: float, memo: NoiseMemo,
+                 threshold: float, config: LeakConfig, young_until: float, first_tooth: bool, memo: NoiseMemo,
                  base_time: float, raw: RawSamples | None = None) -> _Found | str:
     """The sequential test over one signal (points since the last large step): a _Found, or
-    why not."""
+    why not. Growth begun before `young_until` is held to the young bar and a warm-up's steps;
+    with `first_tooth`, a rise shorter than a tooth is not judged while young."""
     n = len(times)
     if n < config.min_points:
         return "too_few_points"
@@ -632,17 +639,17 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # the noise blind to steps: a warm-up's steps under a sawtooth of about a minute's teeth,
         # which the buckets alias into noise that hides them (mixed#2, mixed#15 at other bucket
         # phases: 100-150 MiB steps read as a 16-17 minute line in 31-38 MiB of noise).
-        warm = max(step_noise, config.min_noise_bytes) if trough_steps is None and \
-            times[w.onset] < young_until else None
-        why = _reject(prefix, w, settled, sigma, config, young, bar, stepped, trough_steps, warm_sigma=warm)
+        warm = max(step_noise, config.min_noise_bytes) if times[w.onset] < young_until else None
+        why = _reject(prefix, w, settled, sigma, config, young and first_tooth, bar, stepped, trough_steps,
+                      warm_sigma=warm)
         # A fast leak's first buckets: with three growing, one step straddling the middle one
         # fits them as well as the line. The samples inside those buckets tell one jump from a
         # climb.
         if why == "a_step" and raw is not None and len(prefix.pieces(w.start, w.end)) == 1 and \
                 prefix.u[-1] - prefix.u[w.onset] <= config.half_kink_minutes and \
                 _climbs(raw(), times[w.start], times[w.onset], config):
-            why = _reject(prefix, w, settled, sigma, config, young, bar, stepped, trough_steps, raw_climb=True,
-                          warm_sigma=warm)
+            why = _reject(prefix, w, settled, sigma, config, young and first_tooth, bar, stepped, trough_steps,
+                          raw_climb=True, warm_sigma=warm)
         # Short growth's medians can pass for a line where one step straddles a bucket (its
         # median lands between the levels) and the noise on either side leans with it
         # (warmup#3008 at +30 s: a warm-up's last step of 12 MiB read as a 7-minute line at z 7.3,
@@ -711,7 +718,8 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
             gap = prefix.mean(max(w.start, k - 3), k) - w.level_end
             if -margin < gap < reach:
                 return "not_above_earlier_level"
-    shape = w.shape(prefix, sigma, step_sigma if step_sigma is not None else warm_sigma)
+    shape = w.shape(prefix, sigma, step_sigma if step_sigma is not None else warm_sigma,
+                    young=warm_sigma is not None)
     if shape.residual_z < threshold:
         return "correlated_noise"
     if shape.step_margin < config.min_step_margin and not raw_climb:

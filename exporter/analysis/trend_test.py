@@ -437,15 +437,16 @@ def step_models(prefix: Prefix, i: int, j: int) -> tuple[float, float]:
     return max(0.0, one), max(0.0, two)
 
 
-def steps_fit(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -> tuple[float, list[float]]:
+def steps_fit(prefix: Prefix, i: int, j: int, steps: int,
+              min_points: int = 2) -> tuple[float, list[float], list[int]]:
     """The best model of `steps` steps on [i, j) (steps + 1 levels, each held by at least
     `min_points` points but the first, a level that held before the window began; an intercept
     per segment between the cuts as the line has), by dynamic programming over where the steps
-    fall: O(steps x points^2), for the short series of troughs. (RSS, the steps' sizes, oldest
-    first); (inf, []) where there is no room for them."""
+    fall: O(steps x points^2), for the short series of troughs. (RSS, the steps' sizes, the points
+    each level holds, oldest first); (inf, [], []) where there is no room for them."""
     m = j - i
     if m < steps * min_points + 1:
-        return math.inf, []
+        return math.inf, [], []
 
     def cost(a: int, b: int) -> float:
         if not prefix.cuts:
@@ -468,13 +469,34 @@ def steps_fit(prefix: Prefix, i: int, j: int, steps: int, min_points: int = 2) -
         best = nxt
         back.append(arg)
     if best[m] == math.inf:
-        return math.inf, []
+        return math.inf, [], []
     edges = [m]
     for arg in reversed(back):
         edges.append(arg[edges[-1]])
     edges = [0, *reversed(edges)]
     means = [prefix.mean(i + a, i + b) for a, b in itertools.pairwise(edges)]
-    return best[m], [b - a for a, b in itertools.pairwise(means)]
+    return best[m], [b - a for a, b in itertools.pairwise(means)], [b - a for a, b in itertools.pairwise(edges)]
+
+
+# A warm-up's step is at most this many times the one before it (beyond what the levels' noise
+# allows): its steps shrink as the allocator meets fewer new shapes.
+WARM_STEP_GROWTH = 1.25
+
+
+def shrinking(sizes: Sequence[float], counts: Sequence[int], sigma: float) -> bool:
+    """Whether steps of `sizes` between levels of `counts` points, in white noise of deviation
+    `sigma`, are a warm-up's: all up, none larger than WARM_STEP_GROWTH x the one before it by
+    two of the difference's standard errors (each size is the difference of two levels' means).
+    With `sigma` 0, as read."""
+    if not sizes or min(sizes) <= 0:
+        return False
+    g = WARM_STEP_GROWTH
+    for k, (a, b) in enumerate(itertools.pairwise(sizes)):
+        # b - g a = m[k+2] - (1 + g) m[k+1] + g m[k], of independent level means
+        se = sigma * math.sqrt(1 / counts[k + 2] + (1 + g) ** 2 / counts[k + 1] + g * g / counts[k])
+        if b - g * a > 2.0 * se:
+            return False
+    return True
 
 
 def curvature_z(prefix: Prefix, i: int, j: int, sigma: float) -> float:
@@ -585,13 +607,15 @@ class WindowResult:
     rss: float  # residual sum of squares of the model
     kink: float | None = None  # a hinge's onset in u where it falls between points (else u[onset])
 
-    def shape(self, prefix: Prefix, sigma1: float, step_sigma: float | None = None) -> Shape:
+    def shape(self, prefix: Prefix, sigma1: float, step_sigma: float | None = None, young: bool = False) -> Shape:
         """How well steps explain the same points, whether the growth slows down, and the
         slope's z with its error from the model's own residuals (their lag-1 correlation).
         With `step_sigma` (a deviation blind to steps), the best two and three steps are also
         judged against that noise where it is lower, where they shrink as a warm-up's steps do:
         on a few points, one a tooth, steps inflate the noise measured from second differences
-        enough to hide behind it."""
+        enough to hide behind it. For growth begun `young` (where a warm-up is expected), the
+        steps shrink unless their levels' noise rules it out (a level of a few points is read
+        to within a few noise deviations); otherwise their sizes as read must shrink."""
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
@@ -600,9 +624,8 @@ class WindowResult:
         if step_sigma is not None and self.end - self.start <= WARM_STEPS_MAX_POINTS:
             blind = min(noise, step_sigma * step_sigma)
             for k in (2, 3):
-                rss, sizes = steps_fit(prefix, self.start, self.end, k)
-                # A warm-up's steps: all up, none much larger than the one before it.
-                if sizes and min(sizes) > 0 and all(b <= 1.25 * a for a, b in itertools.pairwise(sizes)):
+                rss, sizes, counts = steps_fit(prefix, self.start, self.end, k)
+                if shrinking(sizes, counts, math.sqrt(blind) if young else 0.0):
                     warm[k - 2] = (rss - self.rss) / blind
         return Shape((one - self.rss) / noise, (two - self.rss) / noise,
                      curvature_z(prefix, self.onset, self.end, sigma1 * math.sqrt(self.kappa)),
