@@ -326,3 +326,12 @@ def test_latch_holds_a_finding_through_gaps_and_clears_after_quiet_period():
     latch.update("q", True, 0)
     latch.prune(10_000)
     assert len(latch) == 0
+
+
+def test_latch_holds_a_finding_while_its_series_cannot_be_judged():
+    latch = LeakLatch(clear_after_seconds=600)
+    assert not latch.update("p", False, 0, undecided=True)  # raises nothing
+    assert latch.update("p", True, 100)
+    assert latch.update("p", False, 1000, undecided=True)  # too short to test: held
+    assert latch.update("p", False, 1500)
+    assert not latch.update("p", False, 1600)  # 600 s of verdicts that judged it quiet

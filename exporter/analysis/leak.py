@@ -280,6 +280,12 @@ class LeakAssessment:
     # When suspected: (low, high) 95 % interval of the slope, bytes per second.
     interval: tuple[float, float] | None = field(default=None, compare=False)
 
+    @property
+    def undecided(self) -> bool:
+        """Whether the verdict could not judge: the view tested too short to test, or the series
+        settling after a large step. No evidence either way."""
+        return not self.suspected and dict(self.evidence).get("reason") in ("too_few_points", "settling")
+
 
 DEFAULT_CONFIG = LeakConfig()
 
@@ -480,7 +486,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         again = verdict(other, total_bytes, config, signals, memo.other, raw, block=block,
                         bar=config.other_phase_bar * bar)
         # Only a reading that was judged refutes (not one too short to judge).
-        if not again.suspected and dict(again.evidence)["reason"] not in ("too_few_points", "settling"):
+        if not again.suspected and not again.undecided:
             return LeakAssessment(False, slope, (("reason", "not_at_another_phase"),))
     return _assessment(found, config, tooth, total_bytes, medians[-1])
 
@@ -1170,17 +1176,21 @@ class LeakLatch:
 
     assess() is a pure function of the history, so a staircase between steps or a leak under a
     sawtooth can pass and fail on consecutive minutes. The latch raises on the first suspected
-    verdict and clears only after `clear_after_seconds` without one. Keys not updated for that
-    long (their processes are gone) are forgotten, so the latch stays bounded.
+    verdict and clears only after `clear_after_seconds` without one; a verdict that could not
+    judge (LeakAssessment.undecided) holds a raised finding as a suspected one does (leak_4#3: a
+    leak's series read as a sawtooth's two troughs for 35 minutes, too few to test, cleared it
+    mid-leak). Keys not updated for that long (their processes are gone) are forgotten, so the
+    latch stays bounded.
     """
 
     def __init__(self, clear_after_seconds: float = 1800) -> None:
         self.clear_after_seconds = clear_after_seconds
         self._last_suspected: dict[Hashable, float] = {}
 
-    def update(self, key: Hashable, suspected: bool, now: float) -> bool:
-        """Record this tick's verdict for `key`; return whether the leak finding is active."""
-        if suspected:
+    def update(self, key: Hashable, suspected: bool, now: float, undecided: bool = False) -> bool:
+        """Record this tick's verdict for `key` (`undecided`: it could not judge); return whether
+        the leak finding is active."""
+        if suspected or (undecided and key in self._last_suspected):
             self._last_suspected[key] = now
             return True
         last = self._last_suspected.get(key)

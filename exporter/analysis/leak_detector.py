@@ -145,7 +145,7 @@ class LeakDetector:
         suspected = a.suspected and judged
         if suspected:
             self._raised[key] = (a, via)
-        return self._latch.update(key, suspected, now)
+        return self._latch.update(key, suspected, now, undecided=judged and a.undecided)
 
     def _gpu_memory(self, history: History, gpu: GpuSample, p: ProcessSample, now: float,
                     config: LeakConfig) -> tuple[LeakAssessment, str]:
