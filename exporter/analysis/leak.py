@@ -27,8 +27,9 @@ What is not a leak is modelled explicitly rather than waited out:
   * warm-up: growth that slows down (a significantly concave window) is an allocator warming
     up to a plateau; a staircase that shrinks or slows is one too (the step before its run
     included); under a sawtooth, troughs that climb in two or three shrinking steps, and so
-    does growth begun while young (judged against the noise read blind to steps; a step
-    shrinks unless it is larger than the one before by more than the levels' noise allows);
+    does growth begun while young (judged against the noise read blind to steps; no step more
+    than 1.25x the one before, for growth begun while young beyond what the noise of the
+    levels they part allows);
   * sawtooth allocator cycles: when drops recur, the test reads the troughs (one point per
     tooth; the newest tooth's once the cache has grown off its floor) instead of the medians, so
     a tooth's ramp is never taken for growth while growth under the teeth lifts the troughs;
