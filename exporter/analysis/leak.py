@@ -123,9 +123,9 @@ MINUTES_PER_DAY = 1440
 
 @dataclass(frozen=True)
 class LeakConfig:
-    # False alarms per series and day the test may raise on noise alone: sets its threshold (a
-    # Bonferroni bound over every window and model tested each minute, and every series tested
-    # for the process).
+    # False alarms per process (on each GPU it uses) and day the test may raise on noise alone:
+    # sets its threshold (a Bonferroni bound over every window and model tested each minute, and
+    # every series tested for the process).
     false_alarms_per_day: float = 0.01
     windows_minutes: tuple[float, ...] = WINDOWS_MINUTES
     # Fewest points a window may have.
@@ -176,10 +176,10 @@ class LeakConfig:
     # young: an allocator warms up and a sawtooth's first tooth comes then. Growth begun then is
     # held to a threshold this factor higher (afterwards too) and to a warm-up's shrinking
     # steps, rises shorter than first_tooth_seconds are not judged (they may be that first
-    # tooth), and no staircase is called (a warm-up's first steps make one). (Under a sawtooth
-    # the troughs are held to a warm-up's steps at any age, and a young bar there would hold a
-    # leak begun after the young period too: few troughs show it but in windows that begin
-    # earlier.)
+    # tooth), and no staircase is called (a warm-up's first steps make one). (Not under a
+    # sawtooth: its troughs are held to a warm-up's steps at any age, and at one point a tooth a
+    # leak begun after the young period shows first in windows that begin within it, which a
+    # young bar there would hold back too.)
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
     first_tooth_seconds: float = 900

@@ -613,9 +613,9 @@ class WindowResult:
         With `step_sigma` (a deviation blind to steps), the best two and three steps are also
         judged against that noise where it is lower, where they shrink as a warm-up's steps do:
         on a few points, one a tooth, steps inflate the noise measured from second differences
-        enough to hide behind it. For growth begun `young` (where a warm-up is expected), the
-        steps shrink unless their levels' noise rules it out (a level of a few points is read
-        to within a few noise deviations); otherwise their sizes as read must shrink."""
+        enough to hide behind it. For growth begun `young` (where a warm-up is expected), a step
+        may exceed WARM_STEP_GROWTH x the one before by what the noise of its levels allows (a
+        level of a few points is read to within a few noise deviations); otherwise not at all."""
         # Steps raise the noise's measured correlations (kappa) themselves: the comparison with
         # step models reads the noise as at most twice white, so steps cannot hide behind it.
         noise = sigma1 * sigma1 * min(self.kappa, 2.0)
