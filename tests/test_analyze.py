@@ -90,6 +90,21 @@ def test_analyze_json_on_a_recorded_leak():
     assert doc["trace"]["samples"] == 181
 
 
+def test_analyze_tells_what_raised_a_finding_beside_its_latest_evidence():
+    # The leak is raised 15 minutes into its growth, young (in the half hour after start-up
+    # settled); held afterwards at half that bar, it tells its newest, longer window at the end.
+    doc = json.loads(analyze([LEAK_CSV], fmt="json"))
+    (leak,) = [f for f in doc["findings"] if f["kind"] == "leak"]
+    raised, latest = leak["evidence_when_raised"], leak["evidence"]
+    assert raised["threshold_z"] == pytest.approx(1.5 * 5.35, abs=0.01)
+    assert latest["threshold_z"] == pytest.approx(raised["threshold_z"] / 2, abs=0.01)
+    assert raised["window_seconds"] < latest["window_seconds"]
+    text = analyze([LEAK_CSV])
+    assert f"  evidence when raised: slope_bytes_per_second={raised['slope_bytes_per_second']}," in text
+    assert f"  evidence, latest: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
+    assert text.index("evidence when raised:") < text.index("evidence, latest:")
+
+
 def test_analyze_normal_trace_has_no_findings():
     """vLLM start-up, a plateau with allocator noise and a short job that returns its memory."""
     assert json.loads(analyze([NORMAL_CSV], fmt="json"))["findings"] == []
@@ -102,6 +117,8 @@ def test_analyze_json_pid_is_null_for_gpu_findings(tmp_path):
     (f,) = json.loads(analyze([path], fmt="json"))["findings"]
     assert f["kind"] == "pressure" and f["pid"] is None and f["severity"] == "critical"
     assert f["first_detected_at"] == T0 and f["cleared_at"] is None
+    assert f["evidence_when_raised"] == f["evidence"]  # one verdict all along: told once in text
+    assert "  evidence: " in analyze([path]) and "evidence when raised" not in analyze([path])
 
 
 def test_analyze_text_is_a_readable_list():

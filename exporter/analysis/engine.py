@@ -101,9 +101,11 @@ class AnalysisConfig:
 
 @dataclass
 class _Episode:
-    """One finding from raise to clear; `finding` is its worst (then latest) version."""
+    """One finding from raise to clear; `finding` is its worst (then latest) version, `raised`
+    the one that raised it."""
 
     finding: Finding
+    raised: Finding
     cleared_at: float | None = None
 
 
@@ -137,6 +139,11 @@ class Analyzer:
     def episodes(self) -> list[tuple[Finding, float | None]]:
         """(finding, cleared_at) for every recorded finding; cleared_at None while active."""
         return [(e.finding, e.cleared_at) for e in self._episodes.values()]
+
+    def raised_versions(self) -> list[Finding]:
+        """The version each recorded finding was raised in (what it said then), in the order of
+        episodes()."""
+        return [e.raised for e in self._episodes.values()]
 
     def reconfigure(self, config: AnalysisConfig) -> None:
         """Take new thresholds (a configuration reload) from the next tick on. The history's
@@ -256,7 +263,7 @@ class Analyzer:
     def _record(self, f: Finding) -> int:
         episode_id = self._next_episode
         self._next_episode += 1
-        self._episodes[episode_id] = _Episode(f)
+        self._episodes[episode_id] = _Episode(f, f)
         if f.kind == "oom":
             self._oom_episodes.append(episode_id)
         while len(self._episodes) > self.config.max_recorded_findings:

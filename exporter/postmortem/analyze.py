@@ -141,9 +141,10 @@ def render_json(trace: Trace, episodes: list[tuple[Finding, float | None]],
 
     snapshots = trace.snapshots
     findings = []
-    for finding, cleared_at in episodes:
+    for (finding, cleared_at), raised in zip(episodes, analyzer.raised_versions(), strict=True):
         item = finding.to_json()
         item["cleared_at"] = cleared_at
+        item["evidence_when_raised"] = dict(raised.evidence)
         findings.append(item)
     summary = _trace_summary(snapshots, analyzer)
     summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in trace.triggers]
@@ -158,6 +159,10 @@ def render_json(trace: Trace, episodes: list[tuple[Finding, float | None]],
         item["outside_trace"] = bool(outside_text(e.timestamp, start, end))
         oom.append(item)
     return json.dumps({"findings": findings, "oom_events": oom, "trace": summary}, indent=2)
+
+
+def _evidence_text(f: Finding) -> str:
+    return sanitize(", ".join(f"{k}={v}" for k, v in f.evidence))
 
 
 def _when(ts: float) -> str:
@@ -241,7 +246,7 @@ def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
         lines.append("No findings.")
         return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
     lines.append(f"{counted(len(episodes), 'finding')}:")
-    for f, cleared_at in episodes:
+    for (f, cleared_at), raised in zip(episodes, analyzer.raised_versions(), strict=True):
         where = ", ".join(x for x in (
             f"GPU {f.gpu}" if f.gpu is not None else "",
             f"pid {f.pid}" + (f" ({f.process})" if f.process else "") if f.pid is not None else "",
@@ -253,8 +258,13 @@ def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
                   f"  first detected {_when(f.first_detected_at)} "
                   f"(+{_span(f.first_detected_at - start)}){until}",
                   "  " + sanitize(f.summary)]
-        if f.evidence:
-            lines.append("  evidence: " + sanitize(", ".join(f"{k}={v}" for k, v in f.evidence)))
+        # A finding that goes on tells its newest verdict; what raised it may have said otherwise
+        # (a leak's rate, the bar it passed before the hold halved it).
+        if raised.evidence != f.evidence:
+            lines.append("  evidence when raised: " + _evidence_text(raised))
+            lines.append("  evidence, latest: " + _evidence_text(f))
+        elif f.evidence:
+            lines.append("  evidence: " + _evidence_text(f))
         for advice in f.advice:
             lines.append("  - " + sanitize(advice))
     return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
