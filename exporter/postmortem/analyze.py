@@ -142,9 +142,12 @@ def render_json(trace: Trace, episodes: list[tuple[Finding, float | None]],
     snapshots = trace.snapshots
     findings = []
     for (finding, cleared_at), raised in zip(episodes, analyzer.raised_versions(), strict=True):
-        item = finding.to_json()
+        item: dict[str, Any] = {}
+        for key, value in finding.to_json().items():
+            item[key] = value
+            if key == "evidence":  # the two versions side by side
+                item["evidence_when_raised"] = dict(raised.evidence)
         item["cleared_at"] = cleared_at
-        item["evidence_when_raised"] = dict(raised.evidence)
         findings.append(item)
     summary = _trace_summary(snapshots, analyzer)
     summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in trace.triggers]
