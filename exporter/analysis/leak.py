@@ -567,6 +567,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         return "too_few_points"
     end = times[-1]
     young = end < young_until
+    awaiting_tooth = young and first_tooth  # a rise shorter than a tooth may be its first
     settled = bisect.bisect_left(times, settled_from)
     step_noise = memo.get(name + ".steps", end, base_time, n - settled, config,
                           lambda: _step_sigma(values[max(settled, n - config.noise_points):]))
@@ -647,15 +648,14 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # which the buckets alias into noise that hides them (mixed#2, mixed#15 at other bucket
         # phases: 100-150 MiB steps read as a 16-17 minute line in 31-38 MiB of noise).
         warm = max(step_noise, config.min_noise_bytes) if times[w.onset] < young_until else None
-        why = _reject(prefix, w, settled, sigma, config, young and first_tooth, bar, stepped, trough_steps,
-                      warm_sigma=warm)
+        why = _reject(prefix, w, settled, sigma, config, awaiting_tooth, bar, stepped, trough_steps, warm_sigma=warm)
         # A fast leak's first buckets: with three growing, one step straddling the middle one
         # fits them as well as the line. The samples inside those buckets tell one jump from a
         # climb.
         if why == "a_step" and raw is not None and len(prefix.pieces(w.start, w.end)) == 1 and \
                 prefix.u[-1] - prefix.u[w.onset] <= config.half_kink_minutes and \
                 _climbs(raw(), times[w.start], times[w.onset], config):
-            why = _reject(prefix, w, settled, sigma, config, young and first_tooth, bar, stepped, trough_steps,
+            why = _reject(prefix, w, settled, sigma, config, awaiting_tooth, bar, stepped, trough_steps,
                           raw_climb=True, warm_sigma=warm)
         # Short growth's medians can pass for a line where one step straddles a bucket (its
         # median lands between the levels) and the noise on either side leans with it
@@ -679,7 +679,7 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
 
 
 def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config: LeakConfig,
-            young: bool, threshold: float, stepped: float = 0.0, step_sigma: float | None = None,
+            awaiting_tooth: bool, threshold: float, stepped: float = 0.0, step_sigma: float | None = None,
             raw_climb: bool = False, warm_sigma: float | None = None) -> str:
     """Why a window whose slope is significant is still no leak ("" when it is one)."""
     minutes = prefix.u[-1] - prefix.u[w.onset]
@@ -687,11 +687,11 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
         return "slope_too_small"
     if w.slope * minutes < config.min_growth_bytes + stepped:
         return "growth_too_small"
-    if young and minutes * 60 < config.first_tooth_seconds:
+    if awaiting_tooth and minutes * 60 < config.first_tooth_seconds:
         # Soon after start-up, before any cycle was seen: a rise shorter than the longest tooth
         # may be the first tooth of an allocator's sawtooth.
         return "maybe_first_tooth"
-    if young and (prefix.u[-1] - _rise_onset(prefix, w, sigma, config)) * 60 < config.first_tooth_seconds:
+    if awaiting_tooth and (prefix.u[-1] - _rise_onset(prefix, w, sigma, config)) * 60 < config.first_tooth_seconds:
         # The same, for the rise the window holds rather than the window: a free line over the
         # flat minutes after settling and a first tooth's ramp spans both, and passes as soon as
         # the two together are a tooth long (leak_under_sawtooth#1, #3 at three bucket phases:
