@@ -94,10 +94,7 @@ class LeakDetector:
                 # under a sawtooth): the latch keeps a raised leak until it stays quiet a while.
                 leaking = self._latched(key, mem, via, p.endpoint not in asleep, now)
                 if p.host_rss_bytes is not None and p.identity not in rss:
-                    a = self._assess(("rss", p.identity), history.process_rss(p.identity),
-                                     host_total, now, config, SIGNALS_PER_SERIES,
-                                     bar=self._bar(("rss", p.identity), config))
-                    rss[p.identity] = (a, self._latched(("rss", p.identity), a, "", True, now))
+                    rss[p.identity] = self._host_memory(history, p, host_total, now, config, True)
                 host, host_leaking = rss.get(p.identity, (None, False))
                 rss_leak = p.role == "vllm" and host_leaking
                 trends.append(ProcessTrend(
@@ -122,11 +119,8 @@ class LeakDetector:
             for p in server.processes:
                 if p.host_rss_bytes is None or p.identity in rss:
                     continue
-                a = self._assess(("rss", p.identity), history.process_rss(p.identity), host_total, now, config,
-                                 SIGNALS_PER_SERIES, bar=self._bar(("rss", p.identity), config))
-                leaking = self._latched(("rss", p.identity), a, "", p.endpoint not in asleep, now)
-                rss[p.identity] = (a, leaking)
-                if leaking:
+                rss[p.identity] = self._host_memory(history, p, host_total, now, config, p.endpoint not in asleep)
+                if rss[p.identity][1]:
                     findings.append(_rss_leak(p, self._raised[("rss", p.identity)][0], snapshot, False,
                                               critical_seconds, True, cpu=True))
         self._latch.prune(now)
@@ -146,6 +140,15 @@ class LeakDetector:
         if suspected:
             self._raised[key] = (a, via)
         return self._latch.update(key, suspected, now, undecided=judged and a.undecided)
+
+    def _host_memory(self, history: History, p: ProcessSample, host_total: int | None, now: float,
+                     config: LeakConfig, judged: bool) -> tuple[LeakAssessment, bool]:
+        """The verdict on a process's host memory (RSS), and whether its finding is raised (the
+        latch updated, counted only where `judged`)."""
+        key = ("rss", p.identity)
+        a = self._assess(key, history.process_rss(p.identity), host_total, now, config, SIGNALS_PER_SERIES,
+                         bar=self._bar(key, config))
+        return a, self._latched(key, a, "", judged, now)
 
     def _gpu_memory(self, history: History, gpu: GpuSample, p: ProcessSample, now: float,
                     config: LeakConfig) -> tuple[LeakAssessment, str]:
