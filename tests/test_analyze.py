@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ from helpers.timeline import T0, GiB, MiB, gpu, leaking_server, proc, snap, time
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 LEAK_CSV = str(FIXTURES / "vllm_leak.csv")
 NORMAL_CSV = str(FIXTURES / "normal.csv")
+
+
+def _utc(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def incident():
@@ -99,10 +104,28 @@ def test_analyze_tells_what_raised_a_finding_beside_its_latest_evidence():
     assert raised["threshold_z"] == pytest.approx(1.5 * 5.35, abs=0.01)
     assert latest["threshold_z"] == pytest.approx(raised["threshold_z"] / 2, abs=0.01)
     assert raised["window_seconds"] < latest["window_seconds"]
+    # The latest version is dated: after the raise, before the trace's end.
+    assert leak["first_detected_at"] < leak["reported_at"] <= doc["trace"]["end"]
+    when = _utc(leak["reported_at"])
     text = analyze([LEAK_CSV])
     assert f"  evidence when raised: slope_bytes_per_second={raised['slope_bytes_per_second']}," in text
-    assert f"  evidence, latest: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
-    assert text.index("evidence when raised:") < text.index("evidence, latest:")
+    assert f"  evidence {when}: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
+    assert f"  as reported {when}: " in text
+    assert text.index("evidence when raised:") < text.index(f"evidence {when}:")
+
+
+def test_analyze_dates_what_a_cleared_finding_said(tmp_path):
+    # Full for ten minutes, then freed: the pressure finding clears, and its summary and advice
+    # are told as what was said while it lasted, not as the state at the trace's end.
+    path = str(tmp_path / "freed.csv")
+    write_csv(timeline(1200, 15, lambda e: snap(T0 + e, [gpu([proc(1, (78 if e < 600 else 10) * GiB)])])),
+              path)
+    (f,) = json.loads(analyze([path], fmt="json"))["findings"]
+    assert f["kind"] == "pressure" and f["cleared_at"] is not None and f["advice"]
+    assert f["first_detected_at"] <= f["reported_at"] < T0 + 600 < f["cleared_at"]
+    text = analyze([path])
+    assert f", cleared {_utc(f['cleared_at'])}" in text
+    assert text.index("  what was advised while it lasted:") < text.index("  - " + f["advice"][0])
 
 
 def test_analyze_normal_trace_has_no_findings():

@@ -100,12 +100,13 @@ class AnalysisConfig:
 
 
 @dataclass
-class _Episode:
-    """One finding from raise to clear; `finding` is its worst (then latest) version, `raised`
-    the one that raised it."""
+class Episode:
+    """One finding from raise to clear: `finding` is its worst (then latest) version, reported
+    at `reported_at`; `raised` the version that raised it; `cleared_at` None while active."""
 
     finding: Finding
     raised: Finding
+    reported_at: float
     cleared_at: float | None = None
 
 
@@ -122,7 +123,7 @@ class Analyzer:
         self.dropped_findings = 0  # episodes evicted from all_findings by the size bound
         self._active: dict[FindingKey, tuple[int, Finding]] = {}  # key -> (episode id, finding)
         self._absent: dict[FindingKey, tuple[float, int]] = {}  # active, not reported: (since, ticks)
-        self._episodes: OrderedDict[int, _Episode] = OrderedDict()
+        self._episodes: OrderedDict[int, Episode] = OrderedDict()
         self._next_episode = 0
         self._oom_episodes: deque[int] = deque(maxlen=MAX_RECENT_OOMS)  # the latest oom episodes' ids
         self._gpus = GpuVerdicts()
@@ -140,10 +141,10 @@ class Analyzer:
         """(finding, cleared_at) for every recorded finding; cleared_at None while active."""
         return [(e.finding, e.cleared_at) for e in self._episodes.values()]
 
-    def raised_versions(self) -> list[Finding]:
-        """The version each recorded finding was raised in (what it said then), in the order of
-        episodes()."""
-        return [e.raised for e in self._episodes.values()]
+    def records(self) -> list[Episode]:
+        """Every recorded finding's episode in full (copies), in the order raised: what it said
+        when raised, its worst (then latest) version and when that was reported."""
+        return [replace(e) for e in self._episodes.values()]
 
     def reconfigure(self, config: AnalysisConfig) -> None:
         """Take new thresholds (a configuration reload) from the next tick on. The history's
@@ -213,11 +214,11 @@ class Analyzer:
                 episode = self._episodes.get(episode_id)
                 if episode is not None and \
                         _SEVERITY.get(f.severity, 0) >= _SEVERITY.get(episode.finding.severity, 0):
-                    episode.finding = f
+                    episode.finding, episode.reported_at = f, now
                 if self.log_findings and f.severity != old.severity:
                     self._log_severity_change(old, f)
             else:
-                episode_id = self._record(f)
+                episode_id = self._record(f, now)
                 if self.log_findings:
                     findings_log.warning("finding raised: %s", _describe(f),
                                          extra={"finding": f.to_json()})
@@ -260,10 +261,10 @@ class Analyzer:
                 out.append((episode.finding, episode.cleared_at))
         return tuple(out)
 
-    def _record(self, f: Finding) -> int:
+    def _record(self, f: Finding, now: float) -> int:
         episode_id = self._next_episode
         self._next_episode += 1
-        self._episodes[episode_id] = _Episode(f, f)
+        self._episodes[episode_id] = Episode(f, f, now)
         if f.kind == "oom":
             self._oom_episodes.append(episode_id)
         while len(self._episodes) > self.config.max_recorded_findings:

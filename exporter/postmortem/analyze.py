@@ -120,8 +120,8 @@ def analyze_trace(trace: Trace, fmt: str = "text", config: AnalysisConfig | None
         write_report(snapshots, episodes, events, report_path, triggers=trace.triggers,
                      runs=trace.runs, logs=logs, dropped=trace.dropped)
     if fmt == "json":
-        return render_json(trace, episodes, analyzer, events, logs) + "\n"
-    return render_text(trace, episodes, analyzer, events, logs)
+        return render_json(trace, analyzer, events, logs) + "\n"
+    return render_text(trace, analyzer, events, logs)
 
 
 def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, Any]:
@@ -135,19 +135,19 @@ def _trace_summary(snapshots: list[Snapshot], analyzer: Analyzer) -> dict[str, A
     }
 
 
-def render_json(trace: Trace, episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
+def render_json(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
     from .explain import event_to_dict
 
     snapshots = trace.snapshots
     findings = []
-    for (finding, cleared_at), raised in zip(episodes, analyzer.raised_versions(), strict=True):
+    for episode in analyzer.records():
         item: dict[str, Any] = {}
-        for key, value in finding.to_json().items():
+        for key, value in episode.finding.to_json().items():
             item[key] = value
             if key == "evidence":  # the two versions side by side
-                item["evidence_when_raised"] = dict(raised.evidence)
-        item["cleared_at"] = cleared_at
+                item["evidence_when_raised"] = dict(episode.raised.evidence)
+        item["reported_at"] = episode.reported_at
+        item["cleared_at"] = episode.cleared_at
         findings.append(item)
     summary = _trace_summary(snapshots, analyzer)
     summary["triggers"] = [{"timestamp": t, "trigger": name} for t, name in trace.triggers]
@@ -230,8 +230,7 @@ def _context_lines(trace: Trace) -> list[str]:
     return lines
 
 
-def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
-                analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
+def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (), logs: Sequence[str] = ()) -> str:
     snapshots = trace.snapshots
     if not snapshots:
         return "\n".join(["The trace holds no samples.", *_event_lines(events, None, None, logs)]) + "\n"
@@ -245,29 +244,36 @@ def render_text(trace: Trace, episodes: list[tuple[Finding, float | None]],
                               f"{_span(end - t)} recorded after it)."))
     if analyzer.dropped_findings:
         lines.append(f"({analyzer.dropped_findings} early findings were dropped: too many to keep.)")
+    episodes = analyzer.records()
     if not episodes:
         lines.append("No findings.")
         return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
     lines.append(f"{counted(len(episodes), 'finding')}:")
-    for (f, cleared_at), raised in zip(episodes, analyzer.raised_versions(), strict=True):
+    for episode in episodes:
+        f, raised = episode.finding, episode.raised
         where = ", ".join(x for x in (
             f"GPU {f.gpu}" if f.gpu is not None else "",
             f"pid {f.pid}" + (f" ({f.process})" if f.process else "") if f.pid is not None else "",
             f.endpoint) if x)
-        until = (f", cleared {_when(cleared_at)}" if cleared_at is not None
+        until = (f", cleared {_when(episode.cleared_at)}" if episode.cleared_at is not None
                  else ", still active at the end")
+        # A finding that goes on tells its worst, then newest, verdict; what raised it may have
+        # said otherwise (a leak's rate, the bar it passed before the hold halved it). Each is
+        # dated, so a cleared finding's words read as what was said then, not as the present.
+        updated = episode.reported_at != f.first_detected_at
+        said = f"as reported {_when(episode.reported_at)}: " if updated else ""
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
                   f"  first detected {_when(f.first_detected_at)} "
                   f"(+{_span(f.first_detected_at - start)}){until}",
-                  "  " + sanitize(f.summary)]
-        # A finding that goes on tells its newest verdict; what raised it may have said otherwise
-        # (a leak's rate, the bar it passed before the hold halved it).
+                  "  " + sanitize(said + f.summary)]
         if raised.evidence != f.evidence:
             lines.append("  evidence when raised: " + _evidence_text(raised))
-            lines.append("  evidence, latest: " + _evidence_text(f))
+            lines.append(f"  evidence {_when(episode.reported_at)}: " + _evidence_text(f))
         elif f.evidence:
             lines.append("  evidence: " + _evidence_text(f))
+        if f.advice and episode.cleared_at is not None:
+            lines.append("  what was advised while it lasted:")
         for advice in f.advice:
             lines.append("  - " + sanitize(advice))
     return "\n".join(lines + _event_lines(events, start, end, logs)) + "\n"
