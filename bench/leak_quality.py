@@ -50,7 +50,7 @@ ROOT = BENCH.parent
 REAL_TRACES = ROOT.parent / "shared" / "real-traces"
 sys.path.insert(0, str(BENCH))
 
-from leak_corpus import FAMILIES, FAMILY, T0, TOTAL, MiB, Trace, limit_seconds, make_trace  # noqa: E402
+from leak_corpus import DURATION, FAMILIES, FAMILY, T0, TOTAL, MiB, Trace, limit_seconds, make_trace  # noqa: E402
 from leak_replay import PID, replay  # noqa: E402
 
 # --- the phase of History's minute buckets ---------------------------------------------------
@@ -397,6 +397,28 @@ def false_alerts(o: Outcome, method) -> int:
     return sum(1 for e in o.episodes[method] if e < onset)
 
 
+def exposure_days(o: Outcome) -> float:
+    """The process-days of a trace in which any finding is a false one: up to its leak's onset."""
+    end = o.leak_start if o.leak_start is not None else T0 + DURATION
+    return (end - T0) / 86400
+
+
+def poisson_upper(k: int, confidence: float = 0.95) -> float:
+    """The one-sided upper confidence bound on a Poisson mean after k events (exact: the mean at
+    which k or fewer events have probability 1 - confidence), by bisection."""
+    def at_most_k(mean: float) -> float:
+        term = total = math.exp(-mean)
+        for i in range(1, k + 1):
+            term *= mean / i
+            total += term
+        return total
+    lo, hi = 0.0, k + 10.0 * math.sqrt(k + 1) + 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at_most_k(mid) > 1 - confidence else (lo, mid)
+    return hi
+
+
 def cleared_while_leaking(o: Outcome, method) -> bool:
     """Whether the finding cleared and was raised again while the leak went on (a page that
     resolves in the middle of a leak)."""
@@ -410,6 +432,7 @@ def summary(outcomes: list[Outcome], method) -> dict:
             "cleared": sum(1 for o in leaks if cleared_while_leaking(o, method)),
             "false_episodes": sum(false_alerts(o, method) for o in outcomes),
             "traces": len(outcomes), "leaks": len(leaks), "caught": len(delays),
+            "exposure_days": sum(exposure_days(o) for o in outcomes),
             "median_delay": statistics.median(delays) if delays else None,
             "max_delay": max(delays) if delays else None}
 
@@ -629,6 +652,10 @@ def main(argv=None) -> int:
         print(f"- {label}: false alerts on {s['false_traces']}/{s['traces']} traces ({s['false_episodes']} episodes), "
               f"leaks caught {s['caught']}/{s['leaks']}, median delay {_min(s['median_delay'])}, "
               f"max {_min(s['max_delay'])}, cleared while leaking {s['cleared']}/{s['leaks']}.")
+        if method in codes:  # the rate the false-alarm budget (default 0.01) is a bound on
+            k, days = s["false_episodes"], s["exposure_days"]
+            print(f"  False alerts per process-day: {k} in {days:.2f} days before any leak, {k / days:.3f} "
+                  f"(95 % upper bound {poisson_upper(k) / days:.3f}).")
     for r in SPEC_RULES:
         s = summary(outcomes, r)
         print(f"- PromQL `{r.text}`: false alerts on {s['false_traces']}/{s['traces']} traces, "

@@ -2,6 +2,8 @@
 leak-free probed family: the bench is the yardstick of #22, so a change that breaks it must fail
 here, not in the next round's measurement. Never how fast it runs."""
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +33,18 @@ def test_the_leak_bench_reports_the_probed_families_with_and_without_the_probe(t
            "this tree: 1/1." in run.stdout
     # The leak-free trace, replayed at every phase, is replayed there with the probe's numbers too.
     assert "| probed_mixed | this tree | 0/1 | 0/1 | 0/1 |" in run.stdout
+    # The false-alarm rate the budget bounds: no false alert in the leak-free six hours and the
+    # leak's hours before its onset, and the exact Poisson bound on what none allows.
+    (days, bound), = re.findall(r"this tree: .*\n  False alerts per process-day: 0 in ([0-9.]+) days before any "
+                                r"leak, 0\.000 \(95 % upper bound ([0-9.]+)\)", run.stdout)
+    assert 0.25 < float(days) < 0.5
+    assert math.isclose(float(bound), -math.log(0.05) / float(days), rel_tol=0.03)  # days printed to 0.01
+
+
+def test_the_poisson_bound_is_exact():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from leak_quality import poisson_upper
+    # None seen: the mean at which none has probability 5 %; one seen: P(0) + P(1) = 5 %.
+    assert math.isclose(poisson_upper(0), -math.log(0.05), rel_tol=1e-9)
+    mean = poisson_upper(1)
+    assert math.isclose(math.exp(-mean) * (1 + mean), 0.05, rel_tol=1e-9)
