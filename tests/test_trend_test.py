@@ -47,6 +47,21 @@ def test_robust_sigma_reads_white_noise_and_ignores_a_step_and_a_trend():
     assert robust_sigma([1.0, 2.0], min_sigma=0.5) == 0.5  # too few points: the floor
 
 
+def test_robust_sigma_with_heavy_tails_reads_a_mixture_of_levels_a_segment_apart():
+    # A floor read a 20 MiB segment up one time in ten, in 2 MiB of noise (a deviation of 6 in
+    # all): the median reads the core's 2; the tail, what the points scatter by.
+    rng = random.Random(3)
+    floor = [rng.gauss(0, 2.0) + (20.0 if rng.random() < 0.1 else 0.0) for _ in range(120)]
+    assert robust_sigma(floor) < 3.0
+    assert robust_sigma(floor, heavy_tails=True) == pytest.approx(statistics.pstdev(floor), rel=0.2)
+    # Normal noise, a step and a trend read as without it.
+    noise = white(400, 5.0, seed=1)
+    stepped = [v + (1000.0 if k >= 200 else 0.0) for k, v in enumerate(noise)]
+    trending = [v + 3.0 * k for k, v in enumerate(noise)]
+    for series in (noise, stepped, trending):
+        assert robust_sigma(series, heavy_tails=True) == robust_sigma(series)
+
+
 def test_kappa_is_about_one_for_white_noise_and_grows_for_a_wandering_series():
     n = 360
     noise = white(n, 5.0, seed=2)
