@@ -544,6 +544,8 @@ def real_entries() -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from exporter.analysis.leak import LeakConfig
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=8, help="traces per family")
     ap.add_argument("--first-seed", type=int, default=0,
@@ -652,10 +654,11 @@ def main(argv=None) -> int:
         print(f"- {label}: false alerts on {s['false_traces']}/{s['traces']} traces ({s['false_episodes']} episodes), "
               f"leaks caught {s['caught']}/{s['leaks']}, median delay {_min(s['median_delay'])}, "
               f"max {_min(s['max_delay'])}, cleared while leaking {s['cleared']}/{s['leaks']}.")
-        if method in codes:  # the rate the false-alarm budget (default 0.01) is a bound on
+        if method in codes:  # the rate the false-alarm budget bounds
             k, days = s["false_episodes"], s["exposure_days"]
             print(f"  False alerts per process-day: {k} in {days:.2f} days before any leak, {k / days:.3f} "
-                  f"(95 % upper bound {poisson_upper(k) / days:.3f}).")
+                  f"(95 % upper bound {poisson_upper(k) / days:.3f}; the default budget "
+                  f"{LeakConfig().false_alarms_per_day}).")
     for r in SPEC_RULES:
         s = summary(outcomes, r)
         print(f"- PromQL `{r.text}`: false alerts on {s['false_traces']}/{s['traces']} traces, "

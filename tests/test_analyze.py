@@ -104,14 +104,14 @@ def test_analyze_tells_what_raised_a_finding_beside_its_latest_evidence():
     assert raised["threshold_z"] == pytest.approx(1.5 * 5.35, abs=0.01)
     assert latest["threshold_z"] == pytest.approx(raised["threshold_z"] / 2, abs=0.01)
     assert raised["window_seconds"] < latest["window_seconds"]
-    # The latest version is dated: after the raise, before the trace's end.
+    # The latest version is dated: the last tick that reported it, after the raise.
     assert leak["first_detected_at"] < leak["reported_at"] <= doc["trace"]["end"]
     when = _utc(leak["reported_at"])
     text = analyze([LEAK_CSV])
     assert f"  evidence when raised: slope_bytes_per_second={raised['slope_bytes_per_second']}," in text
-    assert f"  evidence {when}: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
-    assert f"  as reported {when}: " in text
-    assert text.index("evidence when raised:") < text.index(f"evidence {when}:")
+    assert f"  evidence as last reported {when}: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
+    assert f"  as last reported {when}: " in text
+    assert text.index("evidence when raised:") < text.index(f"evidence as last reported {when}:")
 
 
 def test_analyze_dates_what_a_cleared_finding_said(tmp_path):

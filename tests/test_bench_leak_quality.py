@@ -36,7 +36,7 @@ def test_the_leak_bench_reports_the_probed_families_with_and_without_the_probe(t
     # The false-alarm rate the budget bounds: no false alert in the leak-free six hours and the
     # leak's hours before its onset, and the exact Poisson bound on what none allows.
     (days, bound), = re.findall(r"this tree: .*\n  False alerts per process-day: 0 in ([0-9.]+) days before any "
-                                r"leak, 0\.000 \(95 % upper bound ([0-9.]+)\)", run.stdout)
+                                r"leak, 0\.000 \(95 % upper bound ([0-9.]+); the default budget 0\.01\)", run.stdout)
     assert 0.25 < float(days) < 0.5
     assert math.isclose(float(bound), -math.log(0.05) / float(days), rel_tol=0.03)  # days printed to 0.01
 

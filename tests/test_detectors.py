@@ -106,6 +106,16 @@ def test_pressure_ignores_what_vllm_budgeted_but_not_the_cliff():
     assert any("--max-num-seqs" in a for a in found["2"].advice)
 
 
+def test_pressure_on_a_gpu_no_vllm_server_uses_does_not_advise_vllm():
+    # A notebook alone fills the GPU: all its memory is beyond any vLLM budget (a newcomer's trial
+    # was told to lower vLLM's --gpu-memory-utilization where no vLLM ran).
+    g = gpu(used=78 * GiB, index="0")
+    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, False, None, 0, g.used_bytes)]
+    (f,) = detect_pressure((g,), analyses, T0, PressureConfig())
+    assert any(a.startswith("No vLLM server the exporter watches uses this GPU: the 98% in use") for a in f.advice)
+    assert not [a for a in f.advice if "--gpu-memory-utilization" in a or "--max-num-seqs" in a]
+
+
 def test_pressure_names_the_processes_that_fill_the_gpu():
     """On-call should not have to look up who holds the memory: the exporter knows (#19 item 1)."""
     cfg = PressureConfig()

@@ -604,8 +604,8 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
 
     def noise() -> NoiseModel:
         # The minima (floor, troughs) are read with the tail of their differences: a cache grown in
-        # segments puts them a segment up now and then. (Not the medians, whose heavy tails are
-        # steps and wander the shape tests and the inflation read from the core.)
+        # segments puts them a segment up now and then. (Not the medians: their heavy tails are
+        # steps and wander, which the shape tests and the inflation tell against the core's noise.)
         sigma = robust_sigma(values[max(settled, n - config.noise_points):], config.min_noise_bytes,
                              heavy_tails=name != "median")
         # Steps down, left in for the test, would pass for wandering noise at the block sizes

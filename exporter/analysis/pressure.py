@@ -176,15 +176,31 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
         findings.append(Finding(
             kind="pressure", severity="critical" if critical else "warning",
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
-            evidence=tuple(evidence), advice=_advice(gpu, a.admission_open, beyond, config.budget_slack_ratio)))
+            evidence=tuple(evidence),
+            advice=_advice(gpu, a.admission_open, beyond, config.budget_slack_ratio,
+                           vllm=a.beyond_budget_bytes is None or gpu.used_bytes is None
+                           or a.beyond_budget_bytes < gpu.used_bytes)))
     return findings
 
 
-def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, slack: float) -> tuple[str, ...]:
+def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, slack: float,
+            vllm: bool = True) -> tuple[str, ...]:
     """What to change. Where much of the GPU is beyond the vLLM budgets, the memory is not vLLM's
     plan (another process, a browser on unified memory, a server past its budget): shrinking vLLM
-    is the wrong first advice there."""
+    is the wrong first advice there, and beside the point where no vLLM server uses the GPU
+    (`vllm` False: all its memory is beyond any budget)."""
     outside = beyond if beyond is not None and beyond > slack else None  # share of the GPU
+    if outside is not None and not vllm:
+        last = (f"No vLLM server the exporter watches uses this GPU: the {outside:.0%} in use is held by the "
+                "processes named. Free it (stop or move them) if a server is to run here.")
+    elif outside is not None:
+        last = (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets, which is not their plan: free it "
+                "first (stop or move the processes named outside vLLM, or a server past its budget). Lowering "
+                "vLLM's --gpu-memory-utilization takes effect only at its next start: do it only if those "
+                "processes must stay on this GPU.")
+    else:
+        last = ("For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
+                "spread the model over more GPUs (tensor parallelism).")
     advice = [
         "The processes named hold the most; see whether one is growing "
         "(gpumem_process_memory_growth_bytes_per_second) and whether it belongs on this GPU.",
@@ -193,13 +209,7 @@ def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, s
         "Stop routing new work to this GPU until it drains: its admission (/admission, "
         "gpumem_admission_open) is " + ("closed, so routers that read it already do." if not admission_open else
                                         "still open (it closes on the GPU's use): route away from it by hand."),
-        (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets, which is not their plan: free it first "
-         "(stop or move the processes named outside vLLM, or a server past its budget). Lowering vLLM's "
-         "--gpu-memory-utilization takes effect only at its next start: do it only if those processes must stay "
-         "on this GPU."
-         if outside is not None else
-         "For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
-         "spread the model over more GPUs (tensor parallelism)."),
+        last,
     ]
     if gpu is not None and gpu.unified:
         advice.append("This GPU shares memory with the host: host processes count against it; "

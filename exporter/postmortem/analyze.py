@@ -261,7 +261,7 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
         # said otherwise (a leak's rate, the bar it passed before the hold halved it). Each is
         # dated, so a cleared finding's words read as what was said then, not as the present.
         updated = episode.reported_at != f.first_detected_at
-        said = f"as reported {_when(episode.reported_at)}: " if updated else ""
+        said = f"as last reported {_when(episode.reported_at)}: " if updated else ""
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
                   f"  first detected {_when(f.first_detected_at)} "
@@ -269,7 +269,7 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
                   "  " + sanitize(said + f.summary)]
         if raised.evidence != f.evidence:
             lines.append("  evidence when raised: " + _evidence_text(raised))
-            lines.append(f"  evidence {_when(episode.reported_at)}: " + _evidence_text(f))
+            lines.append(f"  evidence as last reported {_when(episode.reported_at)}: " + _evidence_text(f))
         elif f.evidence:
             lines.append("  evidence: " + _evidence_text(f))
         if f.advice and episode.cleared_at is not None:
