@@ -10,7 +10,8 @@ measured on the same samples (trend_test.kappas and wander_fit at sample scale).
 
 It runs only where nothing but noise and a leak can make such a climb (the caller sees to the
 rest: a series past its young period, read through its medians, no sawtooth measured):
-- noise that does not wander (its correlations measured on the same samples);
+- noise that does not wander (its correlations measured on the same samples, and, where no jump
+  lies between, on those before them back to the last jump);
 - no drop among the samples kept (a cache freed, a sawtooth the minute buckets alias, a step
   given back, a sleep): growth after a drop may be climbing back;
 - the baseline flat (growth begun before it is the per-minute test's, young rule and all), and
@@ -127,19 +128,11 @@ def climb(raw: SeriesView, since: float, config: Settings,
     times, values = times[a:], values[a:]
     sigma = robust_sigma(values, config.min_noise_bytes / 2)
     shift = max(config.min_shift_bytes, JUMP_SIGMAS * sigma)
-    # Level changes between the medians of the three samples on either side (one sample's
-    # noise, or a spike, is no change).
-    m3 = [x + y + z - max(x, y, z) - min(x, y, z)
-          for x, y, z in zip(values[:-2], values[1:-1], values[2:], strict=True)]
-    changes = list(map(operator.sub, m3[3:], m3[:-3]))  # k: the three from k + 3 on less those before
+    changes = _changes(values)
     if min(changes, default=0.0) <= -shift:
         return "a_drop_in_the_samples"
-    # The baseline begins after the last jump (a minute on: the new level settles). A jump
-    # stands out from the changes six samples before and after it; a climb fast enough to
-    # change the level by as much over three samples goes on changing it so. (One too new to
-    # tell is left to the step models below.)
-    last = max((k + 3 for k, c in enumerate(changes[:-6]) if c >= shift and all(
-        c - changes[j] >= shift / 2 for j in (k - 6, k + 6) if j >= 0)), default=0)
+    # The baseline begins after the last jump (a minute on: the new level settles).
+    last = _last_jump(changes, shift)
     settled = bisect.bisect_left(times, times[last] + 60) if last else 0
     if n - settled < 24 or times[-1] - times[min(settled, n - 1)] < baseline + 60:
         return "too_few_samples"
@@ -162,9 +155,21 @@ def climb(raw: SeriesView, since: float, config: Settings,
     quiet = prefix if settled == start else \
         Prefix(raw.times[a + settled:], despiked(values[settled:], SPIKE_SIGMAS * sigma))
     table = kappas(quiet, 0, sigma, SAMPLE_SCALES)
-    wander = wander_fit(quiet, 0)
-    if wander is not None or max((k for _, k in table), default=1.0) > MAX_KAPPA:
+    if _wanders(quiet, table):
         return "noise_wanders"  # the per-minute test's, whose blocks reach its longer memory
+    # Without a jump since `since`, the samples before it since the last jump show the memory
+    # too: ten minutes after the young period are too few for blocks of a memory of several
+    # (correlated#9012 at +50 s: 6 minutes, a climb at z 13.6). Only to refuse: the slope's
+    # inflation stays the one read on the samples fitted.
+    if not last and a > 0:
+        w = max(0, len(raw.times) - config.samples_max)
+        older = raw.values[w:a]
+        jump = _last_jump(_changes(older), shift)
+        b = bisect.bisect_left(raw.times, raw.times[w + jump] + 60) if jump else w
+        if a - b >= 24:
+            longer = Prefix(raw.times[b:], despiked(raw.values[b:], SPIKE_SIGMAS * sigma))
+            if _wanders(longer, kappas(longer, 0, sigma, SAMPLE_SCALES)):
+                return "noise_wanders"
     kappa = kappa_for(n, table, None, sigma)
     h = best_hinge(prefix, 0, range(first, last_onset), sigma, lambda points: kappa, 5)
     if h is None or h.z < threshold:
@@ -186,6 +191,28 @@ def climb(raw: SeriesView, since: float, config: Settings,
     if curvature_z(prefix, h.onset, n, sigma * math.sqrt(h.kappa)) < -config.max_concavity_z:
         return "decelerating"
     return SampleClimb(h, 60 * minutes, growth, sigma, threshold)
+
+
+def _changes(values: Sequence[float]) -> list[float]:
+    """Level changes between the medians of the three samples on either side (one sample's
+    noise, or a spike, is no change): k, the three from k + 3 on less those before."""
+    m3 = [x + y + z - max(x, y, z) - min(x, y, z)
+          for x, y, z in zip(values[:-2], values[1:-1], values[2:], strict=True)]
+    return list(map(operator.sub, m3[3:], m3[:-3]))
+
+
+def _last_jump(changes: Sequence[float], shift: float) -> int:
+    """The sample after the last jump (0: none). A jump stands out from the changes six samples
+    before and after it; a climb fast enough to change the level by as much over three samples
+    goes on changing it so. (One too new to tell is left to the step models.)"""
+    return max((k + 3 for k, c in enumerate(changes[:-6]) if c >= shift and all(
+        c - changes[j] >= shift / 2 for j in (k - 6, k + 6) if j >= 0)), default=0)
+
+
+def _wanders(quiet: Prefix, table: list[tuple[int, float]]) -> bool:
+    """Whether the noise of these samples wanders: a Wander model fits them, or their blocks'
+    kappa passes MAX_KAPPA."""
+    return wander_fit(quiet, 0) is not None or max((k for _, k in table), default=1.0) > MAX_KAPPA
 
 
 def rising(raw: SeriesView, min_sigma: float, newest: int = 6, gap: int = 12) -> bool:
