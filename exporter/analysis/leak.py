@@ -424,11 +424,14 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     of a finding (_other_phase): the view given, not chosen (0 the medians, else the minima over
     blocks of that many points)."""
     memo = memo or NoiseMemo()
+    if block is not None:
+        memo.climbing = False  # the other phase's reading confirms no climb of its own
     times = series.times
     medians = series.values
     lows = series.least
     n = len(times)
     if n < config.min_points:
+        memo.samples_since, memo.climbing = None, False
         return LeakAssessment(False, None, (("reason", "too_few_points"), ("points", n)))
     base = last_large_step(medians, config)
     end = times[-1]
@@ -438,6 +441,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     # moves as the history's retention drops points).
     era = times[base] if base else -math.inf
     if end - 60 * config.windows_minutes[0] < settled_from:
+        memo.samples_since, memo.climbing = None, False
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
     threshold = config.threshold(signals) * bar
     lo = max(base, n - config.noise_points)
@@ -747,7 +751,8 @@ def _reject(prefix: Prefix, w: WindowResult, settled: int, sigma: float, config:
     # No segment of the window (between the shifts taken out) holds the four points a step needs:
     # the growth cannot be told from a step (mixed#9001: troughs -2, -4, -2 then 126 MiB, three
     # points after the last shift, a line at z 8.1).
-    if (shape.step_margin < config.min_step_margin or shape.step_margin == math.inf) and not raw_climb:
+    if (shape.step_margin < config.min_step_margin or (shape.step_margin == math.inf and prefix.cuts)) \
+            and not raw_climb:
         return "a_step"
     penalty = config.two_step_penalty * math.log(w.end - w.start)
     if shape.two_step_margin < -penalty or shape.warm_two_margin < -penalty or shape.warm_three_margin < -2 * penalty:

@@ -163,8 +163,7 @@ def climb(raw: SeriesView, since: float, config: Settings,
     # inflation stays the one read on the samples fitted.
     if not last and a > 0:
         w = max(0, len(raw.times) - config.samples_max)
-        older = raw.values[w:a]
-        jump = _last_jump(_changes(older), shift)
+        jump = _last_jump(_changes(raw.values[w:]), shift)  # over the boundary at `a` too
         b = bisect.bisect_left(raw.times, raw.times[w + jump] + 60) if jump else w
         if a - b >= 24:
             longer = Prefix(raw.times[b:], despiked(raw.values[b:], SPIKE_SIGMAS * sigma))
