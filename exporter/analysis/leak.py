@@ -332,15 +332,13 @@ class LeakAssessor:
             result = kept[4]
             # A fast leak's first minute: the samples' test between the medians' minutes, on
             # the newest samples only (a climb the minute's verdict did not see).
-            # (Where the last tick found a climb, this one looks again, to confirm it.)
+            # (Where the test found a climb at the sample before, it looks again, to confirm it.)
             if not result.suspected and raw is not None and memo.samples_since is not None and (
-                    memo.climbing or leak_samples.rising(raw(now - leak_samples.RISING_SECONDS),
-                                                         config.min_noise_bytes / 2)):
+                    _climbed_before(memo, recent := raw(now - leak_samples.RISING_SECONDS))
+                    or leak_samples.rising(recent, config.min_noise_bytes / 2)):
                 found = _samples_test(raw(), memo.samples_since, config, signals, memo)
                 if found is not None:
                     result = _assessment(found, config, None, total_bytes, series.values[-1])
-            else:
-                memo.climbing = False
         else:
             result = verdict(series, total_bytes, config, signals, memo, raw, bar=bar)
         self._asked[key] = (series, total_bytes, config, (signals, bar), result, memo)
@@ -389,7 +387,7 @@ class NoiseMemo:
     cost). Measured afresh after a large step, and each time a signal has a quarter more points
     than when last measured (a young series' first estimates rest on few)."""
 
-    __slots__ = ("base_time", "climbing", "measured_at", "other", "samples_since", "values")
+    __slots__ = ("base_time", "climbed_at", "measured_at", "other", "samples_since", "values")
 
     def __init__(self) -> None:
         self.base_time: float | None = None
@@ -398,7 +396,7 @@ class NoiseMemo:
         # Where the last verdict found the samples' test applies: the samples it reads from
         # (None: it does not apply).
         self.samples_since: float | None = None
-        self.climbing = False  # whether the samples' test found a climb when it last ran (a tick ago)
+        self.climbed_at: float | None = None  # the newest sample when the samples' test last found a climb
         self.other: NoiseMemo | None = None  # the same series cut at another phase (_other_phase)
 
     def get(self, name: str, now: float, base_time: float, points: int, config: LeakConfig,
@@ -425,13 +423,13 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     blocks of that many points)."""
     memo = memo or NoiseMemo()
     if block is not None:
-        memo.climbing = False  # the other phase's reading confirms no climb of its own
+        memo.climbed_at = None  # the other phase's reading confirms no climb of its own
     times = series.times
     medians = series.values
     lows = series.least
     n = len(times)
     if n < config.min_points:
-        memo.samples_since, memo.climbing = None, False
+        memo.samples_since = None
         return LeakAssessment(False, None, (("reason", "too_few_points"), ("points", n)))
     base = last_large_step(medians, config)
     end = times[-1]
@@ -441,7 +439,7 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     # moves as the history's retention drops points).
     era = times[base] if base else -math.inf
     if end - 60 * config.windows_minutes[0] < settled_from:
-        memo.samples_since, memo.climbing = None, False
+        memo.samples_since = None
         return LeakAssessment(False, slope, (("reason", "settling"), ("settled_at", settled_from)))
     threshold = config.threshold(signals) * bar
     lo = max(base, n - config.noise_points)
@@ -487,8 +485,6 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         else None
     if isinstance(found, str) and raw is not None and memo.samples_since is not None:
         found = _samples_test(raw(), memo.samples_since, config, signals, memo) or found
-    else:
-        memo.climbing = False
     if isinstance(found, str):
         return LeakAssessment(False, slope, (("reason", found),))
     other = _other_phase(series, raw()) if chosen and raw is not None and found.signal in ("median", "floor") \
@@ -501,6 +497,11 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         if not again.suspected and not again.undecided:
             return LeakAssessment(False, slope, (("reason", "not_at_another_phase"),))
     return _assessment(found, config, tooth, total_bytes, medians[-1])
+
+
+def _climbed_before(memo: NoiseMemo, raw: SeriesView) -> bool:
+    """Whether the samples' test found a climb when the sample before the newest was the newest."""
+    return memo.climbed_at is not None and len(raw.times) > 1 and memo.climbed_at == raw.times[-2]
 
 
 def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView | None:
@@ -530,12 +531,14 @@ def _other_phase(series: SeriesView, raw: SeriesView) -> SeriesView | None:
 
 def _samples_test(raw: SeriesView, since: float, config: LeakConfig, signals: int, memo: NoiseMemo) -> _Found | None:
     """leak_samples.climb as a _Found (None where it finds none). A climb of less than a minute
-    counts where the test a tick before found one too: on so few samples, a warm-up's step of
-    three noise deviations whose next samples happen to rise passes for one for a tick (warmup#9000
-    at +50 s: 23 MiB in noise of 7 MiB, a 35-second climb at z 8.0); a leak goes on climbing."""
+    counts where the test found one at the sample before too: on so few samples, a warm-up's step
+    of three noise deviations whose next samples happen to rise passes for one for a tick
+    (warmup#9000 at +50 s: 23 MiB in noise of 7 MiB, a 35-second climb at z 8.0); a leak goes on
+    climbing."""
     got = leak_samples.climb(raw, since, config, lambda onsets: config.samples_threshold(onsets, signals))
-    climbed, memo.climbing = memo.climbing, not isinstance(got, str)
-    if isinstance(got, str) or (got.seconds < 60 and not climbed):
+    confirmed = _climbed_before(memo, raw)
+    memo.climbed_at = None if isinstance(got, str) or not raw.times else raw.times[-1]
+    if isinstance(got, str) or (got.seconds < 60 and not confirmed):
         return None
     fit = got.fit
     return _Found("samples", "hinge", fit.slope / 60.0, fit.se / 60.0, fit.z, got.seconds, got.growth,
