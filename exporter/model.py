@@ -478,6 +478,22 @@ class Finding:
         }
 
 
+@dataclass
+class Episode:
+    """One finding from raise to clear: `finding` is its worst (then latest) version, reported
+    at `reported_at`; `raised` the version that raised it; `cleared_at` None while active."""
+
+    finding: Finding
+    raised: Finding
+    reported_at: float
+    cleared_at: float | None = None
+
+    @property
+    def updated(self) -> bool:
+        """Whether the version shown was reported after the raise (its words are then dated)."""
+        return self.reported_at != self.finding.first_detected_at
+
+
 @dataclass(frozen=True)
 class ProcessTrend:
     """The leak detector's view of one process on one GPU (exported for every process)."""

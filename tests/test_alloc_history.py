@@ -290,6 +290,7 @@ from exporter.postmortem.trace import read_trace, write_csv  # noqa: E402
 from exporter.reactions.alloc_history import HistoryRequester  # noqa: E402
 from exporter.sources.allocator import parse  # noqa: E402
 from tests.helpers.state import make_state  # noqa: E402
+from tests.helpers.timeline import just_raised  # noqa: E402
 
 PROBED = AllocatorStats(reserved_bytes=1 << 30, probe_pid=57, probe_pid_ns=4026532451)
 CONTROL = "gpumem-4026532451-57.control.json"
@@ -487,13 +488,14 @@ def test_the_report_links_the_dump_a_trace_carries(tmp_path):
     write_csv([state_at(1000.0).snapshot, state_at(1130.0, allocator=answered).snapshot], str(trace))
     snapshots = read_trace(str(trace))  # the flight recorder's trace keeps the probe's answer
     finding = state_at(1000.0).analysis.findings[0]
-    html = render_report(snapshots, [(finding, None)], [])
+    episodes = [just_raised(finding)]
+    html = render_report(snapshots, episodes, [])
     assert '<a href="gpumem-4026532451-57-1000-101.pickle">' in html
     assert "pytorch.org/memory_viz" in html and "3.00 MiB" in html
-    html = render_report(snapshots, [(finding, None)], [], probe_dir="/run/gpumem-probe")
+    html = render_report(snapshots, episodes, [], probe_dir="/run/gpumem-probe")
     assert '<a href="/run/gpumem-probe/gpumem-4026532451-57-1000-101.pickle">' in html
     plain = [state_at(1000.0).snapshot, state_at(1130.0).snapshot]
-    assert "Allocation history" not in render_report(plain, [(finding, None)], [])
+    assert "Allocation history" not in render_report(plain, episodes, [])
 
 
 def test_a_probe_directory_that_is_a_symlink_gets_no_control_file(tmp_path):

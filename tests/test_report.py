@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from exporter.config import build as build_config
-from exporter.model import Finding, GpuSample, OomEvent, ProcessSample, Snapshot
+from exporter.model import Episode, Finding, GpuSample, OomEvent, ProcessSample, Snapshot
 from exporter.postmortem.analyze import replay_episodes
 from exporter.postmortem.explain import events_in_lines as parse_lines
 from exporter.postmortem.report import write_report
 from exporter.postmortem.trace import read_trace
 from exporter.runtime import build as build_runtime
+from helpers.timeline import just_raised
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 GiB = 1 << 30
@@ -42,7 +43,7 @@ def leak_run():
     """The leak scenario's first 70 minutes, sampled every 10 s through the simulated host,
     replayed through the detectors; plus a fragmentation OOM parsed from a real log line."""
     snapshots = played("leak", 4200)
-    episodes, _ = replay_episodes(snapshots)
+    episodes = replay_episodes(snapshots)[1].records()
     with open(FIXTURES / "torch_fragmentation.log", encoding="utf-8") as handle:
         events = parse_lines(handle, source="vllm.log")
     events = [replace(e, timestamp=snapshots[-20].timestamp, gpu="0") for e in events]
@@ -60,8 +61,9 @@ def mpl():
     return loaded
 
 
-def gpu_leak(episodes) -> Finding:
-    return next(f for f, _ in episodes if f.kind == "leak" and f.gpu is not None)
+def gpu_leak(episodes: list[Episode]) -> Finding:
+    return next(e.finding for e in episodes if e.finding.kind == "leak" and e.finding.gpu is not None)
+
 
 
 def section_of(html_text: str, finding: Finding) -> str:
@@ -86,7 +88,7 @@ def test_leak_report_names_the_process_and_its_rate(leak_run, tmp_path):
     assert rate == pytest.approx(expected, abs=0.05)
     # Timeline, one GPU, and one curve per leak finding (GPU memory and host RSS).
     images = IMG.findall(text)
-    leaks = [f for f, _ in episodes if f.pid is not None]
+    leaks = [e for e in episodes if e.finding.pid is not None]
     assert len(images) == 1 + 1 + len(leaks) and len(leaks) >= 1
     for data in images:
         assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
@@ -140,11 +142,49 @@ def test_outside_text_is_escaped(tmp_path):
     event = OomEvent(kind="torch_cuda_oom", klass="shortage", line=3, source="<b>log</b>",
                      message="CUDA out of memory <img src=x onerror=alert(1)>", advice=("a < b",))
     path = tmp_path / "evil.html"
-    write_report(snaps, [(finding, None)], [event], str(path))
+    write_report(snaps, [just_raised(finding)], [event], str(path))
     text = path.read_text(encoding="utf-8")
     assert "<script>" not in text and "<img src=x" not in text and "<b>log</b>" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert "restart &lt;now&gt; &amp; check" in text and "a &lt; b" in text
+
+
+def test_a_later_version_is_dated_beside_the_one_that_raised_it(tmp_path):
+    """As `analyze`'s text does: a finding that changed while it lasted shows its last words
+    dated, its evidence when raised and as last reported side by side, each under its time,
+    and a cleared finding's advice as what was advised while it lasted."""
+    t0 = 1_700_000_000.0
+    snaps = [Snapshot(timestamp=t0 + 10 * i, gpus=(GpuSample(
+        index="0", uuid="GPU-x", total_bytes=80 * GiB, used_bytes=2 * GiB, free_bytes=78 * GiB,
+        processes=(ProcessSample(pid=7, used_bytes=GiB, name="python3"),)),)) for i in range(40)]
+    first = Finding(kind="leak", severity="warning", first_detected_at=t0 + 200, gpu="0", pid=7, process="python3",
+                    summary="grows at 2.0 MiB/min", evidence=(("slope_bytes_per_second", 35000.0), ("z", 6.1)),
+                    advice=("restart it",))
+    later = replace(first, severity="critical", summary="grows at 4.0 MiB/min",
+                    evidence=(("slope_bytes_per_second", 70000.0), ("z", 9.3), ("time_to_full_seconds", 3600.0)))
+    path = tmp_path / "r.html"
+    write_report(snaps, [Episode(later, first, t0 + 260, cleared_at=t0 + 290)], [], str(path))
+    text = path.read_text(encoding="utf-8")
+
+    def when(t: float) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    detail = section_of(text, later)
+    assert f"<p>as last reported {when(t0 + 260)}: grows at 4.0 MiB/min</p>" in detail
+    assert f"<th>when raised, {when(t0 + 200)}</th><th>as last reported, {when(t0 + 260)}</th>" in detail
+    rows = {cells[0]: cells[1:] for cells in (re.findall(r"<td[^>]*>(.*?)</td>", row)
+                                              for row in re.findall(r"<tr>(.*?)</tr>", detail)) if cells}
+    assert rows["z"] == ["6.1", "9.3"]
+    assert rows["time_to_full_seconds"] == ["", "1h00m00s (3600 s)"]  # not in the first version
+    assert "What was advised while it lasted:</p>\n<ul><li>restart it</li>" in detail
+    findings_table = text[text.index("<h2>Findings</h2>"):text.index("<h2>Finding details</h2>")]
+    assert f"as last reported {when(t0 + 260)}: grows at 4.0 MiB/min" in findings_table
+
+    # One version, still active: its words undated, one column of evidence, advice as advice.
+    write_report(snaps, [just_raised(first)], [], str(path))
+    detail = section_of(path.read_text(encoding="utf-8"), first)
+    assert "<p>grows at 2.0 MiB/min</p>" in detail and "as last reported" not in detail
+    assert "<th>evidence</th><th>value</th>" in detail and "while it lasted" not in detail
 
 
 def test_an_empty_trace_still_makes_a_page(tmp_path):
@@ -258,7 +298,7 @@ def test_the_leak_chart_zooms_on_the_growth_not_the_start_up(mpl):
     from exporter.postmortem import reportplots as plots
 
     snapshots = read_trace(str(Path(__file__).parent / "fixtures" / "traces" / "vllm_leak.csv"))
-    episodes, _ = replay_episodes(snapshots)
+    episodes = replay_episodes(snapshots)[1].records()
     f = gpu_leak(episodes)
     ts = [s.timestamp for s in snapshots]
     vs = [next(p.used_bytes for p in s.gpus[0].processes if p.pid == f.pid) if any(
@@ -276,7 +316,7 @@ def restarted(tmp_path_factory):
     new pid) and its report's text."""
     snapshots = played("stale-memory", 1200)
     path = tmp_path_factory.mktemp("report") / "stale.html"
-    write_report(snapshots, replay_episodes(snapshots)[0], [], str(path))
+    write_report(snapshots, replay_episodes(snapshots)[1].records(), [], str(path))
     return snapshots, path.read_text(encoding="utf-8")
 
 

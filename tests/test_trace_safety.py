@@ -33,11 +33,13 @@ from exporter.postmortem.report import ALLOWED_URLS, render_report, write_report
 from exporter.postmortem.trace import TraceError, load_traces, read_trace, write_csv
 from exporter.reactions.recorder import FlightRecorder
 from helpers.daemon import analyze
+from helpers.timeline import just_raised
 from helpers.tools import HANG
 
 GiB = 1 << 30
 T0 = 1_732_280_400.0
 HOSTILE = "=cmd|'/C calc'!A0"
+
 
 
 def snaps_with(process: ProcessSample, n: int = 5, **snapshot) -> list[Snapshot]:
@@ -85,7 +87,7 @@ def test_a_dump_link_is_a_path_on_this_machine_whatever_the_probe_directory(prob
     stats = AllocatorStats(history_state="done", history_file="gpumem-0-9-r1.pickle")
     proc = ProcessSample(pid=9, used_bytes=GiB, name="python", allocator=stats)
     finding = Finding(kind="leak", severity="warning", first_detected_at=T0, gpu="0", pid=9)
-    html = render_report(snaps_with(proc), [(finding, None)], [], probe_dir=probe_dir)
+    html = render_report(snaps_with(proc), [just_raised(finding)], [], probe_dir=probe_dir)
     assert_links_allowed(html)
     assert "https://pytorch.org/memory_viz" in LINK.findall(html)  # the allowed link stays
     assert "gpumem-0-9-r1.pickle" in html  # the dump is named, a link or not
@@ -136,7 +138,7 @@ def test_control_characters_never_reach_the_report(tmp_path):
                       process=name, summary=f"{name} grows", advice=("kill \x1b[2J it",))
     oom = OomMessage(kind="torch_cuda_oom", line=1, source="v\x1b.log", message="CUDA out \x1b[5m of memory")
     from exporter.analysis.oom import classify
-    html = render_report(snaps_with(proc), [(finding, None)], [classify(oom)])
+    html = render_report(snaps_with(proc), [just_raised(finding)], [classify(oom)])
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", html)
     assert "x[31mred" in html and "CUDA out [5m of memory" in html
 

@@ -22,7 +22,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from .. import thresholds
-from ..model import NEUTRAL_TOOLS, RECENT_OOM_SECONDS, Analysis, Finding, GpuTools, OomEvent, ProcessTrend, Snapshot
+from ..model import (
+    NEUTRAL_TOOLS,
+    RECENT_OOM_SECONDS,
+    Analysis,
+    Episode,
+    Finding,
+    GpuTools,
+    OomEvent,
+    ProcessTrend,
+    Snapshot,
+)
 from . import leak_detector, pressure
 from .budget import memory_budgets
 from .detector import DetectorSpec, ReportsTrends, Tick
@@ -97,17 +107,6 @@ class AnalysisConfig:
         """The settings of one detector (its config's defaults where it is not registered)."""
         section = self.detectors.get(spec.name)
         return cast(C, section) if section is not None else spec.config()
-
-
-@dataclass
-class Episode:
-    """One finding from raise to clear: `finding` is its worst (then latest) version, reported
-    at `reported_at`; `raised` the version that raised it; `cleared_at` None while active."""
-
-    finding: Finding
-    raised: Finding
-    reported_at: float
-    cleared_at: float | None = None
 
 
 class Analyzer:

@@ -112,12 +112,12 @@ def analyze_trace(trace: Trace, fmt: str = "text", config: AnalysisConfig | None
     if fmt not in ("text", "json"):
         raise ValueError(f"unknown format {fmt!r} (text or json)")
     snapshots = trace.snapshots
-    episodes, analyzer = replay_episodes(snapshots, config)
+    _, analyzer = replay_episodes(snapshots, config)
     events = _merge_events(trace_oom_events(snapshots), list(oom_events))
     if report_path:
         from .report import write_report
 
-        write_report(snapshots, episodes, events, report_path, triggers=trace.triggers,
+        write_report(snapshots, analyzer.records(), events, report_path, triggers=trace.triggers,
                      runs=trace.runs, logs=logs, dropped=trace.dropped)
     if fmt == "json":
         return render_json(trace, analyzer, events, logs) + "\n"
@@ -260,8 +260,7 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
         # A finding that goes on tells its worst, then newest, verdict; what raised it may have
         # said otherwise (a leak's rate, the bar it passed before the hold halved it). Each is
         # dated, so a cleared finding's words read as what was said then, not as the present.
-        updated = episode.reported_at != f.first_detected_at
-        said = f"as last reported {_when(episode.reported_at)}: " if updated else ""
+        said = f"as last reported {_when(episode.reported_at)}: " if episode.updated else ""
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
                   f"  first detected {_when(f.first_detected_at)} "

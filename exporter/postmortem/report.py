@@ -30,15 +30,13 @@ from urllib.parse import quote, urlsplit
 
 from gpumem_probe.schema import DUMP_NAME
 
-from ..model import Finding, OomEvent, Snapshot
+from ..model import Episode, Finding, OomEvent, Snapshot
 from ..units import counted, format_bytes
 from . import reportplots as plots
 from .atomic import atomic_file
 from .runs import RunIdentity
 from .tracerow import clean_text
 from .vllm_servers import ServerStory, servers_in, settings_text, startup_text
-
-_Episode = plots.Episode
 
 MAX_PROCESS_PLOTS = 24
 MAX_GPU_PLOTS = 16
@@ -236,19 +234,49 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
     return "\n".join(out)
 
 
-def _finding_detail(f: Finding, cleared: float | None, start: float, plot: str | None) -> str:
+def _said(episode: Episode) -> str:
+    """The finding's summary, dated where it is a later version than the one that raised it
+    (as `analyze`'s text dates it): a cleared finding's words are what was said then."""
+    f = episode.finding
+    return (f"as last reported {_when(episode.reported_at)}: " if episode.updated else "") + f.summary
+
+
+def _evidence_table(episode: Episode) -> str:
+    """The evidence; where the version shown is not the one that raised the finding, both, each
+    under its time (a leak's rate, the bar it passed, move while the finding lasts)."""
+    f, raised = episode.finding, episode.raised
+    if raised.evidence == f.evidence:
+        return _table(("evidence", "value"), ((k, _evidence_value(k, v)) for k, v in f.evidence))
+    then, now = dict(raised.evidence), dict(f.evidence)
+    names = list(dict.fromkeys([*then, *now]))
+    return _table(("evidence", f"when raised, {_when(raised.first_detected_at)}",
+                   f"as last reported, {_when(episode.reported_at)}"),
+                  ((k, _evidence_value(k, then[k]) if k in then else "",
+                    _evidence_value(k, now[k]) if k in now else "") for k in names))
+
+
+def _finding_row(episode: Episode, start: float) -> tuple[str, ...]:
+    f, cleared = episode.finding, episode.cleared_at
+    return (f.severity, f.kind, _where(f), f"{_when(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
+            _when(cleared) if cleared is not None else "active at the end", _said(episode))
+
+
+def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
+    f, cleared = episode.finding, episode.cleared_at
     sev = _e(f.severity)
     out = [f'<div class="finding {sev}"><h3><span class="sev-{sev}">[{sev}]</span> '
            f"{_e(f.kind)} &mdash; {_e(_where(f))}</h3>",
-           f"<p>{_e(f.summary)}</p>",
+           f"<p>{_e(_said(episode))}</p>",
            f"<p>First detected {_e(_when(f.first_detected_at))} (+{_e(_span(f.first_detected_at - start))})"
            + (f", cleared {_e(_when(cleared))}" if cleared is not None else ", still active at the end")
            + ".</p>"]
     if plot:
         out.append(plot)
-    if f.evidence:
-        out.append(_table(("evidence", "value"), ((k, _evidence_value(k, v)) for k, v in f.evidence)))
+    if f.evidence or episode.raised.evidence:
+        out.append(_evidence_table(episode))
     if f.advice:
+        if cleared is not None:
+            out.append("<p>What was advised while it lasted:</p>")
         out.append("<ul>" + "".join(f"<li>{_e(a)}</li>" for a in f.advice) + "</ul>")
     out.append("</div>")
     return "\n".join(out)
@@ -382,9 +410,9 @@ def _oom_events(events: Sequence[OomEvent], start: float | None, end: float | No
     return out
 
 
-def _advice_section(episodes: Iterable[_Episode], events: Sequence[OomEvent]) -> str:
+def _advice_section(episodes: Iterable[Episode], events: Sequence[OomEvent]) -> str:
     advice: dict[str, list[str]] = {}
-    for f, _ in episodes:
+    for f in (e.finding for e in episodes):
         for a in f.advice:
             advice.setdefault(a, []).append(f"{f.kind} ({_where(f)})")
     for ev in events:
@@ -426,18 +454,18 @@ def _history_section(dumps: Sequence[tuple[str, int, str, str, int | None]], pro
     return "\n".join(out)
 
 
-def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
+def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
                   oom_events: Iterable[OomEvent], title: str = "GPU memory post-mortem",
                   triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "", *,
                   runs: Sequence[RunIdentity] = (), logs: Sequence[str] = (),
                   dropped: Sequence[tuple[float, str, int]] = ()) -> str:
     """The report as one HTML string (see write_report)."""
     snapshots = sorted(snapshots, key=lambda s: s.timestamp)
-    episodes = sorted(findings_with_clearing,
-                      key=lambda fc: (fc[0].first_detected_at, _SEVERITY_RANK.get(fc[0].severity, 3)))
+    episodes = sorted(records, key=lambda e: (e.finding.first_detected_at,
+                                              _SEVERITY_RANK.get(e.finding.severity, 3)))
     mpl = plots.load()
     start = snapshots[0].timestamp if snapshots else min(
-        [f.first_detected_at for f, _ in episodes] or [0.0])
+        [e.finding.first_detected_at for e in episodes] or [0.0])
     end = snapshots[-1].timestamp if snapshots else start
     # Log events outside the trace's time are another incident's: shown apart, never counted,
     # charted or advised as this one's.
@@ -469,9 +497,8 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
         if mpl is not None and snapshots:
             body.append(_chart(mpl, plots.timeline(mpl, episodes, start, end, triggers),
                                "timeline of findings", triggers))
-        body.append(_table(("severity", "kind", "where", "first detected", "cleared", "summary"), (
-            (f.severity, f.kind, _where(f), f"{_when(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
-             _when(c) if c is not None else "active at the end", f.summary) for f, c in episodes)))
+        body.append(_table(("severity", "kind", "where", "first detected", "cleared", "summary"),
+                           (_finding_row(e, start) for e in episodes)))
         body += ["<h2>Finding details</h2>", *_details(snapshots, episodes, start, end, triggers, mpl)]
     else:
         body.append("<p>No findings.</p>")
@@ -515,20 +542,20 @@ def render_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterabl
             + "\n".join(body) + "\n</body></html>\n")
 
 
-def _details(snapshots: Sequence[Snapshot], episodes: Sequence[_Episode], start: float,
+def _details(snapshots: Sequence[Snapshot], episodes: Sequence[Episode], start: float,
              end: float, triggers: plots.Triggers, mpl: plots.Mpl | None) -> list[str]:
     """Each finding's block: those of a process first (with its memory curve), then the rest."""
     out = []
-    with_pid = [(f, c) for f, c in episodes if f.pid is not None]
-    for i, (f, c) in enumerate(with_pid):
-        chart = None
+    with_pid = [e for e in episodes if e.finding.pid is not None]
+    for i, episode in enumerate(with_pid):
+        f, chart = episode.finding, None
         if mpl is not None and i < MAX_PROCESS_PLOTS and f.pid is not None:
             ts, vs = _process_series(snapshots, f.gpu, f.pid)
             if ts:
                 chart = _chart(mpl, plots.process(mpl, f, ts, vs, end, triggers),
                                f"memory of pid {f.pid}", triggers)
-        out.append(_finding_detail(f, c, start, chart))
-    out += [_finding_detail(f, c, start, None) for f, c in episodes if f.pid is None]
+        out.append(_finding_detail(episode, start, chart))
+    out += [_finding_detail(e, start, None) for e in episodes if e.finding.pid is None]
     return out
 
 
@@ -543,7 +570,7 @@ def dropped_text(dropped: Sequence[tuple[float, str, int]]) -> str:
                         for name, (n, ticks) in sorted(totals.items())) + ".")
 
 
-def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable[_Episode],
+def write_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
                  oom_events: Iterable[OomEvent], path: str, title: str = "GPU memory post-mortem",
                  triggers: Sequence[tuple[float, str]] = (), probe_dir: str = "", *,
                  runs: Sequence[RunIdentity] = (), logs: Sequence[str] = (),
@@ -552,13 +579,13 @@ def write_report(snapshots: Sequence[Snapshot], findings_with_clearing: Iterable
     temporary file of an unpredictable name (O_CREAT|O_EXCL|O_NOFOLLOW) renamed over `path`:
     a link planted where the report goes is replaced, never written through (atomic.py).
 
-    findings_with_clearing: (Finding, cleared_at or None) pairs, as Analyzer.episodes() or
-    analyze.replay_episodes() give them. oom_events: OomEvents (from `explain` of the logs,
-    and the trace's own). triggers: the flight recorder's (tick time, trigger) marks.
+    records: every finding's Episode, as Analyzer.records() gives them. oom_events:
+    OomEvents (from `explain` of the logs, and the trace's own). triggers: the flight
+    recorder's (tick time, trigger) marks.
     probe_dir: where the probes' allocation-history dumps are, for their links (else the
     bare file name). runs: who recorded the trace (trace.Trace.runs). logs: the log files
     given. dropped: what the trace's writer left out (trace.Trace.dropped)."""
-    text = render_report(snapshots, findings_with_clearing, oom_events, title, triggers, probe_dir,
+    text = render_report(snapshots, records, oom_events, title, triggers, probe_dir,
                          runs=runs, logs=logs, dropped=dropped)
     with atomic_file(path, encoding="utf-8") as handle:
         handle.write(text)

@@ -15,7 +15,7 @@ from itertools import pairwise
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from ..model import Finding, OomEvent
+from ..model import Episode, Finding, OomEvent
 from ..units import GiB, MiB
 from .tracerow import clean_text
 
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     # (Figure, FigureCanvasAgg, matplotlib.dates), as load() returns them
     Mpl = tuple[type[Figure], type[FigureCanvasAgg], ModuleType]
 
-# (finding, cleared_at or None), as Analyzer.episodes() gives them
-Episode = tuple[Finding, float | None]
 # (tick time, `+`-joined triggers), as trace.Trace gives them
 Triggers = Sequence[tuple[float, str]]
 # The plots' Axes: they are given datetimes, which matplotlib converts through its units
@@ -126,7 +124,7 @@ def timeline(mpl: Mpl, episodes: Sequence[Episode], start: float, end: float,
     shown = episodes[:40]
     fig = Figure(figsize=(10, 0.45 * len(shown) + 1.2))
     ax: _DateAxes = fig.add_subplot()
-    for i, (f, cleared) in enumerate(shown):
+    for i, (f, cleared) in enumerate((e.finding, e.cleared_at) for e in shown):
         a, b = f.first_detected_at, cleared if cleared is not None else end
         # Date axes count days: a bar of at least 1/400 of the range so a short one shows.
         ax.barh(i, max(b - a, (end - start) / 400) / 86400, left=mpl[2].date2num(_dt([a])[0]),
@@ -158,7 +156,7 @@ def gpu(mpl: Mpl, index: str, t: list[float], parts: Sequence[Sequence[int]],
     for ev in ooms:
         if ev.timestamp is not None and ev.gpu in (None, index) and t[0] <= ev.timestamp <= t[-1]:
             ax.axvline(_dt([ev.timestamp])[0], color="#c62828", linestyle="--", linewidth=1.2)
-    for f, _ in findings:
+    for f in (e.finding for e in findings):
         if f.gpu == index:
             ax.axvline(_dt([f.first_detected_at])[0], color=SEVERITY_COLOUR.get(f.severity, "#777"),
                        linestyle=":", linewidth=1)
@@ -242,5 +240,5 @@ def process(mpl: Mpl, f: Finding, ts: list[float], vs: list[int], end: float,
     return fig
 
 
-__all__ = ["TRIGGER_GID", "Episode", "fitted_line", "gpu", "load", "png", "process",
+__all__ = ["TRIGGER_GID", "fitted_line", "gpu", "load", "png", "process",
            "rate_text", "timeline"]

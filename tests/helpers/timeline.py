@@ -12,6 +12,7 @@ from exporter.analysis.kv_cache import kv_caches
 from exporter.analysis.leak import LeakConfig
 from exporter.model import (
     CacheConfig,
+    Episode,
     Finding,
     GpuSample,
     HostMemory,
@@ -95,6 +96,11 @@ def startup_used(elapsed, start_at, level, ramp=90):
     if elapsed < start_at:
         return 0
     return level * min(1.0, (elapsed - start_at + 10) / ramp)
+
+
+def just_raised(finding: Finding) -> Episode:
+    """The episode of a finding just raised: one version, still active."""
+    return Episode(finding, finding, finding.first_detected_at)
 
 
 def kinds(findings):
