@@ -108,10 +108,11 @@ def test_analyze_tells_what_raised_a_finding_beside_its_latest_evidence():
     assert leak["first_detected_at"] < leak["reported_at"] <= doc["trace"]["end"]
     when = _utc(leak["reported_at"])
     text = analyze([LEAK_CSV])
-    assert f"  evidence when raised: slope_bytes_per_second={raised['slope_bytes_per_second']}," in text
+    first = _utc(leak["first_detected_at"])
+    assert f"  evidence when raised {first}: slope_bytes_per_second={raised['slope_bytes_per_second']}," in text
     assert f"  evidence as last reported {when}: slope_bytes_per_second={latest['slope_bytes_per_second']}," in text
     assert f"  as last reported {when}: " in text
-    assert text.index("evidence when raised:") < text.index(f"evidence as last reported {when}:")
+    assert text.index(f"evidence when raised {first}:") < text.index(f"evidence as last reported {when}:")
 
 
 def test_analyze_dates_what_a_cleared_finding_said(tmp_path):

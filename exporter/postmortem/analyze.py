@@ -267,7 +267,7 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
                   f"(+{_span(f.first_detected_at - start)}){until}",
                   "  " + sanitize(said + f.summary)]
         if raised.evidence != f.evidence:
-            lines.append("  evidence when raised: " + _evidence_text(raised))
+            lines.append(f"  evidence when raised {_when(f.first_detected_at)}: " + _evidence_text(raised))
             lines.append(f"  evidence as last reported {_when(episode.reported_at)}: " + _evidence_text(f))
         elif f.evidence:
             lines.append("  evidence: " + _evidence_text(f))
