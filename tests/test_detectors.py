@@ -114,6 +114,13 @@ def test_pressure_on_a_gpu_no_vllm_server_uses_does_not_advise_vllm():
     (f,) = detect_pressure((g,), analyses, T0, PressureConfig())
     assert any(a.startswith("No vLLM server the exporter watches uses this GPU: the 98% in use") for a in f.advice)
     assert not [a for a in f.advice if "--gpu-memory-utilization" in a or "--max-num-seqs" in a]
+    # A vLLM process there whose server the exporter does not watch: no budget known, not "no vLLM".
+    g = gpu([vllm_proc(10, 70 * GiB), proc(555, 8 * GiB)], index="0")
+    analyses = [GpuAnalysis(g.index, g.uuid, g.used_bytes / g.total_bytes, False, None, 0, g.used_bytes)]
+    (f,) = detect_pressure((g,), analyses, T0, PressureConfig())
+    assert not [a for a in f.advice if a.startswith("No vLLM server")]
+    assert any(a.startswith("The vLLM processes on this GPU have no known budget") and "vllm.endpoints" in a
+               for a in f.advice)
 
 
 def test_pressure_names_the_processes_that_fill_the_gpu():

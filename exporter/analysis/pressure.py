@@ -178,25 +178,31 @@ def detect_pressure(snapshot_gpus: tuple[GpuSample, ...], analyses: list[GpuAnal
             first_detected_at=now, gpu=a.gpu, uuid=a.uuid, summary=summary,
             evidence=tuple(evidence),
             advice=_advice(gpu, a.admission_open, beyond, config.budget_slack_ratio,
-                           vllm=a.beyond_budget_bytes is None or gpu.used_bytes is None
+                           budgeted=a.beyond_budget_bytes is None or gpu.used_bytes is None
                            or a.beyond_budget_bytes < gpu.used_bytes)))
     return findings
 
 
 def _advice(gpu: GpuSample | None, admission_open: bool, beyond: float | None, slack: float,
-            vllm: bool = True) -> tuple[str, ...]:
-    """What to change. Where much of the GPU is beyond the vLLM budgets, the memory is not vLLM's
-    plan (another process, a browser on unified memory, a server past its budget): shrinking vLLM
-    is the wrong first advice there, and beside the point where no vLLM server uses the GPU
-    (`vllm` False: all its memory is beyond any budget)."""
+            budgeted: bool = True) -> tuple[str, ...]:
+    """What to change. Where much of the GPU is beyond the vLLM budgets (another process,
+    a browser on unified memory, a server past its budget), shrinking vLLM is the wrong first
+    advice; and beside the point where no vLLM process uses the GPU. `budgeted` False: no vLLM
+    budget on this GPU is known, all its memory counts as outside one."""
     outside = beyond if beyond is not None and beyond > slack else None  # share of the GPU
-    if outside is not None and not vllm:
+    serving = gpu is not None and any(p.role == "vllm" for p in gpu.processes)
+    if outside is not None and not budgeted and not serving:
         last = (f"No vLLM server the exporter watches uses this GPU: the {outside:.0%} in use is held by the "
                 "processes named. Free it (stop or move them) if a server is to run here.")
+    elif outside is not None and not budgeted:
+        last = ("The vLLM processes on this GPU have no known budget (the exporter does not watch their "
+                "server's /metrics, or it does not answer), so their memory counts as outside one: add the "
+                "server to vllm.endpoints to tell its planned memory from the rest. For vLLM, lower "
+                "--gpu-memory-utilization, --max-num-seqs or --max-model-len; stop or move any other process named.")
     elif outside is not None:
-        last = (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets, which is not their plan: free it "
-                "first (stop or move the processes named outside vLLM, or a server past its budget). Lowering "
-                "vLLM's --gpu-memory-utilization takes effect only at its next start: do it only if those "
+        last = (f"{outside:.0%} of the GPU is beyond the vLLM servers' budgets: free it first (stop or move "
+                "the processes named outside vLLM, or a server past its budget). Lowering vLLM's "
+                "--gpu-memory-utilization takes effect only at its next start: do it only if those "
                 "processes must stay on this GPU.")
     else:
         last = ("For vLLM, lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or "
