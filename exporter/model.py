@@ -481,17 +481,22 @@ class Finding:
 @dataclass
 class Episode:
     """One finding from raise to clear: `finding` is its worst (then latest) version, reported
-    at `reported_at`; `raised` the version that raised it; `cleared_at` None while active."""
+    at `reported_at`; `raised` the version that raised it; `cleared_at` None while active;
+    `eased` the newest version, reported at `eased_at`, where the finding went on less severe
+    than its worst (None where its newest is its worst)."""
 
     finding: Finding
     raised: Finding
     reported_at: float
     cleared_at: float | None = None
+    eased: Finding | None = None
+    eased_at: float | None = None
 
     @property
     def updated(self) -> bool:
-        """Whether the version shown was reported after the raise (its words are then dated)."""
-        return self.reported_at != self.finding.first_detected_at
+        """Whether the version shown says something else than the one that raised it (its words
+        are then dated)."""
+        return self.finding != self.raised
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from exporter.analysis.engine import Analyzer
-from exporter.postmortem.analyze import analyze, replay
-from exporter.postmortem.trace import TraceError, read_trace, write_csv
+from exporter.postmortem.analyze import analyze, analyze_trace, replay
+from exporter.postmortem.trace import TraceError, load_traces, read_trace, write_csv
 from helpers.timeline import T0, GiB, MiB, gpu, leaking_server, proc, snap, timeline, vllm_proc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -127,6 +127,32 @@ def test_analyze_dates_what_a_cleared_finding_said(tmp_path):
     text = analyze([path])
     assert f", cleared {_utc(f['cleared_at'])}" in text
     assert text.index("  what was advised while it lasted:") < text.index("  - " + f["advice"][0])
+
+
+def test_analyze_tells_a_finding_that_eased_before_it_cleared(tmp_path):
+    # 98 % used for ten minutes, then 92 % for ten, then freed (a newcomer's trial): the worst
+    # version is shown, and beside it that it went on as a warning until later.
+    path = str(tmp_path / "eased.csv")
+    used = {0: 78, 1: 73, 2: 10, 3: 10}
+    write_csv(timeline(1800, 15, lambda e: snap(T0 + e, [gpu([proc(1, used[int(e // 600)] * GiB)])])), path)
+    doc = json.loads(analyze([path], fmt="json"))
+    (f,) = doc["findings"]
+    assert f["severity"] == "critical" and "98% used" in f["summary"] and f["reported_at"] < T0 + 600
+    eased = f["eased"]
+    assert eased["severity"] == "warning" and "92% used" in eased["summary"]
+    assert T0 + 600 <= eased["reported_at"] < T0 + 1200 < f["cleared_at"]
+    text = analyze([path])
+    assert f"  later warning, as last reported {_utc(eased['reported_at'])}: GPU 0 memory 92% used" in text
+    report = tmp_path / "eased.html"
+    analyze_trace(load_traces([path]), report_path=str(report))
+    assert f"later warning, as last reported {_utc(eased['reported_at'])}: GPU 0 memory 92% used" in \
+        report.read_text(encoding="utf-8")
+    # Back at its worst, it is no longer told as eased; a finding that never eased says nothing of it.
+    used[2] = used[3] = 78
+    write_csv(timeline(1800, 15, lambda e: snap(T0 + e, [gpu([proc(1, used[int(e // 600)] * GiB)])])), path)
+    (f,) = json.loads(analyze([path], fmt="json"))["findings"]
+    assert f["eased"] is None and f["reported_at"] == T0 + 1800 and "later" not in analyze([path])
+    assert json.loads(analyze([LEAK_CSV], fmt="json"))["findings"][0]["eased"] is None
 
 
 def test_analyze_normal_trace_has_no_findings():

@@ -179,6 +179,8 @@ def test_a_later_version_is_dated_beside_the_one_that_raised_it(tmp_path):
     assert "What was advised while it lasted:</p>\n<ul><li>restart it</li>" in detail
     findings_table = text[text.index("<h2>Findings</h2>"):text.index("<h2>Finding details</h2>")]
     assert f"as last reported {when(t0 + 260)}: grows at 4.0 MiB/min" in findings_table
+    assert "<li>restart it <span class=\"note\">&mdash; for leak (GPU 0, pid 7 (python3), cleared)</span></li>" \
+        in text[text.index("<h2>Advice</h2>"):]
 
     # One version, still active: its words undated, one column of evidence, advice as advice.
     write_report(snaps, [just_raised(first)], [], str(path))

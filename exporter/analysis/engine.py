@@ -211,9 +211,13 @@ class Analyzer:
                 episode_id, old = self._active[key]
                 f = replace(f, first_detected_at=old.first_detected_at)
                 episode = self._episodes.get(episode_id)
-                if episode is not None and \
-                        _SEVERITY.get(f.severity, 0) >= _SEVERITY.get(episode.finding.severity, 0):
-                    episode.finding, episode.reported_at = f, now
+                if episode is None:
+                    pass  # evicted by the size bound
+                elif _SEVERITY.get(f.severity, 0) >= _SEVERITY.get(episode.finding.severity, 0):
+                    episode.finding, episode.reported_at = f, now  # its worst, then newest, version
+                    episode.eased = episode.eased_at = None
+                else:
+                    episode.eased, episode.eased_at = f, now
                 if self.log_findings and f.severity != old.severity:
                     self._log_severity_change(old, f)
             else:

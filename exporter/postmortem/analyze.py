@@ -14,14 +14,13 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from datetime import datetime, timezone
 from typing import Any
 
 from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
 from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
 from ..units import counted, format_bytes
-from .report import dropped_text, outside_text, span_text, split_events
+from .report import dropped_text, eased_text, outside_text, said_text, span_text, split_events, when_text
 from .trace import Trace, load_traces
 from .vllm_servers import servers_in, settings_text
 
@@ -147,6 +146,10 @@ def render_json(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
             if key == "evidence":  # the two versions side by side
                 item["evidence_when_raised"] = dict(episode.raised.evidence)
         item["reported_at"] = episode.reported_at
+        eased = episode.eased
+        item["eased"] = None if eased is None else {
+            "severity": eased.severity, "summary": eased.summary, "evidence": dict(eased.evidence),
+            "reported_at": episode.eased_at}
         item["cleared_at"] = episode.cleared_at
         findings.append(item)
     summary = _trace_summary(snapshots, analyzer)
@@ -168,10 +171,7 @@ def _evidence_text(f: Finding) -> str:
     return sanitize(", ".join(f"{k}={v}" for k, v in f.evidence))
 
 
-def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
+_when = when_text
 _span = span_text
 
 
@@ -260,12 +260,13 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
         # A finding that goes on tells its worst, then newest, verdict; what raised it may have
         # said otherwise (a leak's rate, the bar it passed before the hold halved it). Each is
         # dated, so a cleared finding's words read as what was said then, not as the present.
-        said = f"as last reported {_when(episode.reported_at)}: " if episode.updated else ""
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
                   f"  first detected {_when(f.first_detected_at)} "
                   f"(+{_span(f.first_detected_at - start)}){until}",
-                  "  " + sanitize(said + f.summary)]
+                  "  " + sanitize(said_text(episode))]
+        if episode.eased is not None:
+            lines.append("  " + sanitize(eased_text(episode)))
         if raised.evidence != f.evidence:
             lines.append(f"  evidence when raised {_when(f.first_detected_at)}: " + _evidence_text(raised))
             lines.append(f"  evidence as last reported {_when(episode.reported_at)}: " + _evidence_text(f))

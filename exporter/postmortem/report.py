@@ -80,10 +80,14 @@ def _link(href: str, text: str) -> str:
     return f'<a href="{_e(href)}">{text}</a>'
 
 
-def _when(ts: float | None) -> str:
+def when_text(ts: float | None) -> str:
+    """A time as `2024-11-22 13:19:50 UTC` ("" for None)."""
     if ts is None:
         return ""
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+_when = when_text
 
 
 def span_text(seconds: float) -> str:
@@ -234,11 +238,20 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
     return "\n".join(out)
 
 
-def _said(episode: Episode) -> str:
-    """The finding's summary, dated where it is a later version than the one that raised it
-    (as `analyze`'s text dates it): a cleared finding's words are what was said then."""
+def said_text(episode: Episode) -> str:
+    """The finding's summary, dated where it says something else than the version that raised
+    it: a cleared finding's words are what was said then."""
     f = episode.finding
     return (f"as last reported {_when(episode.reported_at)}: " if episode.updated else "") + f.summary
+
+
+def eased_text(episode: Episode) -> str:
+    """The newest version of a finding that went on less severe than its worst ("" if none):
+    the worst is what is shown, and on-call should know it eased before it cleared."""
+    eased = episode.eased
+    if eased is None:
+        return ""
+    return f"later {eased.severity}, as last reported {_when(episode.eased_at)}: {eased.summary}"
 
 
 def _evidence_table(episode: Episode) -> str:
@@ -258,7 +271,7 @@ def _evidence_table(episode: Episode) -> str:
 def _finding_row(episode: Episode, start: float) -> tuple[str, ...]:
     f, cleared = episode.finding, episode.cleared_at
     return (f.severity, f.kind, _where(f), f"{_when(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
-            _when(cleared) if cleared is not None else "active at the end", _said(episode))
+            _when(cleared) if cleared is not None else "active at the end", said_text(episode))
 
 
 def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
@@ -266,7 +279,8 @@ def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
     sev = _e(f.severity)
     out = [f'<div class="finding {sev}"><h3><span class="sev-{sev}">[{sev}]</span> '
            f"{_e(f.kind)} &mdash; {_e(_where(f))}</h3>",
-           f"<p>{_e(_said(episode))}</p>",
+           f"<p>{_e(said_text(episode))}</p>",
+           *([f"<p>{_e(eased_text(episode))}</p>"] if episode.eased is not None else []),
            f"<p>First detected {_e(_when(f.first_detected_at))} (+{_e(_span(f.first_detected_at - start))})"
            + (f", cleared {_e(_when(cleared))}" if cleared is not None else ", still active at the end")
            + ".</p>"]
@@ -412,9 +426,10 @@ def _oom_events(events: Sequence[OomEvent], start: float | None, end: float | No
 
 def _advice_section(episodes: Iterable[Episode], events: Sequence[OomEvent]) -> str:
     advice: dict[str, list[str]] = {}
-    for f in (e.finding for e in episodes):
-        for a in f.advice:
-            advice.setdefault(a, []).append(f"{f.kind} ({_where(f)})")
+    for e in episodes:
+        f = e.finding
+        for a in f.advice:  # a cleared finding's advice is what was advised while it lasted
+            advice.setdefault(a, []).append(f"{f.kind} ({_where(f)}" + (", cleared)" if e.cleared_at is not None else ")"))
     for ev in events:
         for a in ev.advice:
             advice.setdefault(a, []).append(f"OOM {ev.source}:{ev.line}")
@@ -591,5 +606,5 @@ def write_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
         handle.write(text)
 
 
-__all__ = ["ALLOWED_URLS", "dropped_text", "outside_text", "render_report", "span_text", "split_events",
-           "write_report"]
+__all__ = ["ALLOWED_URLS", "dropped_text", "eased_text", "outside_text", "render_report", "said_text", "span_text",
+           "split_events", "when_text", "write_report"]
