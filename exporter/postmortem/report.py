@@ -428,8 +428,9 @@ def _advice_section(episodes: Iterable[Episode], events: Sequence[OomEvent]) -> 
     advice: dict[str, list[str]] = {}
     for e in episodes:
         f = e.finding
-        for a in f.advice:  # a cleared finding's advice is what was advised while it lasted
-            advice.setdefault(a, []).append(f"{f.kind} ({_where(f)}" + (", cleared)" if e.cleared_at is not None else ")"))
+        cleared = ", cleared" if e.cleared_at is not None else ""  # what was advised while it lasted
+        for a in f.advice:
+            advice.setdefault(a, []).append(f"{f.kind} ({_where(f)}{cleared})")
     for ev in events:
         for a in ev.advice:
             advice.setdefault(a, []).append(f"OOM {ev.source}:{ev.line}")
