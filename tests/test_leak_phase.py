@@ -160,6 +160,15 @@ def test_the_newest_tooths_trough_is_read_once_the_cache_has_grown_off_its_floor
     # floor still being sampled.
     assert troughs([1005.0] * 6)[1] == [1000.0, 1000.0, 1005.0]
 
+    # Where the drops are buckets that missed a trough of faster teeth, a bucket's minimum off
+    # the floor says nothing: the newest trough is read once the tooth is a period old.
+    def aliased(newest):
+        return _troughs([*times, *(780.0 + 60 * k for k in range(len(newest)))], [*lows, *newest], 0, drops,
+                        floor_left=4.0, tooth=360.0, aliased=True)[1]
+
+    assert aliased([1023.0]) == [1000.0, 1000.0]
+    assert aliased([1023.0] * 6) == [1000.0, 1000.0, 1008.0]
+
 
 @pytest.mark.xfail(strict=True, reason="troughs: a 57-minute hinge of five at z 8.0 (bar 5.35), the newest a "
                    "20 MiB step above the two after a 2.3 GiB step; 60 MiB drops between bucket minima read as "

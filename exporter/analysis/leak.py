@@ -471,7 +471,13 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
         # Off its floor by two NVML pages: a cache grows in segments of several MiB, and under
         # noise that lifts a bucket's minimum off the floor by as much, the trough is then read
         # over a bucket or more of it, its bias already smaller.
-        tested = ("troughs", *_troughs(times, lows, base, drops, 2 * config.min_noise_bytes, tooth))
+        # Teeth a little over a minute long, which a bucket now and then misses, show as drops
+        # minutes apart: their troughs are minima over many teeth, and the 5 s samples show the
+        # teeth themselves several times shorter.
+        fast = memo.get("sample_teeth", end, era, n - lo, config,
+                        lambda: _sample_teeth(raw(settled_from), config)) if raw is not None else None
+        aliased = fast is not None and tooth >= ALIASED_TEETH * fast
+        tested = ("troughs", *_troughs(times, lows, base, drops, 2 * config.min_noise_bytes, tooth, aliased))
     # Young (soon after the large step, no cycle measured yet): the allocator warms up, and a
     # sawtooth's first tooth may come; not that after a wake where none came before the sleep.
     young_until = settled_from + config.young_seconds if tooth is None else -math.inf
@@ -993,6 +999,9 @@ FLOOR_BLOCKS = (1, 2, 3, 4, 6)
 FALL_OVER_RISE = 2.0
 SAMPLE_TEETH = 4
 TOOTH_JITTER = 1.25
+# Drops between bucket minima this many times further apart than the teeth the samples show are
+# buckets that missed a trough (teeth of 0.8-1.2 periods and a 5 s grid), not teeth.
+ALIASED_TEETH = 3.0
 
 
 def _quietest_block(medians: Sequence[float], lows: Sequence[float], lo: int) -> int:
@@ -1091,14 +1100,18 @@ def _unstraddled(times: Sequence[float], medians: Sequence[float], lows: Sequenc
 
 
 def _troughs(times: Sequence[float], lows: Sequence[float], base: int, drops: list[float],
-             floor_left: float, tooth: float) -> tuple[list[float], list[float]]:
+             floor_left: float, tooth: float, aliased: bool = False) -> tuple[list[float], list[float]]:
     """One point per tooth of a sawtooth: the least minimum from the bucket of each drop (the
     cache just freed) to the one before the next drop, at the time it occurred. The newest
     tooth's, while younger than a `tooth` period, only once its newest bucket's minimum stands
     `floor_left` above the tooth's least (the cache has grown off its floor): until then its
     floor is still being sampled, and a minimum read over fewer samples than a whole floor's
     stands higher (sawtooth#2004: the newest trough read over two samples, 8 MiB above the floor
-    in 2.6 MiB of noise, ended a 23-minute line at z 6.2)."""
+    in 2.6 MiB of noise, ended a 23-minute line at z 6.2). With `aliased` (the drops are buckets
+    that missed a trough of faster teeth, and each trough a minimum over many teeth), only once
+    the tooth is a period old: a bucket's minimum standing off the floor says nothing there, and
+    the newest trough, a minimum over fewer teeth, stands higher (sleep_wake#9008: a third of a
+    tooth's buckets read 22 MiB above the floor, ending a 31-minute hinge at z 7.5)."""
     ts: list[float] = []
     vs: list[float] = []
     cuts = [bisect.bisect_left(times, d, base) for d in drops]
@@ -1106,7 +1119,7 @@ def _troughs(times: Sequence[float], lows: Sequence[float], base: int, drops: li
         if b > a:
             seg = lows[a:b]
             m = min(seg)
-            if b == len(times) and times[-1] - times[a] < tooth and seg[-1] - m < floor_left:
+            if b == len(times) and times[-1] - times[a] < tooth and (aliased or seg[-1] - m < floor_left):
                 break
             ts.append(times[a + seg.index(m)])
             vs.append(m)
