@@ -143,6 +143,7 @@ def test_analyze_tells_a_finding_that_eased_before_it_cleared(tmp_path):
     assert T0 + 600 <= eased["reported_at"] < T0 + 1200 < f["cleared_at"]
     text = analyze([path])
     assert f"  later warning, as last reported {_utc(eased['reported_at'])}: GPU 0 memory 92% used" in text
+    assert f"  as last reported {_utc(f['reported_at'])}: GPU 0 memory 98% used" in text  # when its worst ended
     report = tmp_path / "eased.html"
     analyze_trace(load_traces([path]), report_path=str(report))
     assert f"later warning, as last reported {_utc(eased['reported_at'])}: GPU 0 memory 92% used" in \

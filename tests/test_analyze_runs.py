@@ -25,6 +25,7 @@ from exporter.postmortem import reportplots
 from exporter.postmortem.runs import RunIdentity
 from exporter.postmortem.trace import TraceError, load_traces, write_csv
 from helpers.daemon import Daemon, analyze
+from helpers.timeline import just_raised
 from helpers.tools import HANG
 
 GiB = 1 << 30
@@ -251,8 +252,8 @@ def test_the_trigger_line_is_drawn_where_the_trigger_was():
                       evidence=(("slope_bytes_per_second", 1118481.1), ("window_seconds", 480.0)))
     t = [s.timestamp for s in snaps]
     parts = ([70 * GiB] * len(t), [20 * GiB] * len(t), [0] * len(t), [6 * GiB] * len(t))
-    figures = [reportplots.timeline(mpl, [(finding, None)], t[0], t[-1], [(at, "vllm_exit")]),
-               reportplots.gpu(mpl, "0", t, parts, [], [(finding, None)], [(at, "vllm_exit")]),
+    figures = [reportplots.timeline(mpl, [just_raised(finding)], t[0], t[-1], [(at, "vllm_exit")]),
+               reportplots.gpu(mpl, "0", t, parts, [], [just_raised(finding)], [(at, "vllm_exit")]),
                reportplots.process(mpl, finding, t, parts[0], t[-1], [(at, "vllm_exit")])]
     want = mpl[2].date2num(reportplots._dt([at])[0])
     for fig in figures:

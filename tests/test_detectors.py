@@ -342,6 +342,27 @@ def test_contention_lasts_while_the_other_process_holds_the_memory():
     assert dict(last.evidence)["process_1_grew_bytes"] == 0  # holding still, not growing
 
 
+def test_contention_held_past_its_shortage_is_told_as_its_newest_short_sample():
+    """Critical (9 GiB), then warning (6 GiB), then room to spare (2 GiB): the hold keeps the
+    finding and its severity two minutes, told as the newest sample that showed them, not as a
+    GPU no longer short (a newcomer's trial: "later warning ... the GPU is 50% used")."""
+    cfg = ContentionConfig(window_seconds=300, hold_seconds=120)
+    held = {0: 0, 1: 9, 2: 6}
+    notebook = lambda e: [proc(555, held.get(int(e // 600), 2) * GiB, name="python3")] if e >= 600 else []  # noqa: E731
+    per_tick = dict(zip(range(0, 2400, 30), run_detector(
+        contention.DETECTOR, timeline(2370, 30, lambda e: budgeted(e, notebook)), cfg), strict=True))
+    for e in (1200, 1290):  # 6 GiB now; 9 GiB within the hold
+        (f,) = per_tick[e]
+        assert f.severity == "critical" and "pid 555 (python3) 9.00 GiB" in f.summary, (e, f.summary)
+    (f,) = per_tick[1350]
+    assert f.severity == "warning" and "pid 555 (python3) 6.00 GiB" in f.summary
+    for e in (1800, 1890):  # 2 GiB now, room to spare; 6 GiB within the hold
+        (f,) = per_tick[e]
+        assert f.severity == "warning" and "pid 555 (python3) 6.00 GiB" in f.summary, (e, f.summary)
+        assert dict(f.evidence)["held_by_others_bytes"] == 6 * GiB
+    assert per_tick[1950] == []
+
+
 def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():
     """From the trial: "pid 5230 (python3) 8.6 GiB, steady for 5 min" from 55 to 134 min read as a
     duration that never grew. A process that holds still is said to have held it for as long

@@ -19,7 +19,9 @@
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding; critical at any sample within it counts as
-critical now, so its severity (the alert's label) does not flap either. A GPU with no serving
+critical now, so its severity (the alert's label) does not flap either. A discrete GPU's finding
+is then told as the newest sample that was critical (or short): a GPU no longer short is not
+described as contended. A GPU with no serving
 process has no budget to take from: what fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is). A process that did not
@@ -141,8 +143,11 @@ def detect_contention(history: History, snapshot: Snapshot,
                       for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up]
             short = any(_room_short(g, bs, config) for g, bs in frames)
             critical = any(_room_critical(g, bs, config) for g, bs in frames)
-            finding = _discrete(gpu, old, base is not None, tuple(b for b in budgets if b.uuid == gpu.uuid),
-                                short, critical, now, config, history)
+            # Told as the newest sample that shows what the finding says (its severity, then the
+            # shortage): the hold keeps the finding, not the numbers of a GPU no longer short.
+            shown = next((f for f in reversed(frames) if _room_critical(*f, config)), None) if critical else None
+            shown = shown or next((f for f in reversed(frames) if _room_short(*f, config)), frames[-1])
+            finding = _discrete(*shown, old, base is not None, short, critical, now, config, history)
         if finding is not None:
             findings.append(finding)
     if not snapshot.gpus and any(server.up and server.processes for server in snapshot.vllm):
@@ -287,7 +292,7 @@ def _named(held: list[Held], config: ContentionConfig, now: float, rss: bool = F
     return text, evidence
 
 
-def _discrete(gpu: GpuSample, old: GpuSample | None, have_baseline: bool, budgets: tuple[Budget, ...],
+def _discrete(gpu: GpuSample, budgets: tuple[Budget, ...], old: GpuSample | None, have_baseline: bool,
               short: bool, critical: bool, now: float, config: ContentionConfig,
               history: History) -> Finding | None:
     if gpu.used_bytes is None or not gpu.total_bytes or not any(p.role == "vllm" for p in gpu.processes):

@@ -240,9 +240,11 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]],
 
 def said_text(episode: Episode) -> str:
     """The finding's summary, dated where it says something else than the version that raised
-    it: a cleared finding's words are what was said then."""
+    it, or where it eased after (when its worst ended): a cleared finding's words are what was
+    said then."""
     f = episode.finding
-    return (f"as last reported {_when(episode.reported_at)}: " if episode.updated else "") + f.summary
+    dated = episode.updated or episode.eased is not None
+    return (f"as last reported {_when(episode.reported_at)}: " if dated else "") + f.summary
 
 
 def eased_text(episode: Episode) -> str:
