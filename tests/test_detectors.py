@@ -361,6 +361,10 @@ def test_contention_held_past_its_shortage_is_told_as_its_newest_short_sample():
         assert f.severity == "warning" and "pid 555 (python3) 6.00 GiB" in f.summary, (e, f.summary)
         assert dict(f.evidence)["held_by_others_bytes"] == 6 * GiB
     assert per_tick[1950] == []
+    # A notebook that exits takes the finding with it: nothing is held for a process gone.
+    gone = lambda e: [proc(555, 9 * GiB, name="python3")] if 600 <= e < 1200 else []  # noqa: E731
+    per_tick = run_detector(contention.DETECTOR, timeline(1230, 30, lambda e: budgeted(e, gone)), cfg)
+    assert per_tick[-3] and per_tick[-2] == per_tick[-1] == []
 
 
 def test_contention_says_how_long_the_memory_has_been_held_beyond_the_window():

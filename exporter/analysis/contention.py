@@ -143,11 +143,14 @@ def detect_contention(history: History, snapshot: Snapshot,
                       for s, bs in recent for g in s.gpus if g.uuid == gpu.uuid and g.up]
             short = any(_room_short(g, bs, config) for g, bs in frames)
             critical = any(_room_critical(g, bs, config) for g, bs in frames)
-            # Told as the newest sample that shows what the finding says (its severity, then the
-            # shortage): the hold keeps the finding, not the numbers of a GPU no longer short.
+            finding = _discrete(*frames[-1], old, base is not None, short, critical, now, config, history)
+            # Where the hold keeps it (others still hold memory now), it is told as the newest
+            # sample that shows what it says (its severity, then the shortage), not as a GPU no
+            # longer short.
             shown = next((f for f in reversed(frames) if _room_critical(*f, config)), None) if critical else None
             shown = shown or next((f for f in reversed(frames) if _room_short(*f, config)), frames[-1])
-            finding = _discrete(*shown, old, base is not None, short, critical, now, config, history)
+            if finding is not None and shown is not frames[-1]:
+                finding = _discrete(*shown, old, base is not None, short, critical, now, config, history) or finding
         if finding is not None:
             findings.append(finding)
     if not snapshot.gpus and any(server.up and server.processes for server in snapshot.vllm):
