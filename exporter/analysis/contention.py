@@ -19,10 +19,10 @@
 
 Short of room (or of host memory) at any sample within `hold_seconds` counts as short now, so a
 GPU hovering at a threshold keeps one finding; critical at any sample within it counts as
-critical now, so its severity (the alert's label) does not flap either. A discrete GPU's finding
-is then told as the newest sample that was critical (or short): a GPU no longer short is not
-described as contended. A GPU with no serving
-process has no budget to take from: what fills it is pressure's to say.
+critical now, so its severity (the alert's label) does not flap either; while others still hold
+memory, a discrete GPU's finding is then told as the newest sample that was critical (or short),
+not as a GPU no longer short. A GPU with no serving process has no budget to take from: what
+fills it is pressure's to say.
 Growth is measured against the latest raw snapshot at least `window_seconds` old; until the
 history reaches that far back it is not given (the memory held still is). A process that did not
 grow is said to have held its memory for as long as its series' per-minute minima say (the
@@ -144,13 +144,12 @@ def detect_contention(history: History, snapshot: Snapshot,
             short = any(_room_short(g, bs, config) for g, bs in frames)
             critical = any(_room_critical(g, bs, config) for g, bs in frames)
             finding = _discrete(*frames[-1], old, base is not None, short, critical, now, config, history)
-            # Where the hold keeps it (others still hold memory now), it is told as the newest
-            # sample that shows what it says (its severity, then the shortage), not as a GPU no
-            # longer short.
-            shown = next((f for f in reversed(frames) if _room_critical(*f, config)), None) if critical else None
-            shown = shown or next((f for f in reversed(frames) if _room_short(*f, config)), frames[-1])
-            if finding is not None and shown is not frames[-1]:
-                finding = _discrete(*shown, old, base is not None, short, critical, now, config, history) or finding
+            if finding is not None:  # told as the newest sample that shows its severity, then the shortage
+                shown = next((f for f in reversed(frames) if _room_critical(*f, config)), None) if critical else None
+                shown = shown or next((f for f in reversed(frames) if _room_short(*f, config)), frames[-1])
+                if shown is not frames[-1]:
+                    finding = _discrete(*shown, old, base is not None, short, critical, now, config,
+                                        history) or finding
         if finding is not None:
             findings.append(finding)
     if not snapshot.gpus and any(server.up and server.processes for server in snapshot.vllm):
