@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import datetime, timezone
 from typing import Any
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -124,6 +125,13 @@ def format_duration(seconds: float, hours_from: float = 3600) -> str:
     that tells how long something has lasted passes 5400: '79 min' reads better than '1.3 h');
     thousands separated, as a gap between traces months apart is: '1,799.9 h'."""
     return f"{seconds / 3600:,.1f} h" if seconds >= hours_from else f"{seconds / 60:,.0f} min"
+
+
+def format_time(ts: float | None) -> str:
+    """A Unix time as `2024-11-22 13:19:50 UTC` ("" for None)."""
+    if ts is None:
+        return ""
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def counted(n: float, noun: str, plural: str = "") -> str:

@@ -19,8 +19,8 @@ from typing import Any
 from ..analysis.engine import AnalysisConfig, Analyzer, sanitize
 from ..analysis.oom import classify
 from ..model import Finding, OomEvent, Snapshot
-from ..units import counted, format_bytes
-from .report import dropped_text, eased_text, outside_text, said_text, span_text, split_events, when_text
+from ..units import counted, format_bytes, format_time
+from .report import dropped_text, eased_text, outside_text, said_text, span_text, split_events
 from .trace import Trace, load_traces
 from .vllm_servers import servers_in, settings_text
 
@@ -171,7 +171,7 @@ def _evidence_text(f: Finding) -> str:
     return sanitize(", ".join(f"{k}={v}" for k, v in f.evidence))
 
 
-_when = when_text
+_when = format_time
 _span = span_text
 
 

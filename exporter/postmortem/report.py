@@ -24,14 +24,13 @@ import os
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from datetime import datetime, timezone
 from typing import Any, TypedDict
 from urllib.parse import quote, urlsplit
 
 from gpumem_probe.schema import DUMP_NAME
 
 from ..model import Episode, Finding, OomEvent, Snapshot
-from ..units import counted, format_bytes
+from ..units import counted, format_bytes, format_time
 from . import reportplots as plots
 from .atomic import atomic_file
 from .runs import RunIdentity
@@ -80,14 +79,7 @@ def _link(href: str, text: str) -> str:
     return f'<a href="{_e(href)}">{text}</a>'
 
 
-def when_text(ts: float | None) -> str:
-    """A time as `2024-11-22 13:19:50 UTC` ("" for None)."""
-    if ts is None:
-        return ""
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-_when = when_text
+_when = format_time
 
 
 def span_text(seconds: float) -> str:
@@ -610,4 +602,4 @@ def write_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
 
 
 __all__ = ["ALLOWED_URLS", "dropped_text", "eased_text", "outside_text", "render_report", "said_text", "span_text",
-           "split_events", "when_text", "write_report"]
+           "split_events", "write_report"]

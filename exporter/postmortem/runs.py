@@ -19,10 +19,9 @@ import socket
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from functools import cache
 
-from ..units import format_duration
+from ..units import format_duration, format_time
 from .tracerow import TraceError, clean_text
 
 # The flight recorder's default window (recorder.window_seconds): traces of one incident that
@@ -119,15 +118,11 @@ def _gap(spans: Iterable[FileSpan], max_gap: float) -> str:
     for span in ordered[1:]:
         if span.start - last.end > max_gap:
             return (f"{span.path} starts {format_duration(span.start - last.end)} after {last.path} ends "
-                    f"({_when(last.end)} to {_when(span.start)}), more than the "
+                    f"({format_time(last.end)} to {format_time(span.start)}), more than the "
                     f"{format_duration(max_gap)} the flight recorder keeps before a trigger")
         if span.end > last.end:
             last = span
     return ""
-
-
-def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 __all__ = ["MAX_GAP_SECONDS", "FileSpan", "RunIdentity", "check_one_run", "local_identity"]
