@@ -118,6 +118,9 @@ KAPPA_SCALES = (2, 4, 8, 16, 32)
 # (mixed#3007: six troughs over a warm-up read as a line at z 6.5).
 MIN_NOISE_POINTS = 8
 FEW_TROUGHS = 6
+# The block size (points) from which the medians' own noise estimates are trusted alone: 64
+# minutes after settling, eight blocks of it.
+FINER_UNTIL_BLOCK = 8
 MINUTES_PER_DAY = 1440
 
 
@@ -636,7 +639,14 @@ def _test_signal(name: str, times: Sequence[float], values: Sequence[float], set
         # (Not for the troughs: one point a tooth, too few for the lags to show wandering apart
         # from a leak's onset.)
         wander = wander_fit(quiet, start) if name != "troughs" else None
-        return NoiseModel(sigma, kappas(quiet, start, sigma, KAPPA_SCALES), wander, len(quiet.u) - start)
+        table = kappas(quiet, start, sigma, KAPPA_SCALES)
+        # Until the medians' blocks reach FINER_UNTIL_BLOCK points, the raw samples since the
+        # last level shift up say how the noise wanders too.
+        finer = None
+        if raw is not None and (not table or table[-1][0] < FINER_UNTIL_BLOCK):
+            since = max(settled_from, step_times[-1] + 60.0) if step_times else settled_from
+            finer = leak_samples.medians_wander(raw(since), config)
+        return NoiseModel(sigma, table, wander, len(quiet.u) - start, finer)
     model = memo.get(name, end, base_time, n - settled, config, noise)
     sigma = model.sigma
     if young or few:  # warm-up and first cycles are expected, or the noise is read on few points

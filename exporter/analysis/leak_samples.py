@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 from .trend import median
 from .trend_test import (
     Prefix,
+    Wander,
     WindowResult,
     best_hinge,
     best_split,
@@ -80,6 +81,8 @@ SPIKE_SIGMAS = 6.0
 # A jump or fall of at least max(min_shift_bytes, this x noise) between the medians of the three
 # samples on either side is a level shift (a jump) or a release (a drop), not a climb.
 JUMP_SIGMAS = 6.0
+# The lags (samples) at which medians_wander reads how the samples wander.
+WANDER_LAGS = (1, 2, 4, 8, 16, 32)
 # The samples' test is for noise that does not wander: none measured at their lags (wander_fit)
 # and the block estimates' kappa at most this (white noise reads up to about 4 at 64 samples;
 # the corpus's wandering noise 100 and more).
@@ -190,6 +193,38 @@ def climb(raw: SeriesView, since: float, config: Settings,
     if curvature_z(prefix, h.onset, n, sigma * math.sqrt(h.kappa)) < -config.max_concavity_z:
         return "decelerating"
     return SampleClimb(h, 60 * minutes, growth, sigma, threshold)
+
+
+def medians_wander(samples: SeriesView, config: Settings) -> tuple[Wander, int] | None:
+    """How the noise of these samples (the newest samples_max) wanders, carried to their minute
+    medians: the Wander model and the minutes it rests on; None where it does not wander.
+
+    A series' first hour has too few minute medians for their own blocks and lags to see noise
+    with a memory of minutes (correlated#10010: 25 medians since settling, noise of 9 MiB with a
+    4-minute memory read as 2 MiB of white noise, and its wander passed for a 7-minute line at
+    z 13.4), where the samples, twelve times as many, show it at their lags. Where the fit's
+    memory is as long as the lags can show, it may be longer: the samples' spread then says how
+    far the noise wanders, and the fit how fast it moves (the variance of its innovations, which
+    the short lags read). The spread is read about the better of a line and a joined line (flat,
+    then growing from at least a quarter of the samples on): about a line, a leak's own ramp read
+    as wander (correlated#114: a 4 MiB/min leak found 25 minutes later)."""
+    times, values = samples.times[-config.samples_max:], samples.values[-config.samples_max:]
+    n = len(times)
+    if n < 48:
+        return None
+    prefix = Prefix(times, despiked(values, SPIKE_SIGMAS * robust_sigma(values, config.min_noise_bytes / 2)))
+    fit = wander_fit(prefix, 0, WANDER_LAGS)
+    if fit is None:
+        return None
+    var, rho = fit.var, fit.rho
+    if fit.bounded:
+        rss = prefix.line(0, n)[4]
+        joined = best_hinge(prefix, 0, range(n // 4, n - 12, 6), 1.0, lambda points: 1.0, 5)
+        spread = min(rss, joined.rss if joined else rss) / (n - 3) - fit.white
+        if spread > var:
+            var, rho = spread, math.sqrt(max(0.0, 1.0 - var * (1.0 - rho * rho) / spread))
+    per_minute = 60.0 * (n - 1) / (times[-1] - times[0])
+    return Wander(fit.white, var, rho, fit.bounded).medians(per_minute), max(1, round(n / per_minute))
 
 
 def _changes(values: Sequence[float]) -> list[float]:

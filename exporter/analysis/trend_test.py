@@ -195,6 +195,8 @@ class Wander:
     white: float
     var: float
     rho: float
+    # rho is the longest memory the lags fitted could show (wander_fit): the memory may be longer.
+    bounded: bool = False
 
     def kappa(self, points: int, sigma1: float) -> float:
         """The slope's variance over a window of `points` equally spaced points, over what white
@@ -216,6 +218,12 @@ class Wander:
             return sum((b - abs(d)) * rho ** abs(j * b + d) for d in range(1 - b, b)) / (b * b)
         second = 6.0 * cov(0) - 8.0 * cov(1) + 2.0 * cov(2)
         return (self.white + b * self.var * second / 6.0) / (sigma1 * sigma1)
+
+    def medians(self, k: float) -> Wander:
+        """The model of the medians of k consecutive points: the white part's variance that of a
+        median (pi / 2k), the wander's kept whole (a mean over less than its memory barely moves
+        it; more, and this errs on the safe side), its memory counted in medians."""
+        return Wander(self.white * math.pi / (2.0 * k), self.var, self.rho ** k, self.bounded)
 
     def explains(self, table: list[tuple[int, float]], sigma1: float) -> bool:
         """Whether the model accounts for the wander the blocks measured, at the largest block
@@ -278,9 +286,8 @@ def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
     # Wandering slower than that is the block estimates' to extrapolate (kappa_from_table).
     rho_max = 0.25 ** (1.0 / observed[-1][0])
     best: tuple[float, Wander] | None = None
-    for rho in _RHOS:
-        if rho > rho_max:
-            break
+    allowed = [rho for rho in _RHOS if rho <= rho_max]
+    for rho in allowed:
         # Rows a_k = 6 / v_k, b_k = 2 (3 - 4 rho^k + rho^2k) / v_k against 1: least squares in
         # (white, var), each clipped to >= 0 (then the other alone).
         rows = [(6.0 / v, 2.0 * (3 - 4 * rho ** k + rho ** (2 * k)) / v) for k, v in observed if v > 0]
@@ -296,7 +303,7 @@ def wander_fit(prefix: Prefix, start: int, lags: Sequence[int] = WANDER_LAGS,
             white, var = (sa / saa, 0.0) if sa / saa * sa >= sb / sbb * sb else (0.0, sb / sbb)
         rss = sum((1.0 - white * a - var * b) ** 2 for a, b in rows)
         if best is None or rss < best[0]:
-            best = (rss, Wander(white, var, rho))
+            best = (rss, Wander(white, var, rho, bounded=rho == allowed[-1]))
     return best[1] if best else None
 
 
@@ -345,19 +352,26 @@ def kappa_for(window_points: int, table: list[tuple[int, float]], wander: Wander
 class NoiseModel:
     """A series' noise as measured: the deviation of its points (`sigma`), the slope's variance
     inflation at the block sizes measured (`table`, from kappas), a Wander model where it
-    wanders, and the points it was measured on. kappa() is kappa_for's, kept per window length
-    (a scan asks the same lengths every minute while the noise is not measured again)."""
+    wanders, the points it was measured on, and where given, the model read on finer points.
+    kappa() is kappa_for's, kept per window length (a scan asks the same lengths every minute
+    while the noise is not measured again)."""
 
     sigma: float
     table: list[tuple[int, float]]
     wander: Wander | None = None
     measured: int = 0
+    # A second reading of the same noise on finer points (its model carried to these points, and
+    # the points it rests on): the larger inflation of the two is used.
+    finer: tuple[Wander, int] | None = None
     _kappas: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     def kappa(self, points: int) -> float:
         k = self._kappas.get(points)
         if k is None:
-            k = self._kappas[points] = kappa_for(points, self.table, self.wander, self.sigma, self.measured)
+            k = kappa_for(points, self.table, self.wander, self.sigma, self.measured)
+            if self.finer is not None:
+                k = max(k, kappa_for(points, [], self.finer[0], self.sigma, self.finer[1]))
+            self._kappas[points] = k
         return k
 
 
