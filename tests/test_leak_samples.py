@@ -155,7 +155,7 @@ def _noise(minutes, sd, memory_minutes, seed, slope=0.0, onset=0):
 
 def test_the_samples_say_how_the_minute_medians_wander_where_the_medians_are_too_few():
     # Noise of 9 MiB with a 4-minute memory (correlated#10010), 30 minutes of it: the medians'
-    # slope over 7 and 20 minutes varies 25 and 75 times more than white noise of their second
+    # slope over 7 and 20 minutes varies 27 and 80 times more than white noise of their second
     # differences' deviation (2 MiB at NVML's pages) says, which is all 30 medians' own blocks and
     # lags can read. The samples' model, carried to the medians and allowed for the few stretches
     # it rests on (as NoiseModel reads it), is within a factor of two below and five above that in

@@ -144,9 +144,9 @@ SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75, ("mixed"
           ("correlated", 10010): 60}
 
 
-# Seeds 2000-2015, 4000-4015, 6000-6015, 8000-8015, 9000-9015 and 10000-10015 of every leak-free family,
-# first replayed by 5e0fb52 (round 14), rounds 15, 16, 17, 18 and 19 at the four bucket phases: the false
-# alerts raised there, not fixed. Strict xfails, so that fixing one asks for its mark to go. (family, seed, GPU UUID,
+# Seeds 2000-2015, 4000-4015, 6000-6015, 8000-8015, 9000-9015, 10000-10015 and 11000-11015 of every
+# leak-free family, first replayed by 5e0fb52 (round 14), rounds 15, 16, 17, 18, 19 and 20 at the four
+# bucket phases: the false alerts raised there, not fixed. Strict xfails, so that fixing one asks for its mark to go. (family, seed, GPU UUID,
 # minute, what it read)
 FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2 MiB: a 9-minute hinge of 16 MiB "
                                                   "at z 5.6 (bar 5.35); at +15 s and, since round 16, +50 s"),
@@ -156,7 +156,12 @@ FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2
                                             "3-minute sawtooth, read through the per-minute floor: a 24-minute "
                                             "line at z 9.1 (young bar 8.0), three steps read as 154, 160 and 200"),
          ("sawtooth", 10008, "GPU-bench", 62.2, "troughs: a 33-minute line of 39 MiB at z 5.7 (bar 5.35) in 6.1 MiB "
-                                               "of noise; at +0 s too")]
+                                               "of noise; at +0 s too"),
+         ("probed_mixed", 11007, "GPU-bench", 38.2, "a young series' warm-up under the cache's cycles, read "
+                                                    "through the per-minute floor: a 17-minute line of 218 MiB at "
+                                                    "z 13.4 (young bar 8.0) in 26 MiB of noise"),
+         ("mixed", 11003, "GPU-test", 54.5, "the same: a 42-minute line of 262 MiB at z 10.7 (young bar 8.0) in "
+                                            "22 MiB of noise; at +30 s only")]
 
 
 @pytest.mark.parametrize("family,seed,uuid", [
