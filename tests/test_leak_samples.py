@@ -188,5 +188,7 @@ def test_white_noise_and_a_leak_in_it_give_the_medians_no_wander():
     for seed in range(4):
         assert leak_samples.medians_wander(_noise(30, 6 * MiB, 0, seed), CONFIG) is None
         assert leak_samples.medians_wander(_noise(30, 6 * MiB, 0, seed, slope=4 * MiB / 12), CONFIG) is None
-    # Too few samples to read.
+    # Too few samples to read, or samples that span no time (a trace's bad timestamps).
     assert leak_samples.medians_wander(_noise(3, 9 * MiB, 4, 0), CONFIG) is None
+    wandering = _noise(30, 9 * MiB, 4, 0)
+    assert leak_samples.medians_wander(SeriesView((T0,) * 360, wandering.values), CONFIG) is None

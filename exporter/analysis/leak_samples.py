@@ -210,7 +210,7 @@ def medians_wander(samples: SeriesView, config: Settings) -> tuple[Wander, int] 
     as wander (correlated#114: a 4 MiB/min leak found 25 minutes later)."""
     times, values = samples.times[-config.samples_max:], samples.values[-config.samples_max:]
     n = len(times)
-    if n < 48:
+    if n < 48 or times[-1] <= times[0]:
         return None
     prefix = Prefix(times, despiked(values, SPIKE_SIGMAS * robust_sigma(values, config.min_noise_bytes / 2)))
     fit = wander_fit(prefix, 0, WANDER_LAGS)
