@@ -146,8 +146,8 @@ SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75, ("mixed"
 
 # Seeds 2000-2015, 4000-4015, 6000-6015, 8000-8015, 9000-9015, 10000-10015 and 11000-11015 of every
 # leak-free family, first replayed by 5e0fb52 (round 14), rounds 15, 16, 17, 18, 19 and 20 at the four
-# bucket phases: the false alerts raised there, not fixed. Strict xfails, so that fixing one asks for its mark to go. (family, seed, GPU UUID,
-# minute, what it read)
+# bucket phases: the false alerts raised there, not fixed. Strict xfails, so that fixing one asks for its
+# mark to go. (family, seed, GPU UUID, minute, what it read)
 FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2 MiB: a 9-minute hinge of 16 MiB "
                                                   "at z 5.6 (bar 5.35); at +15 s and, since round 16, +50 s"),
          ("probed_mixed", 6001, "GPU-bench", 106.2, "a warm-up's steps under the cache's cycles, read through the "
