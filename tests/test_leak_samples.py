@@ -6,6 +6,7 @@ Never how fast it runs (bench/leak_quality.py)."""
 import dataclasses
 import math
 import random
+import statistics
 
 import pytest
 
@@ -159,16 +160,19 @@ def test_the_samples_say_how_the_minute_medians_wander_where_the_medians_are_too
     # differences' deviation (2 MiB at NVML's pages) says, which is all 30 medians' own blocks and
     # lags can read. The samples' model, carried to the medians and allowed for the few stretches
     # it rests on (as NoiseModel reads it), is within a factor of two below and five above that in
-    # each of twelve draws: its memory longer than its lags show, the spread says how far it goes.
+    # each of twelve draws, and above it in most: its memory longer than its lags show, the spread
+    # says how far it goes (without the spread, 0.65x-1.15x, below it in most).
     sigma1 = 2 * MiB
     exact = Wander(0.0, (9 * MiB) ** 2, math.exp(-1 / 4))
+    ratios = {7: [], 20: []}
     for seed in range(12):
         model, minutes = leak_samples.medians_wander(_noise(30, 9 * MiB, 4, seed), CONFIG)
-        assert minutes == 30 and model.bounded, model
-        for points in (7, 20):
-            ratio = kappa_for(points, [], model, sigma1, minutes) / exact.kappa(points, sigma1)
-            assert 0.5 <= ratio <= 5, (seed, points, ratio)
-        assert exact.kappa(7, sigma1) > 20
+        assert minutes == 30, model
+        for points, got in ratios.items():
+            got.append(kappa_for(points, [], model, sigma1, minutes) / exact.kappa(points, sigma1))
+    assert exact.kappa(7, sigma1) > 20
+    for points, got in ratios.items():
+        assert min(got) >= 0.5 and max(got) <= 5 and statistics.median(got) > 1.2, (points, got)
 
 
 def test_a_leak_in_noise_that_wanders_is_not_read_as_more_wander():

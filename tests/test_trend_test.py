@@ -299,3 +299,30 @@ def test_a_warm_ups_steps_shrink_within_what_the_levels_noise_allows():
     assert shrinking([40.0, 30.0, 25.0], [100, 100, 100, 100], 7.3)  # shrinking outright
     assert not shrinking([26.0, -4.0, 27.0], [3, 14, 7, 16], 7.3)  # a warm-up only grows
     assert not shrinking([], [], 7.3)
+
+
+def test_a_models_medians_say_how_the_slope_of_minute_medians_varies():
+    # 5 s samples of AR(1) noise (9 MiB, a 4-minute memory) over white noise (2 MiB), their minute
+    # medians' least-squares slope over 20 minutes, in 400 draws: its variance is what the model
+    # carried to the medians (Wander.medians) says, within a quarter either way. The model left at
+    # the samples' scale (its memory of 48 samples read as one of 48 minutes) says a third of it.
+    white, var, rho, k, m = (2.0 ** 2), 9.0 ** 2, math.exp(-5 / 240), 12, 20
+    rng = random.Random(5)
+    u = list(range(m))
+    sxx = sum((x - (m - 1) / 2) ** 2 for x in u)
+    slopes = []
+    for _ in range(400):
+        e, medians = rng.gauss(0, math.sqrt(var)), []
+        for _ in range(m):
+            samples = []
+            for _ in range(k):
+                e = rho * e + rng.gauss(0, math.sqrt(var * (1 - rho * rho)))
+                samples.append(e + rng.gauss(0, math.sqrt(white)))
+            medians.append(statistics.median(samples))
+        mean = sum(medians) / m
+        slopes.append(sum((x - (m - 1) / 2) * (y - mean) for x, y in zip(u, medians, strict=True)) / sxx)
+    observed = statistics.pvariance(slopes)
+    model = Wander(white, var, rho)
+    predicted = model.medians(k).kappa(m, 1.0) / sxx
+    assert 0.75 <= observed / predicted <= 1.33, (observed, predicted)
+    assert model.kappa(m, 1.0) / sxx < observed / 2
