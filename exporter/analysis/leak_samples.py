@@ -224,7 +224,7 @@ def medians_wander(samples: SeriesView, config: Settings) -> tuple[Wander, int] 
         if spread > var:
             var, rho = spread, math.sqrt(max(0.0, 1.0 - var * (1.0 - rho * rho) / spread))
     per_minute = 60.0 * (n - 1) / (times[-1] - times[0])
-    return Wander(fit.white, var, rho, fit.bounded).medians(per_minute), max(1, round(n / per_minute))
+    return Wander(fit.white, var, rho).medians(per_minute), max(1, round(n / per_minute))
 
 
 def _changes(values: Sequence[float]) -> list[float]:

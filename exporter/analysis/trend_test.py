@@ -223,7 +223,7 @@ class Wander:
         """The model of the medians of k consecutive points: the white part's variance that of a
         median (pi / 2k), the wander's kept whole (a mean over less than its memory barely moves
         it; more, and this errs on the safe side), its memory counted in medians."""
-        return Wander(self.white * math.pi / (2.0 * k), self.var, self.rho ** k, self.bounded)
+        return Wander(self.white * math.pi / (2.0 * k), self.var, self.rho ** k)
 
     def explains(self, table: list[tuple[int, float]], sigma1: float) -> bool:
         """Whether the model accounts for the wander the blocks measured, at the largest block

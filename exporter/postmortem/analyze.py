@@ -171,7 +171,6 @@ def _evidence_text(f: Finding) -> str:
     return sanitize(", ".join(f"{k}={v}" for k, v in f.evidence))
 
 
-_when = format_time
 _span = span_text
 
 
@@ -197,7 +196,7 @@ def _event_list(events: Sequence[OomEvent], start: float | None, end: float | No
     lines = []
     for e in events:
         away = outside_text(e.timestamp, start, end)
-        when = "time unknown" if e.timestamp is None else _when(e.timestamp) + (
+        when = "time unknown" if e.timestamp is None else format_time(e.timestamp) + (
             f" (OUTSIDE THE TRACE: {away})" if away else
             f" (+{_span(e.timestamp - start)})" if start is not None else "")
         numbers = ", ".join(f"{name} {format_bytes(v)}" for name, v in (
@@ -224,7 +223,7 @@ def _context_lines(trace: Trace) -> list[str]:
         lines.append(dropped_text(trace.dropped))
     for story in servers_in(trace.snapshots):
         for c in story.settings[1:]:
-            lines.append(sanitize(f"vLLM {story.endpoint}: at {_when(c.at)} "
+            lines.append(sanitize(f"vLLM {story.endpoint}: at {format_time(c.at)} "
                                   + ("restarted with " if c.restarted else "settings changed to ")
                                   + settings_text(c.config, c.previous) + "."))
     return lines
@@ -236,11 +235,11 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
         return "\n".join(["The trace holds no samples.", *_event_lines(events, None, None, logs)]) + "\n"
     start, end = snapshots[0].timestamp, snapshots[-1].timestamp
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
-    lines = [f"Replayed {len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {_when(start)} to "
-             f"{_when(end)} ({_span(end - start)})."]
+    lines = [f"Replayed {len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {format_time(start)} to "
+             f"{format_time(end)} ({_span(end - start)})."]
     lines += _context_lines(trace)
     for t, name in trace.triggers:
-        lines.append(sanitize(f"Flight recorder trigger: {name} at {_when(t)} (+{_span(t - start)}; "
+        lines.append(sanitize(f"Flight recorder trigger: {name} at {format_time(t)} (+{_span(t - start)}; "
                               f"{_span(end - t)} recorded after it)."))
     if analyzer.dropped_findings:
         lines.append(f"({analyzer.dropped_findings} early findings were dropped: too many to keep.)")
@@ -255,21 +254,21 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
             f"GPU {f.gpu}" if f.gpu is not None else "",
             f"pid {f.pid}" + (f" ({f.process})" if f.process else "") if f.pid is not None else "",
             f.endpoint) if x)
-        until = (f", cleared {_when(episode.cleared_at)}" if episode.cleared_at is not None
+        until = (f", cleared {format_time(episode.cleared_at)}" if episode.cleared_at is not None
                  else ", still active at the end")
         # A finding that goes on tells its worst, then newest, verdict; what raised it may have
         # said otherwise (a leak's rate, the bar it passed before the hold halved it). Each is
         # dated, so a cleared finding's words read as what was said then, not as the present.
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
-                  f"  first detected {_when(f.first_detected_at)} "
+                  f"  first detected {format_time(f.first_detected_at)} "
                   f"(+{_span(f.first_detected_at - start)}){until}",
                   "  " + sanitize(said_text(episode))]
         if episode.eased is not None:
             lines.append("  " + sanitize(eased_text(episode)))
         if raised.evidence != f.evidence:
-            lines.append(f"  evidence when raised {_when(f.first_detected_at)}: " + _evidence_text(raised))
-            lines.append(f"  evidence as last reported {_when(episode.reported_at)}: " + _evidence_text(f))
+            lines.append(f"  evidence when raised {format_time(f.first_detected_at)}: " + _evidence_text(raised))
+            lines.append(f"  evidence as last reported {format_time(episode.reported_at)}: " + _evidence_text(f))
         elif f.evidence:
             lines.append("  evidence: " + _evidence_text(f))
         if f.advice and episode.cleared_at is not None:

@@ -79,9 +79,6 @@ def _link(href: str, text: str) -> str:
     return f'<a href="{_e(href)}">{text}</a>'
 
 
-_when = format_time
-
-
 def span_text(seconds: float) -> str:
     """A span as `12m05s`, `5h04m03s`, or from a day on `368 days 17h04m` (seconds no longer
     matter, and 8849 hours read as nothing at all)."""
@@ -210,7 +207,7 @@ def _img(src: str, alt: str) -> str:
 
 
 def _chart(mpl: plots.Mpl, fig: Any, alt: str, triggers: plots.Triggers) -> str:
-    marks = "; ".join(f"trigger {name} at {_when(t)}" for t, name in triggers)
+    marks = "; ".join(f"trigger {name} at {format_time(t)}" for t, name in triggers)
     return _img(plots.png(mpl, fig), alt + (f" ({marks} marked)" if marks else ""))
 
 
@@ -236,7 +233,7 @@ def said_text(episode: Episode) -> str:
     said then."""
     f = episode.finding
     dated = episode.updated or episode.eased is not None
-    return (f"as last reported {_when(episode.reported_at)}: " if dated else "") + f.summary
+    return (f"as last reported {format_time(episode.reported_at)}: " if dated else "") + f.summary
 
 
 def eased_text(episode: Episode) -> str:
@@ -245,7 +242,7 @@ def eased_text(episode: Episode) -> str:
     eased = episode.eased
     if eased is None:
         return ""
-    return f"later {eased.severity}, as last reported {_when(episode.eased_at)}: {eased.summary}"
+    return f"later {eased.severity}, as last reported {format_time(episode.eased_at)}: {eased.summary}"
 
 
 def _evidence_table(episode: Episode) -> str:
@@ -256,16 +253,17 @@ def _evidence_table(episode: Episode) -> str:
         return _table(("evidence", "value"), ((k, _evidence_value(k, v)) for k, v in f.evidence))
     then, now = dict(raised.evidence), dict(f.evidence)
     names = list(dict.fromkeys([*then, *now]))
-    return _table(("evidence", f"when raised, {_when(raised.first_detected_at)}",
-                   f"as last reported, {_when(episode.reported_at)}"),
+    return _table(("evidence", f"when raised, {format_time(raised.first_detected_at)}",
+                   f"as last reported, {format_time(episode.reported_at)}"),
                   ((k, _evidence_value(k, then[k]) if k in then else "",
                     _evidence_value(k, now[k]) if k in now else "") for k in names))
 
 
 def _finding_row(episode: Episode, start: float) -> tuple[str, ...]:
     f, cleared = episode.finding, episode.cleared_at
-    return (f.severity, f.kind, _where(f), f"{_when(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
-            _when(cleared) if cleared is not None else "active at the end", said_text(episode))
+    return (f.severity, f.kind, _where(f),
+            f"{format_time(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
+            format_time(cleared) if cleared is not None else "active at the end", said_text(episode))
 
 
 def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
@@ -275,8 +273,8 @@ def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
            f"{_e(f.kind)} &mdash; {_e(_where(f))}</h3>",
            f"<p>{_e(said_text(episode))}</p>",
            *([f"<p>{_e(eased_text(episode))}</p>"] if episode.eased is not None else []),
-           f"<p>First detected {_e(_when(f.first_detected_at))} (+{_e(_span(f.first_detected_at - start))})"
-           + (f", cleared {_e(_when(cleared))}" if cleared is not None else ", still active at the end")
+           f"<p>First detected {_e(format_time(f.first_detected_at))} (+{_e(_span(f.first_detected_at - start))})"
+           + (f", cleared {_e(format_time(cleared))}" if cleared is not None else ", still active at the end")
            + ".</p>"]
     if plot:
         out.append(plot)
@@ -322,8 +320,8 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         return "<p>The trace names no vLLM server.</p>"
     out = []
     for s in stories:
-        seen = (f"seen from {_when(s.first_seen)} to {_when(s.last_seen)} in {s.samples} samples"
-                + (f", down in {s.down_samples} of them (first at {_when(s.first_down)})"
+        seen = (f"seen from {format_time(s.first_seen)} to {format_time(s.last_seen)} in {s.samples} samples"
+                + (f", down in {s.down_samples} of them (first at {format_time(s.first_down)})"
                    if s.down_samples else ""))
         out += [f'<div class="vllm"><h3>{_e(s.endpoint)}</h3>',
                 f"<p>Model: <b>{_e(', '.join(s.models) or 'not reported')}</b>; {_e(seen)}.</p>"]
@@ -337,8 +335,10 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         log_text = ["".join(f"; start-up log: {text}" for text in texts) for texts in logged]
         if s.settings:
             first = s.settings[0]
-            out.append(f"<p>Settings from {_e(_when(first.at))}: {_e(settings_text(first.config) + log_text[0])}.</p>")
-            changes = [f"<li><b>{_e(_when(c.at))}</b>: {'restarted with' if c.restarted else 'settings changed to'} "
+            out.append(f"<p>Settings from {_e(format_time(first.at))}: "
+                       f"{_e(settings_text(first.config) + log_text[0])}.</p>")
+            changes = [f"<li><b>{_e(format_time(c.at))}</b>: "
+                       f"{'restarted with' if c.restarted else 'settings changed to'} "
                        f"{_e(settings_text(c.config, c.previous) + log_text[i])}</li>"
                        for i, c in enumerate(s.settings[1:], 1)]
             if changes:
@@ -349,15 +349,15 @@ def _vllm_section(stories: Sequence[ServerStory]) -> str:
         if s.gpus:
             out.append(_table(("GPU", "budget", "basis", "peak used", "at", "most over budget"), (
                 (g, ", then ".join(_bytes(b) for b in u.budgets) or "unknown", u.basis,
-                 _bytes(u.peak_used_bytes), _when(u.peak_at),
-                 f"{_bytes(u.over_bytes)} ({_when(u.over_at)})" if u.over_bytes else "never over")
+                 _bytes(u.peak_used_bytes), format_time(u.peak_at),
+                 f"{_bytes(u.over_bytes)} ({format_time(u.over_at)})" if u.over_bytes else "never over")
                 for g, u in sorted(s.gpus.items())), numeric={3}))
         kv = []
         if s.kv_peak is not None:
-            kv.append(f"KV cache usage peaked at {s.kv_peak:.0%} ({_when(s.kv_peak_at)})")
+            kv.append(f"KV cache usage peaked at {s.kv_peak:.0%} ({format_time(s.kv_peak_at)})")
         if s.config is not None and s.config.kv_capacity_tokens is not None:
             kv.append(f"capacity {s.config.kv_capacity_tokens:,} tokens"
-                      + (f" since {_when(s.settings[-1].at)}" if len(s.settings) > 1 else ""))
+                      + (f" since {format_time(s.settings[-1].at)}" if len(s.settings) > 1 else ""))
         if s.running_peak is not None or s.waiting_peak is not None:
             kv.append(f"at most {s.running_peak or 0:g} requests running and "
                       f"{s.waiting_peak or 0:g} waiting")
@@ -400,7 +400,7 @@ def _oom_section(events: Sequence[OomEvent], outside: Sequence[OomEvent], logs: 
 def _oom_events(events: Sequence[OomEvent], start: float | None, end: float | None) -> list[str]:
     if not events:
         return []
-    rows = [(f"{ev.source}:{ev.line}", _when(ev.timestamp)
+    rows = [(f"{ev.source}:{ev.line}", format_time(ev.timestamp)
              + (f" ({outside_text(ev.timestamp, start, end)})" if outside_text(ev.timestamp, start, end) else ""),
              ev.gpu or "", ev.kind, ev.klass,
              _bytes(ev.requested_bytes), _bytes(ev.free_bytes), _bytes(ev.total_bytes),
@@ -485,8 +485,8 @@ def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
     body = [f"<h1>{_e(title)}</h1>"]
     if snapshots:
         seen = {g.index for s in snapshots for g in s.gpus}  # charted or not (a trace of process bytes only)
-        body.append(f"<p>{len(snapshots)} samples of {counted(len(seen), 'GPU')} from {_e(_when(start))} to "
-                    f"{_e(_when(end))} ({_e(_span(end - start))}). {counted(len(episodes), 'finding')}, "
+        body.append(f"<p>{len(snapshots)} samples of {counted(len(seen), 'GPU')} from {_e(format_time(start))} to "
+                    f"{_e(format_time(end))} ({_e(_span(end - start))}). {counted(len(episodes), 'finding')}, "
                     f"{counted(len(events), 'out-of-memory event')}"
                     + (f' <span class="outside">({len(outside)} more in the logs outside the trace\'s '
                        "time, listed apart)</span>" if outside else "") + ".</p>")
@@ -494,7 +494,7 @@ def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
         body.append("<p>The trace holds no samples.</p>")
     for t, name in triggers:
         body.append(f"<p class=\"trigger\">Flight recorder trigger: <b>{_e(name)}</b> at "
-                    f"{_e(_when(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
+                    f"{_e(format_time(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
                     "after it). Every chart marks it with a purple dash-dot line.</p>")
     if dropped:
         body.append(f"<p class=\"outside\">{_e(dropped_text(dropped))}</p>")
@@ -536,8 +536,8 @@ def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
         # one still running at the end, whose "last" is the end's.
         body.append(_table(("GPU", "pid", "process", "role", "first seen", "last seen", "first", "last",
                             "peak", "change"), (
-            (r["gpu"], r["pid"], r["process"], r["role"], _when(r["t0"]),
-             "at the end" if r["t1"] >= end else _when(r["t1"]), _bytes(r["first"]),
+            (r["gpu"], r["pid"], r["process"], r["role"], format_time(r["t0"]),
+             "at the end" if r["t1"] >= end else format_time(r["t1"]), _bytes(r["first"]),
              _bytes(r["last"]), _bytes(r["peak"]), _bytes(r["last"] - r["first"]))
             for r in summaries[:MAX_PROCESS_ROWS]), numeric={6, 7, 8, 9}))
     else:
