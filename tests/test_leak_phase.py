@@ -170,11 +170,12 @@ def test_the_newest_tooths_trough_is_read_once_the_cache_has_grown_off_its_floor
     assert aliased([1023.0] * 6) == [1000.0, 1000.0, 1008.0]
 
 
-@pytest.mark.xfail(strict=True, reason="troughs: a 57-minute hinge of five at z 8.0 (bar 5.35), the newest a "
-                   "20 MiB step above the two after a 2.3 GiB step; 60 MiB drops between bucket minima read as "
-                   "40-60 MiB at this phase, under the drop size (44 MiB), so the troughs miss teeth; not fixed")
 def test_a_small_trough_step_after_a_large_one_raises_nothing_at_another_phase():
-    # mixed#311 under GPU-test (+30 s): 7c9fdc6 raised at minute 157.5 (round 15 found it, at minute 158.5).
+    # mixed#311 under GPU-test (+30 s): 7c9fdc6 raised at minute 157.5 (round 15 found it, at minute 158.5),
+    # and every round until 21: through the troughs, a 57-minute hinge of five at z 8.0 (bar 5.35), the newest
+    # a 20 MiB step above the two after a 2.3 GiB step. The teeth's 60 MiB falls read as 40-60 MiB between
+    # bucket minima at this phase, under the drop size the minima's noise set (44 MiB), so the troughs
+    # missed teeth. Round 21: the samples show teeth of 8 minutes, and their own noise tells the falls.
     # Its bench phase is test_leak_round5's.
     trace = make_trace("mixed", 311)
     assert episodes(trace.times, trace.values, "GPU-test") == []

@@ -40,3 +40,13 @@ def test_leak_free_probed_traces_raise_nothing_with_the_probe_s_numbers(family, 
     # probed_mixed: a warm-up's steps in torch allocated, under smaller teeth.
     trace = make_trace(family, seed)
     assert episodes(trace.times, trace.values, allocated=trace.allocated, reserved=trace.reserved) == []
+
+
+def test_growth_the_probe_puts_in_live_tensors_is_judged_by_their_own_series():
+    """A young warm-up's steps in torch allocated under the cache's cycles (11 minutes, 80 MiB):
+    NVML's figure alone reads them as a 17-minute line through the per-minute floor at z 13.4 (young
+    bar 8.0). The probe puts that growth in torch allocated, whose own series, quieter and tested
+    under the same budget, shows steps: its verdict decides, and no leak is raised."""
+    trace = make_trace("probed_mixed", 11007)
+    assert [round(m, 1) for m in episodes(trace.times, trace.values)] == [38.2]
+    assert episodes(trace.times, trace.values, allocated=trace.allocated, reserved=trace.reserved) == []

@@ -7,6 +7,7 @@ from statistics import NormalDist
 
 import pytest
 
+from exporter.analysis.trend import MAD_SIGMA, mad
 from exporter.analysis.trend_test import (
     NoiseModel,
     Prefix,
@@ -45,6 +46,22 @@ def test_robust_sigma_reads_white_noise_and_ignores_a_step_and_a_trend():
     assert robust_sigma(stepped) == pytest.approx(robust_sigma(noise), rel=0.1)
     assert robust_sigma(trending) == pytest.approx(robust_sigma(noise), rel=1e-6)
     assert robust_sigma([1.0, 2.0], min_sigma=0.5) == 0.5  # too few points: the floor
+
+
+def test_robust_sigma_on_few_points_reads_their_differences_about_zero_too():
+    # sawtooth#10008's troughs (MiB): their second differences alternate in sign about a median of
+    # 14; read about it, 6.1 MiB of noise, where the troughs scatter by about 12 (the median of the
+    # differences' sizes: 12.1).
+    assert robust_sigma([0, -16, -8, -24, -22, -6, -14, -2, 4]) == pytest.approx(12.1, abs=0.1)
+    # White noise, 9 points at a time: a deviation read about the differences' median alone is low
+    # in most draws (0.90 of the true one in the median draw); read about 0 too, it is not.
+    rng = random.Random(9)
+    draws = [[rng.gauss(0, 5.0) for _ in range(9)] for _ in range(2000)]
+    about_median = [MAD_SIGMA * mad([a - 2 * b + c for a, b, c in zip(v, v[1:], v[2:], strict=False)]) / math.sqrt(6)
+                    for v in draws]
+    assert statistics.median(about_median) < 0.93 * 5.0
+    assert 1.0 * 5.0 <= statistics.median(robust_sigma(v) for v in draws) <= 1.12 * 5.0
+    # Long series read as before (the test above).
 
 
 def test_robust_sigma_with_heavy_tails_reads_a_mixture_of_levels_a_segment_apart():

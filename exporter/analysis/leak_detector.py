@@ -10,7 +10,9 @@ Where the allocator probe reports on a process, its GPU memory is also read as i
 allocated (live tensors) and non-torch (NVML used - torch reserved) are tested as series of their
 own, with the same test, the false-alarm budget shared among every series tested for the
 process. They are quieter than NVML's figure (the cache's cycles live in torch reserved), so a
-leak in either is found sooner, and the finding then comes from that component.
+leak in either is found sooner, and the finding then comes from that component. Growth in NVML's
+figure that the attribution puts in one of them is that part's to judge: NVML's verdict stands
+only where the part's own verdict finds a leak too, or cannot judge yet.
 
 A GPU leak finding names the component that grows (attribution.py: torch_allocated,
 torch_cached, non_torch, or unknown without probe data), with each component's growth rate, and
@@ -167,10 +169,20 @@ class LeakDetector:
                            config, signals,
                            lambda since=None: history.process_memory(gpu.uuid, p.identity, raw=True, since=since),
                            bar)
+        verdicts = {name: self._assess((name, *key), view, None, now, config, signals, bar=bar)
+                    for name, view in parts}
         if mem.suspected:
-            return mem, ""
-        for name, view in parts:
-            a = self._assess((name, *key), view, None, now, config, signals, bar=bar)
+            # Growth the probe puts in a part tested on its own (quieter than NVML's figure, under
+            # the same budget) is that part's to judge: a warm-up's steps in live tensors, read
+            # through NVML's floor under the cache's cycles, pass there for a line
+            # (probed_mixed#11007, #6001), where the tensors' own series shows them as steps.
+            window = dict(mem.evidence).get("window_seconds", config.slope_window_seconds)
+            grows = attribute(history, gpu.uuid, p, float(window), now, config).component
+            part = verdicts.get(grows)
+            if part is None or part.suspected or part.undecided:
+                return mem, ""
+            return LeakAssessment(False, mem.slope_bytes_per_second, (("reason", f"{grows}_not_leaking"),)), ""
+        for name, a in verdicts.items():
             if a.suspected:
                 return LeakAssessment(True, a.slope_bytes_per_second,
                                       (("series", name),) + a.evidence, a.interval), name

@@ -49,6 +49,10 @@ _Z_TAIL = NormalDist().inv_cdf(0.5 + TAIL_QUANTILE / 2)
 HEAVY_TAIL_RATIO = 2.0
 
 
+# Fewer second differences than this are read about 0 as well as about their median (robust_sigma).
+FEW_DIFFERENCES = 16
+
+
 def robust_sigma(values: Sequence[float], min_sigma: float = 0.0, heavy_tails: bool = False) -> float:
     """Deviation of white noise from the series' second differences (MAD, so a step or a kink
     counts as one outlier; blind to a linear trend). `min_sigma` with fewer than 3 second
@@ -65,6 +69,12 @@ def robust_sigma(values: Sequence[float], min_sigma: float = 0.0, heavy_tails: b
     d2 = list(map(operator.sub, map(operator.sub, values[2:], values[1:-1]),
                   map(operator.sub, values[1:-1], values[:-2])))
     sigma = MAD_SIGMA * mad(d2) / _SQRT6
+    if len(d2) < FEW_DIFFERENCES:
+        # Few differences: their median strays from 0, where a series without curvature centres
+        # them, and a deviation read about it reads low (sawtooth#10008: troughs 0, -16, -8, -24,
+        # -22, -6, -14, -2, 4 MiB, whose second differences alternate in sign about a median of 14,
+        # read as 6.1 MiB of noise where they scatter by 11).
+        sigma = max(sigma, MAD_SIGMA * median([abs(d) for d in d2]) / _SQRT6)
     if heavy_tails:
         centre = median(d2)
         spread = sorted(abs(d - centre) for d in d2)
