@@ -110,7 +110,7 @@ And two that f6456ce (round 19) raised on seeds 10000-10015, fixed in round 20:
     (young bar 8.0).
   Until the medians' blocks reach 8 points, the raw samples, twelve times as many, now say how
   the noise wanders too (leak_samples.medians_wander), carried to the medians.
-And four that rounds 18-20 left, fixed in round 21:
+And three that rounds 18-20 left, and one round 21's first version raised, fixed in round 21:
   * mixed#9011 under GPU-bench and mixed#11003 under GPU-test (+30 s): a young series' warm-up
     steps under teeth of 3 and 4 minutes, read through the minima: the minima ride the teeth's
     ramps, whose second differences read as 90 MiB of noise, so no tooth's fall (130-220 MiB)
@@ -120,16 +120,18 @@ And four that rounds 18-20 left, fixed in round 21:
   * sawtooth#10008 under GPU-bench and GPU-c (+0 s): nine troughs whose second differences
     alternate in sign about a median of 14 MiB, read about it as 6.1 MiB of noise where they
     scatter by about 12: a 33-minute line of 39 MiB at z 5.7 (bar 5.35). On fewer than 18 points
-    the noise is now also read about zero, the larger taken.
+    the noise is now also read about zero, the larger taken. (The line began while young: the
+    young period under a sawtooth, below, clears it as well, so this trace no longer tells the
+    two apart; the reading about zero is held by tests/test_trend_test.py.)
   * mixed#12005 under GPU-bench, GPU-test and GPU-c, on seeds 12000-12015 (first replayed in
     round 21), raised by round 21's first version: two 24 MiB warm-up steps under teeth of 3.4
     minutes, now read through the troughs, passed for a 16-minute hinge at z 6.0 (bar 5.35): the
     troughs had no young period. A series is now young whether a sawtooth is measured or not.
-    That also fixed two which rounds 14-20 left: mixed#12001 under GPU-bench and GPU-c (warm-up
-    steps of 41, 31 and 42 MiB under 12-minute teeth, read through the troughs as a 97-minute
-    line at z 5.36, bar 5.35) and probed_mixed#6001 under GPU-bench (a warm-up's steps under the
-    cache's cycles, through the troughs: an 89-minute line of 198 MiB at z 8.5); each began while
-    young.
+    That also fixed mixed#12001 under GPU-bench and GPU-c, which e3b8657 (round 20) raised too
+    (warm-up steps of 41, 31 and 42 MiB under 12-minute teeth, read through the troughs as a
+    97-minute line at z 5.36, bar 5.35), and probed_mixed#6001 under GPU-bench, left since round
+    16 (a warm-up's steps under the cache's cycles, through the troughs: an 89-minute line of
+    198 MiB at z 8.5); each line began while young.
   (probed_mixed#11007 is fixed only with the probe's numbers: test_leak_probed.py. Read without
   them, as here, it still raises its false alert.)
 """
@@ -146,8 +148,8 @@ from leak_corpus import DURATION, PAGE, T0, MiB, make_trace
 # (family, seed, GPU UUID, the minute the detector of 01acb4f (the first six), 4920ee8 (the next six),
 # 5d3e341 (the next), round 10's first version (the next), 587da91 (the next), 7c9fdc6 (the next three),
 # 50f9bdb (the next two), d5f5008 (the next five), 2564f12 (the next), f6456ce (the next three) or
-# e3b8657 (the next three), round 21's first version (the next) or 5e0fb52 (round 14: the last two, first
-# replayed then, both still raised by e3b8657) raised its false alert)
+# e3b8657 (the next three), round 21's first version (the next) or e3b8657 again (the last two, found on
+# seeds first replayed in rounds 21 and 16) raised its false alert)
 FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78),
           ("correlated", 114, "GPU-bench", 28), ("mixed", 114, "GPU-bench", 78),
           ("warmup", 108, "GPU-test", 62), ("warmup", 110, "GPU-b", 101),
@@ -167,7 +169,7 @@ FOOLED = [("warmup", 108, "GPU-bench", 68), ("correlated", 109, "GPU-bench", 78)
 IDS = [f"{f}#{s}-{u}" for f, s, u, _ in FOOLED]
 SLOWER = {("mixed", 900): 80, ("mixed", 910): 100, ("mixed", 3007): 75, ("mixed", 2012): 100,
           ("correlated", 4001): 50, ("probed_mixed", 8000): 60, ("sleep_wake", 9008): 80,
-          ("correlated", 10010): 60}
+          ("correlated", 10010): 60, ("mixed", 701): 55}
 
 
 # Seeds 2000-2015, 4000-4015, 6000-6015, 8000-8015, 9000-9015, 10000-10015, 11000-11015 and 12000-12015
@@ -216,7 +218,9 @@ def test_a_leak_beginning_where_the_false_alert_came_is_still_found(family, seed
     # read through troughs 9.5 minutes apart, from minute 265, 54 min (2564f12: 46, the newest trough
     # read sooner); in correlated#10010's noise (9 MiB, a 4-minute memory: the limit for 4 MiB/min about
     # 23 min), from minute 41, 51 min: past minute 67 the medians' own blocks read the slope's
-    # inflation 4-7x above what the trace's AR(1) gives; elsewhere within 45 min.
+    # inflation 4-7x above what the trace's AR(1) gives; under mixed#701's teeth, from minute 86, 49 min
+    # (e3b8657: 32, by a 100-minute line of troughs that reaches back into the young period, now held to
+    # the young bar, as a series is young under a sawtooth too); elsewhere within 45 min.
     found = episodes(trace.times[: int((onset + within + 15) * 12)], values[: int((onset + within + 15) * 12)],
                      uuid)
     assert found, f"{family}#{seed}: a 4 MiB/min leak from minute {onset} not found within {within + 15} min"

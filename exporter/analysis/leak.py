@@ -181,10 +181,10 @@ class LeakConfig:
     # warm-up's first steps make one); while no sawtooth is measured, rises shorter than
     # first_tooth_seconds are not judged (they may be that first tooth). Under a sawtooth too,
     # since round 21: a warm-up's steps under teeth of a few minutes pass for a line through
-    # the troughs (mixed#12005), though at one point a tooth a leak begun after the young
-    # period shows first in windows that begin within it, which the young bar holds back (this
-    # alone: leak_under_sawtooth_slow 1.37x -> 1.45x its limit, probed_leak_under_sawtooth 1.43x
-    # -> 1.44x).
+    # the troughs (mixed#12005). The cost: the troughs are one point a tooth, so a leak begun
+    # soon after the young period is first seen by windows that reach back into it, and those
+    # are held to the young bar (bench/README.md, round 21: leak_under_sawtooth_slow 1.37x ->
+    # 1.45x its limit, probed_leak_under_sawtooth 1.43x -> 1.44x).
     young_seconds: float = 1800
     young_threshold_factor: float = 1.5
     first_tooth_seconds: float = 900
@@ -455,9 +455,10 @@ def verdict(series: SeriesView, total_bytes: int | None, config: LeakConfig = DE
     if teeth is not None and teeth.period >= MINIMA_TEETH_SECONDS:
         # Teeth of a few buckets each: the minima ride their ramps, whose second differences read
         # as noise of the ramp's size, and no tooth's fall stands four such deviations (mixed#9011:
-        # falls of 130-220 MiB under teeth of 3 minutes, against 360). The samples' own noise tells
-        # a fall; the series is then read through its troughs, where a young warm-up's steps show
-        # as steps, not through minima that passed them for a line.
+        # falls of 130-220 MiB under teeth of 3 minutes, against a drop size of 360 MiB). The
+        # samples' own noise tells a fall (between bucket minima that move only with the ramp,
+        # a fall is a tooth's); the series is then read through its troughs, where a young
+        # warm-up's steps show as steps, not through minima that passed them for a line.
         drop_bytes = min(drop_bytes, teeth.fall)
     drops = _drops(times, lows, base, drop_bytes, config)
     tooth = _tooth(drops, times[base], config) if block is None else None
@@ -1063,11 +1064,11 @@ class SampleTeeth(NamedTuple):
     """A sawtooth the 5 s samples show (_sample_teeth)."""
 
     period: float  # the typical seconds between falls
-    fall: float  # the least fall counted (bytes)
+    fall: float  # the size a fall must reach to count (bytes)
 
 
 def _sample_teeth(samples: SeriesView, config: LeakConfig) -> SampleTeeth | None:
-    """The sawtooth in the samples (its typical period, the least fall counted), or None: falls
+    """The sawtooth in the samples (its typical period, the size a fall must reach), or None: falls
     of at least a drop (min_drop_bytes, or drop_noise_factor x the noise of the samples'
     differences), each more than FALL_OVER_RISE x every rise in the minute on either side of it
     (a cache grows in segments and is freed at once; a one-sample transient, up or down, rises

@@ -12,7 +12,8 @@ own, with the same test, the false-alarm budget shared among every series tested
 process. They are quieter than NVML's figure (the cache's cycles live in torch reserved), so a
 leak in either is found sooner, and the finding then comes from that component. Growth in NVML's
 figure that the attribution puts in one of them is that part's to judge: NVML's verdict stands
-only where the part's own verdict finds a leak too, or cannot judge yet.
+only where the part's own verdict finds a leak too, or has none yet (too few points, settling, a
+young rise left unjudged).
 
 A GPU leak finding names the component that grows (attribution.py: torch_allocated,
 torch_cached, non_torch, or unknown without probe data), with each component's growth rate, and
@@ -175,11 +176,14 @@ class LeakDetector:
             # Growth the probe puts in a part tested on its own (quieter than NVML's figure, under
             # the same budget) is that part's to judge: a warm-up's steps in live tensors, read
             # through NVML's floor under the cache's cycles, pass there for a line
-            # (probed_mixed#11007, #6001), where the tensors' own series shows them as steps.
+            # (probed_mixed#11007), where the tensors' own series shows them as steps. NVML's
+            # verdict stands where the part has none yet: too few points, settling, or a young rise
+            # it leaves unjudged as it may be a first tooth.
             window = dict(mem.evidence).get("window_seconds", config.slope_window_seconds)
             grows = attribute(history, gpu.uuid, p, float(window), now, config).component
             part = verdicts.get(grows)
-            if part is None or part.suspected or part.undecided:
+            if part is None or part.suspected or part.undecided or \
+                    dict(part.evidence).get("reason") == "maybe_first_tooth":
                 return mem, ""
             return LeakAssessment(False, mem.slope_bytes_per_second, (("reason", f"{grows}_not_leaking"),)), ""
         for name, a in verdicts.items():
