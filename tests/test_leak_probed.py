@@ -32,8 +32,12 @@ def test_a_slow_leak_outside_torch_under_the_cache_s_cycles_is_found_sooner_with
     assert probed[0] - onset <= within < alone[0] - onset, (trace.name, probed[0] - onset, alone[0] - onset)
 
 
-@pytest.mark.parametrize("family,seed", [("probed_sawtooth", 0), ("probed_sawtooth", 1), ("probed_mixed", 0),
-                                         ("probed_mixed", 1)])
+@pytest.mark.parametrize("family,seed", [
+    ("probed_sawtooth", 0), ("probed_sawtooth", 1), ("probed_mixed", 0), ("probed_mixed", 1),
+    # Found in round 21 on seeds 11000-11015, raised by e3b8657 as well (at +15 s and +0 s), not fixed:
+    pytest.param("probed_sawtooth", 11006, marks=pytest.mark.xfail(
+        strict=True, reason="non-torch read as a staircase of four steps in five minutes at minute 126 "
+                            "(the probe's reserved read a sample late puts segment-sized jumps in it)"))])
 def test_leak_free_probed_traces_raise_nothing_with_the_probe_s_numbers(family, seed):
     # probed_sawtooth: the cache's cycles in reserved, read late, put segment-sized jumps in
     # non-torch, and no figure at all where a tooth's fall exceeds what is outside torch.

@@ -181,7 +181,12 @@ FRESH = [("correlated", 2013, "GPU-bench", 104.2, "noise that wanders, read as 2
          ("probed_mixed", 11007, "GPU-bench", 38.2, "a young series' warm-up under the cache's cycles, read "
                                                     "through the per-minute floor: a 17-minute line of 218 MiB at "
                                                     "z 13.4 (young bar 8.0) in 26 MiB of noise; without the probe's "
-                                                    "numbers only (test_leak_probed.py)")]
+                                                    "numbers only (test_leak_probed.py)"),
+         ("probed_mixed", 11014, "GPU-test", 99.5, "raised by round 21 (e3b8657 did not): after a 2.2 GiB level "
+                                                   "shift, a 26 MiB warm-up step under 3.2-minute teeth, now read "
+                                                   "through the troughs: a 15-minute hinge of four troughs at z 7.4 "
+                                                   "(bar 5.35) in noise read at the 2 MiB floor; with the probe's "
+                                                   "numbers too")]
 
 
 @pytest.mark.parametrize("family,seed,uuid", [
