@@ -171,9 +171,6 @@ def _evidence_text(f: Finding) -> str:
     return sanitize(", ".join(f"{k}={v}" for k, v in f.evidence))
 
 
-_span = span_text
-
-
 def _event_lines(events: Sequence[OomEvent], start: float | None, end: float | None,
                  logs: Sequence[str]) -> list[str]:
     """The incident's events (within the trace's time), then apart those outside it: another
@@ -198,7 +195,7 @@ def _event_list(events: Sequence[OomEvent], start: float | None, end: float | No
         away = outside_text(e.timestamp, start, end)
         when = "time unknown" if e.timestamp is None else format_time(e.timestamp) + (
             f" (OUTSIDE THE TRACE: {away})" if away else
-            f" (+{_span(e.timestamp - start)})" if start is not None else "")
+            f" (+{span_text(e.timestamp - start)})" if start is not None else "")
         numbers = ", ".join(f"{name} {format_bytes(v)}" for name, v in (
             ("requested", e.requested_bytes), ("free", e.free_bytes), ("total", e.total_bytes))
             if v is not None)
@@ -236,11 +233,11 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
     start, end = snapshots[0].timestamp, snapshots[-1].timestamp
     gpus = sorted({g.index for s in snapshots for g in s.gpus})
     lines = [f"Replayed {len(snapshots)} samples of {counted(len(gpus), 'GPU')} from {format_time(start)} to "
-             f"{format_time(end)} ({_span(end - start)})."]
+             f"{format_time(end)} ({span_text(end - start)})."]
     lines += _context_lines(trace)
     for t, name in trace.triggers:
-        lines.append(sanitize(f"Flight recorder trigger: {name} at {format_time(t)} (+{_span(t - start)}; "
-                              f"{_span(end - t)} recorded after it)."))
+        lines.append(sanitize(f"Flight recorder trigger: {name} at {format_time(t)} (+{span_text(t - start)}; "
+                              f"{span_text(end - t)} recorded after it)."))
     if analyzer.dropped_findings:
         lines.append(f"({analyzer.dropped_findings} early findings were dropped: too many to keep.)")
     episodes = analyzer.records()
@@ -262,7 +259,7 @@ def render_text(trace: Trace, analyzer: Analyzer, events: Sequence[OomEvent] = (
         lines += ["",
                   sanitize(f"[{f.severity}] {f.kind}" + (f" - {where}" if where else "")),
                   f"  first detected {format_time(f.first_detected_at)} "
-                  f"(+{_span(f.first_detected_at - start)}){until}",
+                  f"(+{span_text(f.first_detected_at - start)}){until}",
                   "  " + sanitize(said_text(episode))]
         if episode.eased is not None:
             lines.append("  " + sanitize(eased_text(episode)))

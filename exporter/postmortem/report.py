@@ -92,9 +92,6 @@ def span_text(seconds: float) -> str:
     return f"{sign}{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{sign}{minutes}m{secs:02d}s"
 
 
-_span = span_text
-
-
 def _bytes(n: float | None) -> str:
     return "" if n is None else format_bytes(n)
 
@@ -106,7 +103,7 @@ def _evidence_value(name: str, value: object) -> str:
         if name.endswith("_bytes"):
             return f"{_bytes(value)} ({int(value)} B)"
         if name.endswith("_seconds"):
-            return f"{_span(value)} ({value:g} s)"
+            return f"{span_text(value)} ({value:g} s)"
     return str(value)
 
 
@@ -128,9 +125,9 @@ def outside_text(ts: float | None, start: float | None, end: float | None) -> st
     if ts is None or start is None or end is None:
         return ""
     if ts < start:
-        return f"{_span(start - ts)} before the trace starts"
+        return f"{span_text(start - ts)} before the trace starts"
     if ts > end:
-        return f"{_span(ts - end)} after the trace ends"
+        return f"{span_text(ts - end)} after the trace ends"
     return ""
 
 
@@ -262,7 +259,7 @@ def _evidence_table(episode: Episode) -> str:
 def _finding_row(episode: Episode, start: float) -> tuple[str, ...]:
     f, cleared = episode.finding, episode.cleared_at
     return (f.severity, f.kind, _where(f),
-            f"{format_time(f.first_detected_at)} (+{_span(f.first_detected_at - start)})",
+            f"{format_time(f.first_detected_at)} (+{span_text(f.first_detected_at - start)})",
             format_time(cleared) if cleared is not None else "active at the end", said_text(episode))
 
 
@@ -273,7 +270,7 @@ def _finding_detail(episode: Episode, start: float, plot: str | None) -> str:
            f"{_e(f.kind)} &mdash; {_e(_where(f))}</h3>",
            f"<p>{_e(said_text(episode))}</p>",
            *([f"<p>{_e(eased_text(episode))}</p>"] if episode.eased is not None else []),
-           f"<p>First detected {_e(format_time(f.first_detected_at))} (+{_e(_span(f.first_detected_at - start))})"
+           f"<p>First detected {_e(format_time(f.first_detected_at))} (+{_e(span_text(f.first_detected_at - start))})"
            + (f", cleared {_e(format_time(cleared))}" if cleared is not None else ", still active at the end")
            + ".</p>"]
     if plot:
@@ -486,7 +483,7 @@ def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
     if snapshots:
         seen = {g.index for s in snapshots for g in s.gpus}  # charted or not (a trace of process bytes only)
         body.append(f"<p>{len(snapshots)} samples of {counted(len(seen), 'GPU')} from {_e(format_time(start))} to "
-                    f"{_e(format_time(end))} ({_e(_span(end - start))}). {counted(len(episodes), 'finding')}, "
+                    f"{_e(format_time(end))} ({_e(span_text(end - start))}). {counted(len(episodes), 'finding')}, "
                     f"{counted(len(events), 'out-of-memory event')}"
                     + (f' <span class="outside">({len(outside)} more in the logs outside the trace\'s '
                        "time, listed apart)</span>" if outside else "") + ".</p>")
@@ -494,7 +491,7 @@ def render_report(snapshots: Sequence[Snapshot], records: Iterable[Episode],
         body.append("<p>The trace holds no samples.</p>")
     for t, name in triggers:
         body.append(f"<p class=\"trigger\">Flight recorder trigger: <b>{_e(name)}</b> at "
-                    f"{_e(format_time(t))} (+{_e(_span(t - start))}; {_e(_span(end - t))} recorded "
+                    f"{_e(format_time(t))} (+{_e(span_text(t - start))}; {_e(span_text(end - t))} recorded "
                     "after it). Every chart marks it with a purple dash-dot line.</p>")
     if dropped:
         body.append(f"<p class=\"outside\">{_e(dropped_text(dropped))}</p>")
